@@ -1,0 +1,298 @@
+"""Collective matmuls for Megatron-style TP+SP, as bidirectional rings.
+
+Called inside `jax.shard_map` over the `tp` axis of size P:
+
+* `all_gather_matmul(x, weights)`: x is this rank's sequence shard
+  `[..., S/P, K]`, each weight a column shard `[K, N_i/P]`; returns, per
+  weight, `[..., S, N_i/P]`: every row of the sequence, this rank's columns.
+* `matmul_reduce_scatter(pairs)`: pairs `(x_i [..., S, K_i/P], w_i [K_i/P, N])`
+  whose products are partial sums over the `tp` axis; returns this rank's rows
+  of `sum_i x_i @ w_i`, `[..., S/P, N]`.
+
+Ring layout (bidirectional, Wang et al., ASPLOS 2023). Each rank's shard of
+S/P rows splits into two halves of S/(2P) rows. The first half travels forward
+(rank r -> r+1), the second backward (r -> r-1), so both directions of every
+ICI link carry data and each hop moves half the bytes. After j hops rank r
+holds the forward half of rank r-j and the backward half of rank r+j, and
+multiplies them while the next hop is in flight: the compiled schedule puts
+one matmul between each `collective-permute-start` and its `-done`
+(tests/test_collective_matmul_compile.py asserts it). The reduce-scatter runs
+the same ring backwards: the accumulator for destination rank d starts at
+d+1 (forward) or d-1 (backward), gains that rank's partial product at every
+hop, and arrives at d after P-1 hops.
+
+Rules:
+
+* S must be a multiple of 2P (each shard splits into two equal halves).
+  Padding is the caller's job and happens eagerly, before the compiled step
+  (`difflet_tpu.layout.pad_tokens`).
+* Every rank-dependent value (ring position, which rows an arrived chunk
+  owns) comes from `lax.axis_index` at run time, never from a Python constant
+  that differs by rank: every rank runs one identical program. (Programs that
+  differ by rank assign different receive offsets to their collective
+  permutes, and a peer then writes into the wrong buffer: wrong values, inf or
+  a hang. See the reference PR's root-cause analysis.)
+* `impl="pallas"` runs the VMEM-resident Pallas kernels of
+  `difflet_tpu.kernels` when they support the shape, and falls back to the
+  JAX ring with one notice per shape otherwise; `impl="xla"` is the plain
+  collective + dot (the `sp-xla` baseline, which XLA may decompose itself).
+"""
+
+from __future__ import annotations
+
+import logging
+
+
+import jax.numpy as jnp
+from jax import lax
+
+from difflet_tpu.mesh import TP
+
+log = logging.getLogger(__name__)
+
+IMPLS = ("jax", "pallas", "xla")
+ASSEMBLE = ("concat", "dus")
+
+
+# --------------------------------------------------------------------------
+# Plain references: one collective plus one dot. TP uses matmul_all_reduce.
+# --------------------------------------------------------------------------
+
+def all_gather_matmul_reference(x, weights, *, axis_name=TP):
+    """`lax.all_gather` on the row axis, then one dot per weight."""
+    xg = lax.all_gather(x, axis_name, axis=x.ndim - 2, tiled=True)
+    return [xg @ w for w in weights]
+
+
+def matmul_reduce_scatter_reference(pairs, *, axis_name=TP):
+    """Sum of the dots, then `lax.psum_scatter` on the row axis."""
+    y = _sum_dots(pairs)
+    return lax.psum_scatter(y, axis_name, scatter_dimension=y.ndim - 2, tiled=True)
+
+
+def matmul_all_reduce(pairs, *, axis_name=TP):
+    """Sum of the dots, then `lax.psum`: the row-parallel output under TP."""
+    return lax.psum(_sum_dots(pairs), axis_name)
+
+
+def _sum_dots(pairs):
+    out = None
+    for x, w in pairs:
+        y = x @ w
+        out = y if out is None else out + y
+    return out
+
+
+# --------------------------------------------------------------------------
+# Checks (trace time, before anything is compiled)
+# --------------------------------------------------------------------------
+
+def split_rule(P: int) -> str:
+    return (f"the sequence must be a multiple of 2*P = {2 * P} rows, so each rank's shard "
+            f"splits into two equal halves that travel in opposite directions; pad it eagerly "
+            f"before the compiled step (difflet_tpu.layout.pad_tokens)")
+
+
+def _check_impl(impl):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def _check_shard(fn, rows, P):
+    if rows % 2:
+        raise ValueError(f"{fn}: this rank's shard has {rows} rows (sequence {rows * P}); {split_rule(P)}")
+
+
+# --------------------------------------------------------------------------
+# All-gather + matmul
+# --------------------------------------------------------------------------
+
+def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat",
+                      epilogues=None, interpret=False):
+    """Gathers the sequence shards of `x` while multiplying them by `weights`.
+
+    Args:
+      x: this rank's rows, `[..., S/P, K]`; S a multiple of 2P.
+      weights: column shards `[K, N_i/P]`, any number, widths may differ.
+      impl: "jax" (this ring), "pallas" (the kernel, ring fallback) or "xla".
+      assemble: "concat" (one gather over the arrived chunks, in global row
+        order) or "dus" (dynamic_update_slice into a buffer).
+      epilogues: optional per-weight row-wise functions (bias, activation)
+        applied to each product chunk, so they fuse into the ring's matmuls.
+      interpret: run a Pallas kernel in TPU interpret mode (off TPU).
+
+    Returns:
+      A list with one `[..., S, N_i/P]` array per weight, rows in global order.
+    """
+    _check_impl(impl)
+    if assemble not in ASSEMBLE:
+        raise ValueError(f"assemble must be one of {ASSEMBLE}, got {assemble!r}")
+    weights = list(weights)
+    epilogues = list(epilogues) if epilogues is not None else [None] * len(weights)
+    if len(epilogues) != len(weights):
+        raise ValueError("all_gather_matmul: one epilogue (or None) per weight")
+    for w in weights:
+        if w.ndim != 2 or w.shape[0] != x.shape[-1]:
+            raise ValueError(f"all_gather_matmul: weight {w.shape} does not take x {x.shape}")
+    P = lax.axis_size(axis_name)
+    _check_shard("all_gather_matmul", x.shape[-2], P)
+    finish = lambda ys: [y if e is None else e(y) for y, e in zip(ys, epilogues)]
+    if P == 1:
+        return finish([x @ w for w in weights])
+    if impl == "xla":
+        return finish(all_gather_matmul_reference(x, weights, axis_name=axis_name))
+    if impl == "pallas":
+        from difflet_tpu.kernels import all_gather_matmul as kernel
+
+        reason = kernel.unsupported_reason(x.shape, [w.shape[1] for w in weights], x.dtype, P)
+        if reason is None:
+            return finish(kernel.all_gather_matmul(x, weights, axis_name=axis_name, interpret=interpret))
+        _notice_fallback("all_gather_matmul", (x.shape, tuple(w.shape for w in weights), str(x.dtype)), reason)
+    return _ag_ring(x, weights, epilogues, axis_name, P, assemble)
+
+
+def _ag_ring(x, weights, epilogues, axis_name, P, assemble):
+    s = x.shape[-2]
+    h = s // 2
+    idx = lax.axis_index(axis_name)
+    fwd = [(i, (i + 1) % P) for i in range(P)]
+    bwd = [(i, (i - 1) % P) for i in range(P)]
+
+    def products(chunk):
+        out = []
+        for w, e in zip(weights, epilogues):
+            y = chunk @ w
+            out.append(y if e is None else e(y))
+        return out
+
+    f, b = x[..., :h, :], x[..., h:, :]
+    arrived_f, arrived_b = [], []  # hop j: forward half of rank idx-j, backward half of rank idx+j
+    for j in range(P):
+        if j < P - 1:  # start the next hop before this hop's matmuls
+            f_next = lax.ppermute(f, axis_name, fwd)
+            b_next = lax.ppermute(b, axis_name, bwd)
+        arrived_f.append(products(f))
+        arrived_b.append(products(b))
+        if j < P - 1:
+            f, b = f_next, b_next
+
+    outs = []
+    for i in range(len(weights)):
+        yf = [a[i] for a in arrived_f]
+        yb = [a[i] for a in arrived_b]
+        if assemble == "concat":
+            outs.append(_assemble_concat(yf, yb, idx, P))
+        else:
+            outs.append(_assemble_dus(yf, yb, idx, P, s))
+    return outs
+
+
+def _assemble_concat(yf, yb, idx, P):
+    """Global rows: rank r's shard is [forward half | backward half] of rank r."""
+    r = jnp.arange(P)
+    hf = jnp.take(jnp.stack(yf, axis=-3), (idx - r) % P, axis=-3)  # [..., P, h, N]
+    hb = jnp.take(jnp.stack(yb, axis=-3), (r - idx) % P, axis=-3)
+    both = jnp.concatenate([hf, hb], axis=-2)  # [..., P, 2h, N]
+    return both.reshape(*both.shape[:-3], -1, both.shape[-1])
+
+
+def _assemble_dus(yf, yb, idx, P, s):
+    h = s // 2
+    shape = (*yf[0].shape[:-2], P * s, yf[0].shape[-1])
+    out = jnp.zeros(shape, yf[0].dtype)
+    for j in range(P):
+        out = lax.dynamic_update_slice_in_dim(out, yf[j], ((idx - j) % P) * s, axis=out.ndim - 2)
+        out = lax.dynamic_update_slice_in_dim(out, yb[j], ((idx + j) % P) * s + h, axis=out.ndim - 2)
+    return out
+
+
+# --------------------------------------------------------------------------
+# Matmul + reduce-scatter
+# --------------------------------------------------------------------------
+
+def matmul_reduce_scatter(pairs, *, axis_name=TP, impl="jax", interpret=False):
+    """This rank's rows of `sum_i x_i @ w_i`, reduced over the `tp` axis.
+
+    Args:
+      pairs: one or two `(x_i [..., S, K_i/P], w_i [K_i/P, N])`; all x_i have
+        the same rows, all w_i the same width. Two pairs serve FLUX's and
+        HunyuanVideo's single-block `proj_out` (attention and MLP halves),
+        summed without concatenating their inputs.
+      impl: "jax" (this ring), "pallas" (the kernel, ring fallback) or "xla".
+
+    Returns:
+      `[..., S/P, N]`: rows `[r*S/P, (r+1)*S/P)` of the sum for rank r.
+    """
+    _check_impl(impl)
+    pairs = [(x, w) for x, w in pairs]
+    if not pairs:
+        raise ValueError("matmul_reduce_scatter: at least one (x, w) pair")
+    rows, width = pairs[0][0].shape[-2], pairs[0][1].shape[-1]
+    for x, w in pairs:
+        if x.shape[-2] != rows or w.ndim != 2 or w.shape != (x.shape[-1], width):
+            raise ValueError(f"matmul_reduce_scatter: pair x {x.shape}, w {w.shape} does not match "
+                             f"rows {rows} and width {width}")
+    P = lax.axis_size(axis_name)
+    if rows % (2 * P):
+        raise ValueError(f"matmul_reduce_scatter: {rows} rows; {split_rule(P)}")
+    if P == 1:
+        return _sum_dots(pairs)
+    if impl == "xla":
+        return matmul_reduce_scatter_reference(pairs, axis_name=axis_name)
+    if impl == "pallas":
+        from difflet_tpu.kernels import matmul_reduce_scatter as kernel
+
+        reason = kernel.unsupported_reason([x.shape for x, _ in pairs], [w.shape for _, w in pairs],
+                                           pairs[0][0].dtype, P)
+        if reason is None:
+            return kernel.matmul_reduce_scatter(pairs, axis_name=axis_name, interpret=interpret)
+        _notice_fallback("matmul_reduce_scatter",
+                         (tuple(x.shape for x, _ in pairs), tuple(w.shape for _, w in pairs)), reason)
+    return _rs_ring(pairs, axis_name, P)
+
+
+def _rs_ring(pairs, axis_name, P):
+    rows = pairs[0][0].shape[-2]
+    s = rows // P
+    h = s // 2
+    dtype = jnp.result_type(*[x.dtype for x, _ in pairs], *[w.dtype for _, w in pairs])
+    idx = lax.axis_index(axis_name)
+    fwd = [(i, (i + 1) % P) for i in range(P)]
+    bwd = [(i, (i - 1) % P) for i in range(P)]
+
+    def partial(dest, offset):
+        acc = None
+        for x, w in pairs:
+            xr = lax.dynamic_slice_in_dim(x, dest * s + offset, h, axis=x.ndim - 2)
+            y = jnp.matmul(xr, w, preferred_element_type=jnp.float32)
+            acc = y if acc is None else acc + y
+        return acc
+
+    recv_f = recv_b = None
+    for j in range(P):
+        # Hop j: the forward accumulator held here is for rank idx-1-j, the
+        # backward one for idx+1+j; at j = P-1 both are for this rank.
+        pf = partial((idx - 1 - j) % P, 0)
+        pb = partial((idx + 1 + j) % P, h)
+        if j > 0:
+            # Keeps XLA from fusing the add into the matmul, which would make
+            # the matmul wait for the transfer and serialise the ring.
+            pf, pb, recv_f, recv_b = lax.optimization_barrier((pf, pb, recv_f, recv_b))
+            pf = pf + recv_f.astype(jnp.float32)
+            pb = pb + recv_b.astype(jnp.float32)
+        if j < P - 1:
+            recv_f = lax.ppermute(pf.astype(dtype), axis_name, fwd)
+            recv_b = lax.ppermute(pb.astype(dtype), axis_name, bwd)
+    return jnp.concatenate([pf, pb], axis=-2).astype(dtype)
+
+
+# --------------------------------------------------------------------------
+
+_NOTICED: set = set()
+
+
+def _notice_fallback(op, key, reason):
+    if (op, key) in _NOTICED:
+        return
+    _NOTICED.add((op, key))
+    log.warning("%s: Pallas kernel unsupported for %s (%s); using the JAX ring", op, key, reason)

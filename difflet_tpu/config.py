@@ -1,0 +1,124 @@
+"""Every `DIFFLET_TPU_*` toggle, parsed once into a frozen, typed object.
+
+`Config.from_env()` reads the environment; keyword arguments override it
+(`Config.from_env(sp=True)`), and `dataclasses.replace` derives variants.
+Unknown `DIFFLET_TPU_*` names and malformed values are errors that name the
+variable, the value and what is allowed: a typo must not silently run TP.
+docs/configuration.md documents each toggle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping
+
+PREFIX = "DIFFLET_TPU_"
+
+BOOL_VALUES = {"0": False, "1": True}
+KERNEL_VALUES = ("jax", "pallas")
+ASSEMBLE_VALUES = ("concat", "dus")
+
+
+class ConfigError(ValueError):
+    """A `DIFFLET_TPU_*` variable or an explicit override is malformed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Runtime toggles. Field docs are the single source for docs/configuration.md.
+
+    sp: Megatron-style sequence parallelism between layers (`DIFFLET_TPU_SP`);
+        False runs plain tensor parallelism (all-reduce after row-parallel linears).
+    sp_kernel: all-gather-matmul implementation under SP, "jax" (the ring) or
+        "pallas" (the VMEM-resident kernel); None takes the model's default on
+        TPU and the JAX ring elsewhere (`DIFFLET_TPU_SP_KERNEL`).
+    sp_rs_kernel: matmul-reduce-scatter implementation under SP (`DIFFLET_TPU_SP_RS_KERNEL`).
+    sp_ag_assemble: how the JAX all-gather ring builds its output: "concat"
+        (one gather over the arrived chunks) or "dus" (dynamic_update_slice
+        into a buffer) (`DIFFLET_TPU_SP_AG_ASSEMBLE`).
+    sp_single: HunyuanVideo's single-stream blocks under SP too (`DIFFLET_TPU_SP_SINGLE`).
+    wan_sp_pad: pad Wan's patch sequence so each ring half is whole tiles (`DIFFLET_TPU_WAN_SP_PAD`).
+    split_rope: split-halves RoPE by a one-time q/k weight permutation for
+        checkpoints with interleaved RoPE (`DIFFLET_TPU_SPLIT_ROPE`).
+    """
+
+    sp: bool = False
+    sp_kernel: str | None = None
+    sp_rs_kernel: str = "jax"
+    sp_ag_assemble: str = "concat"
+    sp_single: bool = True
+    wan_sp_pad: bool = True
+    split_rope: bool = True
+
+    def __post_init__(self):
+        for name in ("sp", "sp_single", "wan_sp_pad", "split_rope"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.sp_kernel is not None and self.sp_kernel not in KERNEL_VALUES:
+            raise ConfigError(f"Config.sp_kernel must be one of {KERNEL_VALUES} or None, got {self.sp_kernel!r}")
+        if self.sp_rs_kernel not in KERNEL_VALUES:
+            raise ConfigError(f"Config.sp_rs_kernel must be one of {KERNEL_VALUES}, got {self.sp_rs_kernel!r}")
+        if self.sp_ag_assemble not in ASSEMBLE_VALUES:
+            raise ConfigError(f"Config.sp_ag_assemble must be one of {ASSEMBLE_VALUES}, got {self.sp_ag_assemble!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Config":
+        """Reads every `DIFFLET_TPU_*` variable; explicit `overrides` win."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for var, value in environ.items():
+            if not var.startswith(PREFIX):
+                continue
+            if var not in ENV_VARS:
+                raise ConfigError(
+                    f"unknown variable {var}={value!r}; known: {', '.join(sorted(ENV_VARS))}")
+            field, parse = ENV_VARS[var]
+            values[field] = parse(var, value)
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown Config fields {sorted(unknown)}")
+        values.update(overrides)
+        return cls(**values)
+
+    def ag_kernel(self, model_default: str, platform: str) -> str:
+        """The all-gather-matmul implementation to use under SP.
+
+        An explicit choice wins; otherwise the model's default on TPU and the
+        JAX ring elsewhere (the Pallas kernel only runs interpreted off TPU).
+        """
+        if self.sp_kernel is not None:
+            return self.sp_kernel
+        return model_default if platform == "tpu" else "jax"
+
+
+def _parse_bool(var: str, value: str) -> bool:
+    if value.strip() not in BOOL_VALUES:
+        raise ConfigError(f"{var}={value!r} is not allowed; use one of 0, 1")
+    return BOOL_VALUES[value.strip()]
+
+
+def _parse_choice(choices):
+    def parse(var: str, value: str) -> str:
+        v = value.strip().lower()
+        if v not in choices:
+            raise ConfigError(f"{var}={value!r} is not allowed; use one of {', '.join(choices)}")
+        return v
+    return parse
+
+
+# Variable -> (Config field, parser). The one list of toggles.
+ENV_VARS = {
+    "DIFFLET_TPU_SP": ("sp", _parse_bool),
+    "DIFFLET_TPU_SP_KERNEL": ("sp_kernel", _parse_choice(KERNEL_VALUES)),
+    "DIFFLET_TPU_SP_RS_KERNEL": ("sp_rs_kernel", _parse_choice(KERNEL_VALUES)),
+    "DIFFLET_TPU_SP_AG_ASSEMBLE": ("sp_ag_assemble", _parse_choice(ASSEMBLE_VALUES)),
+    "DIFFLET_TPU_SP_SINGLE": ("sp_single", _parse_bool),
+    "DIFFLET_TPU_WAN_SP_PAD": ("wan_sp_pad", _parse_bool),
+    "DIFFLET_TPU_SPLIT_ROPE": ("split_rope", _parse_bool),
+}
+
+
+def load(**overrides) -> Config:
+    """`Config.from_env(**overrides)`: the environment with explicit overrides."""
+    return Config.from_env(**overrides)

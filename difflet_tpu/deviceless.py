@@ -1,0 +1,106 @@
+"""Compiling for a real TPU topology on a machine without one.
+
+With libtpu installed, `jax.experimental.topologies.get_topology_desc`
+returns the devices of a TPU slice that does not exist here; a mesh on them
+and `jax.jit(f).trace(abstract inputs).lower().compile()` run the real TPU
+compiler (Mosaic included). Abstract inputs use no memory, so released model
+sizes compile on a laptop. libtpu must see `TPU_ACCELERATOR_TYPE` and
+`TPU_WORKER_HOSTNAMES` before jax initialises, so this runs in a process of
+its own: `run_python` starts one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+# topology name -> TPU_ACCELERATOR_TYPE libtpu expects
+_GENERATION = {"v5e": "v5litepod-{n}", "v6e": "v6e-{n}", "v5p": "v5p-{n2}", "v4": "v4-{n2}"}
+
+# per-chip facts used by reports (public specs, see docs/benchmarks.md)
+CHIPS = {
+    "v5e": dict(hbm_bytes=16 * 2**30, bf16_flops=197e12, hbm_bw=819e9, ici_bw=45e9, clock_hz=1.5e9),
+    "v6e": dict(hbm_bytes=32 * 2**30, bf16_flops=918e12, hbm_bw=1640e9, ici_bw=90e9, clock_hz=1.75e9),
+}
+
+
+def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
+    m = re.fullmatch(r"(v\d+[a-z]*):(\d+(?:x\d+)*)", topology)
+    if not m:
+        raise ValueError(f"topology {topology!r} is not of the form v5e:2x2")
+    return m.group(1), tuple(int(d) for d in m.group(2).split("x"))
+
+
+def accelerator_type(topology: str) -> str:
+    gen, dims = parse_topology(topology)
+    if gen not in _GENERATION:
+        raise ValueError(f"unknown TPU generation {gen!r}; known: {sorted(_GENERATION)}")
+    n = 1
+    for d in dims:
+        n *= d
+    return _GENERATION[gen].format(n=n, n2=2 * n)
+
+
+def tpu_env(topology: str = "v5e:2x2", base=None) -> dict:
+    """Environment for a deviceless-compile process."""
+    env = dict(os.environ if base is None else base)
+    env["TPU_ACCELERATOR_TYPE"] = accelerator_type(topology)
+    env["TPU_WORKER_HOSTNAMES"] = "localhost"
+    env.pop("JAX_PLATFORMS", None)
+    env.pop("XLA_FLAGS", None)
+    env.setdefault("TPU_STDERR_LOG_LEVEL", "3")
+    env.setdefault("TPU_MIN_LOG_LEVEL", "3")
+    return env
+
+
+def setup_process(topology: str = "v5e:2x2") -> None:
+    """Sets this process up for deviceless compilation; call before importing jax."""
+    if "jax" in sys.modules:
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            raise RuntimeError("deviceless compilation must be set up before jax initialises; "
+                               "use difflet_tpu.deviceless.run_python from a process that already did")
+    os.environ.update({k: v for k, v in tpu_env(topology).items()
+                       if k.startswith("TPU_")})
+    os.environ.pop("JAX_PLATFORMS", None)
+    os.environ.pop("XLA_FLAGS", None)
+
+
+def topology_devices(topology: str = "v5e:2x2"):
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(topology, "tpu").devices
+
+
+def topology_mesh(topology: str = "v5e:2x2", tp: int | None = None):
+    """A `tp` mesh on the devices of a TPU topology, ring in ICI order."""
+    from difflet_tpu.mesh import make_mesh
+
+    return make_mesh(tp, topology_devices(topology))
+
+
+def memory_report(compiled) -> dict:
+    """HBM per chip of a compiled program, in bytes."""
+    m = compiled.memory_analysis()
+    out = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
+               temporaries=m.temp_size_in_bytes, aliased=m.alias_size_in_bytes,
+               code=m.generated_code_size_in_bytes)
+    out["total"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"] + out["code"]
+    return out
+
+
+def run_python(code: str, topology: str = "v5e:2x2", timeout: float = 1800) -> dict:
+    """Runs `code` in a fresh deviceless-TPU Python process; it must print one
+    JSON object on its last stdout line, which is returned."""
+    proc = subprocess.run([sys.executable, "-c", code], env=tpu_env(topology), capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"deviceless process failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    lines = [l for l in proc.stdout.splitlines() if l.strip()]
+    if not lines:
+        raise RuntimeError(f"deviceless process printed nothing:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])

@@ -1,0 +1,15 @@
+"""Test session set-up: 4 virtual CPU devices, the CPU platform only.
+
+Deviceless TPU compiles run in subprocesses (difflet_tpu.deviceless.run_python),
+so their environment never reaches this process.
+"""
+
+import os
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+for var in [v for v in os.environ if v.startswith("DIFFLET_TPU_")]:
+    del os.environ[var]  # tests choose their modes explicitly
+
+from difflet_tpu.mesh import use_cpu_devices  # noqa: E402
+
+use_cpu_devices(4)

@@ -1,0 +1,73 @@
+import dataclasses
+
+import pytest
+
+from difflet_tpu.config import ENV_VARS, Config, ConfigError
+
+GOOD = {
+    "DIFFLET_TPU_SP": [("0", False), ("1", True)],
+    "DIFFLET_TPU_SP_KERNEL": [("jax", "jax"), ("pallas", "pallas"), ("PALLAS", "pallas")],
+    "DIFFLET_TPU_SP_RS_KERNEL": [("jax", "jax"), ("pallas", "pallas")],
+    "DIFFLET_TPU_SP_AG_ASSEMBLE": [("concat", "concat"), ("dus", "dus")],
+    "DIFFLET_TPU_SP_SINGLE": [("0", False), ("1", True)],
+    "DIFFLET_TPU_WAN_SP_PAD": [("0", False), ("1", True)],
+    "DIFFLET_TPU_SPLIT_ROPE": [("0", False), ("1", True)],
+}
+BAD = {
+    "DIFFLET_TPU_SP": ["2", "yes", "true", ""],
+    "DIFFLET_TPU_SP_KERNEL": ["triton", "", "1"],
+    "DIFFLET_TPU_SP_RS_KERNEL": ["xla", "0"],
+    "DIFFLET_TPU_SP_AG_ASSEMBLE": ["stack", ""],
+    "DIFFLET_TPU_SP_SINGLE": ["on"],
+    "DIFFLET_TPU_WAN_SP_PAD": ["-1"],
+    "DIFFLET_TPU_SPLIT_ROPE": ["off"],
+}
+
+
+def test_every_variable_is_covered():
+    assert set(GOOD) == set(ENV_VARS) == set(BAD)
+
+
+def test_defaults():
+    c = Config.from_env({})
+    assert (c.sp, c.sp_kernel, c.sp_rs_kernel, c.sp_ag_assemble, c.sp_single, c.wan_sp_pad, c.split_rope) == (
+        False, None, "jax", "concat", True, True, True)
+
+
+@pytest.mark.parametrize("var", sorted(GOOD))
+def test_good_values(var):
+    field = ENV_VARS[var][0]
+    for raw, parsed in GOOD[var]:
+        assert getattr(Config.from_env({var: raw}), field) == parsed
+
+
+@pytest.mark.parametrize("var", sorted(BAD))
+def test_bad_values_name_variable_value_and_choices(var):
+    for raw in BAD[var]:
+        with pytest.raises(ConfigError) as e:
+            Config.from_env({var: raw})
+        msg = str(e.value)
+        assert var in msg and repr(raw) in msg and "use one of" in msg
+
+
+def test_unknown_variable_is_an_error():
+    with pytest.raises(ConfigError, match="DIFFLET_TPU_SPP"):
+        Config.from_env({"DIFFLET_TPU_SPP": "1"})
+
+
+def test_other_variables_ignored_and_overrides_win():
+    c = Config.from_env({"DIFFLET_TPU_SP": "1", "PATH": "/x"}, sp=False, sp_kernel="pallas")
+    assert c.sp is False and c.sp_kernel == "pallas"
+    with pytest.raises(ConfigError):
+        Config.from_env({}, sp_kernel="cuda")
+    with pytest.raises(ConfigError):
+        Config.from_env({}, nonsense=1)
+
+
+def test_frozen_and_kernel_choice():
+    c = Config.from_env({})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.sp = True
+    assert c.ag_kernel("pallas", "tpu") == "pallas"
+    assert c.ag_kernel("pallas", "cpu") == "jax"
+    assert Config(sp_kernel="pallas").ag_kernel("jax", "cpu") == "pallas"
