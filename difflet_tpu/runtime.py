@@ -47,3 +47,18 @@ def compile_step(model, fn, par: Parallel, mesh=None, plan=None, in_specs=(), ou
     mapped = jax.shard_map(inner, mesh=mesh, in_specs=(specs, *in_specs), out_specs=out_specs,
                            check_vma=False)
     return jax.jit(mapped), state
+
+
+def abstract_model(build, mesh=None, plan=None):
+    """`build()` as an abstract model (no memory): parameters are
+    ShapeDtypeStructs, with their plan shardings on `mesh`. For deviceless
+    compiles of released model sizes."""
+    model = nnx.eval_shape(build)
+    if mesh is None:
+        return model
+    state = nnx.state(model)
+    specs = param_specs(state, plan)
+    placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+                          state, specs)
+    nnx.update(model, placed)
+    return model

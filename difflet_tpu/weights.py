@@ -1,0 +1,347 @@
+"""Loading diffusers-format transformer checkpoints into the Flax ports.
+
+`load_transformer(path)` reads a diffusers `transformer/` directory
+(`config.json` + one safetensors file, or several with
+`diffusion_pytorch_model.safetensors.index.json`), builds the port named by
+`_class_name` from the config, maps every checkpoint key onto a parameter,
+validates all of them (missing, unexpected and mis-shaped keys are reported
+together, before anything compiles), casts, and places each parameter with
+its sharding. With a mesh every device reads only its own slice
+(`safe_open(...).get_slice`), so a checkpoint never exists whole on one
+device or as one host array beyond a single tensor.
+
+A port describes its checkpoint with a key map: parameter path (dot-joined
+NNX state path) -> `Key`. `default_key_map` derives the usual rules
+(Linear `kernel` = torch `weight` transposed; `bias`; norm `scale` = torch
+`weight`; stacked blocks `name.{i}.`); ports override what differs.
+Permutations (split-halves RoPE) are applied here, once, on the host; the
+model records them in its config, so a cached (orbax) copy is not permuted
+twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from difflet_tpu.parallel import check_divisible, param_specs, path_names
+
+SINGLE_FILE = "diffusion_pytorch_model.safetensors"
+INDEX_FILE = "diffusion_pytorch_model.safetensors.index.json"
+TRANSFORMS = ("identity", "linear", "conv_as_linear")
+
+
+class WeightsError(ValueError):
+    """A checkpoint that does not fit its port: all problems, listed together."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """Where a parameter comes from in a diffusers checkpoint.
+
+    template: the diffusers key; `{i}` stands for the layer of a stacked block.
+    transform: "identity"; "linear" (torch `[out, in]` -> `[in, out]`);
+      "conv_as_linear" (a patch-embedding Conv `[D, C, *k]` -> `[C*prod(k), D]`,
+      patches flattened as (c, kt, kh, kw)).
+    perm: a permutation of the parameter's last axis (split-halves RoPE).
+    layers: how many stacked layers the template expands to.
+    dtype: keep this dtype (e.g. "float32") whatever the load dtype.
+    """
+
+    template: str
+    transform: str = "identity"
+    perm: tuple | None = None
+    layers: int | None = None
+    dtype: str | None = None
+
+    def keys(self) -> list[str]:
+        if self.layers is None:
+            return [self.template]
+        return [self.template.format(i=i) for i in range(self.layers)]
+
+
+# --------------------------------------------------------------------------
+# Key maps
+# --------------------------------------------------------------------------
+
+def param_paths(model_or_state) -> dict[str, tuple]:
+    """Dot-joined parameter paths -> shapes."""
+    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        names = path_names(path)
+        if names and names[-1] == "value":
+            names = names[:-1]
+        out[".".join(names)] = tuple(leaf.shape)
+    return out
+
+
+def default_key_map(model, stacked: dict[str, int] | None = None) -> dict[str, Key]:
+    """The usual diffusers naming for every parameter of `model`.
+
+    `stacked`: module paths of stacked blocks -> layer count, e.g.
+    `{"transformer_blocks": 19}`; their keys get `.{i}` after that prefix.
+    """
+    stacked = stacked or {}
+    out = {}
+    for path, shape in param_paths(model).items():
+        module, leaf = path.rsplit(".", 1) if "." in path else ("", path)
+        layers = None
+        for prefix, n in stacked.items():
+            if module == prefix or module.startswith(prefix + "."):
+                module = prefix + ".{i}" + module[len(prefix):]
+                layers = n
+                break
+        if leaf == "kernel":
+            key = Key(f"{module}.weight", "linear" if len(shape) - (layers is not None) == 2 else "identity",
+                      layers=layers)
+        elif leaf == "scale":
+            key = Key(f"{module}.weight", layers=layers)
+        else:
+            key = Key(f"{module}.{leaf}" if module else leaf, layers=layers)
+        out[path] = key
+    return out
+
+
+def torch_shape(key: Key, flax_shape: tuple) -> tuple | None:
+    """The checkpoint tensor shape a parameter expects (per layer); None = only check the size."""
+    shape = flax_shape[1:] if key.layers is not None else flax_shape
+    if key.transform == "linear":
+        return (shape[1], shape[0])
+    if key.transform == "conv_as_linear":
+        return None
+    return tuple(shape)
+
+
+# --------------------------------------------------------------------------
+# Checkpoint files
+# --------------------------------------------------------------------------
+
+class Checkpoint:
+    """The safetensors files of one diffusers transformer directory."""
+
+    def __init__(self, path):
+        from safetensors import safe_open
+
+        self.path = pathlib.Path(path)
+        index = self.path / INDEX_FILE
+        single = self.path / SINGLE_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise WeightsError(f"{index}: not a safetensors index ({e})") from None
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (self.path / f).exists()]
+            if missing:
+                raise WeightsError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
+        elif single.exists():
+            files, weight_map = [SINGLE_FILE], None
+        else:
+            found = sorted(p.name for p in self.path.glob("*.safetensors"))
+            raise WeightsError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE}"
+                               + (f" (found {found})" if found else ""))
+        self.handles = {}
+        for f in files:
+            try:
+                self.handles[f] = safe_open(str(self.path / f), framework="np")
+            except Exception as e:  # safetensors raises its own error types
+                raise WeightsError(f"{self.path / f}: cannot read safetensors file "
+                                   f"(truncated or corrupt?): {e}") from None
+        self.where = {}
+        for f, h in self.handles.items():
+            for k in h.keys():
+                self.where[k] = f
+        if weight_map is not None:
+            wrong = [k for k, f in weight_map.items() if self.where.get(k) != f]
+            if wrong:
+                raise WeightsError(f"{index}: {len(wrong)} keys are not in the shard it names, "
+                                   f"e.g. {wrong[:3]}")
+
+    def keys(self):
+        return self.where.keys()
+
+    def shape(self, key) -> tuple:
+        return tuple(self.handles[self.where[key]].get_slice(key).get_shape())
+
+    def read(self, key, index=None) -> np.ndarray:
+        """A tensor, or only `index` (a tuple of slices) of it."""
+        sl = self.handles[self.where[key]].get_slice(key)
+        if index is None:
+            index = tuple(slice(0, d) for d in sl.get_shape())
+        try:
+            return np.asarray(sl[index])
+        except Exception as e:
+            raise WeightsError(f"{self.path / self.where[key]}: cannot read {key} "
+                               f"(truncated or corrupt file?): {e}") from None
+
+
+def _norm_index(index, shape):
+    return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape))
+
+
+def read_param(ckpt: Checkpoint, key: Key, flax_shape: tuple, index) -> np.ndarray:
+    """The slice `index` of one parameter (flax layout), reading only what it needs."""
+    index = _norm_index(index, flax_shape)
+    if key.layers is not None:
+        layer_sl, rest = index[0], index[1:]
+        return np.stack([_read_one(ckpt, key, key.template.format(i=i), flax_shape[1:], rest)
+                         for i in range(layer_sl.start, layer_sl.stop)])
+    return _read_one(ckpt, key, key.template, flax_shape, index)
+
+
+def _read_one(ckpt, key, name, shape, index):
+    if key.transform == "conv_as_linear":  # small, replicated: read whole
+        w = ckpt.read(name)
+        full = w.reshape(w.shape[0], -1).T
+        return _permute_last(full, key.perm)[index]
+    last = index[-1]
+    if key.perm is not None:
+        # The permutation stays within heads and shards hold whole heads, so the
+        # source rows of a slice lie in the same range: read it, then reorder.
+        src = np.asarray(key.perm)[last]
+        lo, hi = int(src.min()), int(src.max()) + 1
+        src_last, take = slice(lo, hi), src - lo
+    else:
+        src_last, take = last, None
+    if key.transform == "linear":
+        w = ckpt.read(name, (src_last, index[0])).T  # torch [out, in]
+    else:
+        w = ckpt.read(name, (*index[:-1], src_last))
+    return w if take is None else np.take(w, take, axis=-1)
+
+
+def _permute_last(a, perm):
+    return a if perm is None else np.take(a, np.asarray(perm), axis=-1)
+
+
+def validate(ckpt: Checkpoint, key_map: dict[str, Key], shapes: dict[str, tuple], where: str):
+    """Missing, unexpected and mis-shaped keys, all at once."""
+    problems, expected = [], set()
+    for path, key in key_map.items():
+        if key.transform not in TRANSFORMS:
+            problems.append(f"{path}: unknown transform {key.transform!r}")
+            continue
+        want = torch_shape(key, shapes[path])
+        per_layer = shapes[path][1:] if key.layers is not None else shapes[path]
+        for name in key.keys():
+            expected.add(name)
+            if name not in ckpt.where:
+                problems.append(f"missing key {name} (for {path})")
+                continue
+            got = ckpt.shape(name)
+            if want is not None and got != want:
+                problems.append(f"wrong shape for {name}: checkpoint {got}, expected {want}")
+            elif want is None and int(np.prod(got)) != int(np.prod(per_layer)):
+                problems.append(f"wrong shape for {name}: checkpoint {got}, expected {per_layer} elements")
+    unexpected = sorted(set(ckpt.keys()) - expected)
+    problems += [f"unexpected key {k}" for k in unexpected]
+    if problems:
+        raise WeightsError(f"{where}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+
+
+# --------------------------------------------------------------------------
+# Ports and loading
+# --------------------------------------------------------------------------
+
+def port_for(class_name: str):
+    """The port module for a diffusers `_class_name`."""
+    from difflet_tpu.models import REGISTRY
+
+    if class_name not in REGISTRY:
+        raise WeightsError(f"unknown _class_name {class_name!r}; supported: {', '.join(sorted(REGISTRY))}")
+    return importlib.import_module(REGISTRY[class_name])
+
+
+def read_config(path) -> dict:
+    cfg_path = pathlib.Path(path) / "config.json"
+    if not cfg_path.exists():
+        raise WeightsError(f"{path}: no config.json (expected a diffusers transformer directory)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{cfg_path}: not JSON ({e})") from None
+    if "_class_name" not in cfg:
+        raise WeightsError(f"{cfg_path}: no _class_name")
+    return cfg
+
+
+def load_params(model, ckpt: Checkpoint, key_map: dict[str, Key], *, dtype, mesh=None, plan=None,
+                where: str = ""):
+    """Reads, validates and places every parameter of an (abstract) `model` in place."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    shapes = param_paths(params)
+    missing_map = sorted(set(shapes) - set(key_map))
+    if missing_map:
+        raise WeightsError(f"key map has no entry for parameters {missing_map}")
+    validate(ckpt, key_map, shapes, where or str(ckpt.path))
+    if mesh is not None:
+        check_divisible(plan, params, mesh.shape["tp"])
+        specs = param_specs(params, plan)
+    else:
+        specs = None
+    dev = jax.devices()[0]
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    spec_leaves = jax.tree_util.tree_leaves(specs) if specs is not None else [None] * len(flat)
+    out = []
+    for (path, leaf), spec in zip(flat, spec_leaves):
+        names = path_names(path)
+        pname = ".".join(names[:-1] if names[-1] == "value" else names)
+        key = key_map[pname]
+        shape = tuple(leaf.shape)
+        target = jnp.dtype(key.dtype) if key.dtype else jnp.dtype(leaf.dtype if dtype is None else dtype)
+        sharding = NamedSharding(mesh, spec) if mesh is not None else SingleDeviceSharding(dev)
+
+        def cb(index, key=key, shape=shape, target=target):
+            return read_param(ckpt, key, shape, index).astype(target)
+
+        out.append(jax.make_array_from_callback(shape, sharding, cb))
+    params = jax.tree_util.tree_unflatten(treedef, out)
+    return nnx.merge(graphdef, params, rest)
+
+
+def load_transformer(path, *, dtype=jnp.bfloat16, mesh=None, config=None, cache_dir=None, **overrides):
+    """A ready port of the diffusers transformer at `path`.
+
+    Args:
+      path: a diffusers transformer directory (config.json + safetensors).
+      dtype: parameter dtype (the port keeps fp32 where the reference does).
+      mesh: a `tp` mesh from `make_mesh`; each parameter is placed with its
+        plan's sharding and each device reads only its slice. None: one device.
+      config: a `difflet_tpu.Config` (default: the environment); its
+        `split_rope` decides the q/k layout.
+      cache_dir: an orbax cache of the converted parameters (see
+        `difflet_tpu.checkpoint`); a second load restores from it.
+      overrides: port-specific build options.
+    """
+    from difflet_tpu.config import Config
+
+    config = Config.from_env() if config is None else config
+    cfg = read_config(path)
+    port = port_for(cfg["_class_name"])
+    port_config = port.config_from_diffusers(cfg, split_rope=config.split_rope, **overrides)
+    if cache_dir is not None:
+        from difflet_tpu import checkpoint
+
+        cached = checkpoint.restore_if_cached(cache_dir, path, port, port_config, dtype=dtype, mesh=mesh)
+        if cached is not None:
+            return cached
+    abstract = nnx.eval_shape(lambda: port.build(port_config, dtype=dtype, rngs=nnx.Rngs(0)))
+    ckpt = Checkpoint(path)
+    model = load_params(abstract, ckpt, port.key_map(port_config, abstract), dtype=dtype, mesh=mesh,
+                        plan=port.PLAN, where=str(path))
+    if cache_dir is not None:
+        from difflet_tpu import checkpoint
+
+        checkpoint.save(cache_dir, path, port, port_config, model, dtype=dtype)
+    return model
