@@ -1,0 +1,154 @@
+"""Helpers shared by the collective-matmul kernels (all_gather_matmul, matmul_reduce_scatter).
+
+Nothing here launches a kernel: chip facts (VMEM capacity), tiling rules that
+Mosaic enforces but interpret mode does not, the rank tables both kernels take
+by scalar prefetch, and the `out_shape` / `interpret` plumbing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+
+# Chip VMEM when no TPU is attached (deviceless compiles, CPU interpret mode):
+# v5e and v6e both have 128 MiB. With a TPU attached the real value is read.
+DEFAULT_VMEM_CAPACITY_BYTES = 128 * 1024 * 1024
+
+# Headroom added to a kernel's own buffer plan for what Mosaic allocates
+# itself (f32 matmul results before the cast, relayout temporaries). The
+# scoped limit requested is plan + headroom; a plan whose limit would exceed
+# the chip's VMEM is refused by `unsupported_reason`.
+VMEM_HEADROOM_BYTES = 8 * 1024 * 1024
+
+LANES = 128
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def vmem_capacity_bytes() -> int:
+    """VMEM per TensorCore of the attached TPU, else v5e's 128 MiB."""
+    from jax._src import xla_bridge
+
+    # Never initialise a backend just to ask (a check may run before jax picks
+    # its platform, and libtpu would then try to open a TPU).
+    if not xla_bridge.backends_are_initialized():
+        return DEFAULT_VMEM_CAPACITY_BYTES
+    try:
+        if jax.default_backend() != "tpu":
+            return DEFAULT_VMEM_CAPACITY_BYTES
+        return int(pltpu.get_tpu_info().vmem_capacity_bytes)
+    except Exception:  # a deviceless topology, or a chip jax does not know
+        return DEFAULT_VMEM_CAPACITY_BYTES
+
+
+def sublane_rows(dtype) -> int:
+    """Rows of one (sublane x lane) tile for `dtype`: 8 for 32-bit, 16 for bf16."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def dtype_reason(dtype) -> str | None:
+    d = jnp.dtype(dtype)
+    if d not in SUPPORTED_DTYPES:
+        return f"dtype {d} is not supported (float32 or bfloat16)"
+    return None
+
+
+def column_tile_candidates(widths, limit: int) -> list[int]:
+    """Multiples of 128 that divide every width, largest first, at most `limit`."""
+    g = 0
+    for w in widths:
+        g = math.gcd(g, int(w))
+    return [t for t in range(min(g, limit) // LANES * LANES, 0, -LANES) if g % t == 0]
+
+
+def row_tiles(rows: int, max_rows: int, unit: int) -> tuple[tuple[int, int], ...]:
+    """Splits `rows` (a multiple of `unit`) into near-equal static (offset, size)
+    pieces, each a multiple of `unit` and at most max(max_rows, unit) rows."""
+    units = rows // unit
+    n = max(1, -(-rows // max(max_rows, unit)))
+    n = min(n, units)
+    base, extra = divmod(units, n)
+    out, off = [], 0
+    for i in range(n):
+        size = (base + (i < extra)) * unit
+        out.append((off, size))
+        off += size
+    return tuple(out)
+
+
+def fold_batch(shape) -> tuple[int, tuple[int, ...]]:
+    """Leading dims `[..., rows, cols]` -> (B, leading): B = prod(leading) (1 if none)."""
+    lead = tuple(int(d) for d in shape[:-2])
+    return math.prod(lead), lead
+
+
+def ring_tables(axis_name: str, shard_rows: int) -> jax.Array:
+    """The rank-dependent scalars both kernels read by scalar prefetch.
+
+    int32[2 + 2P]: [forward neighbour (r+1), backward neighbour (r-1),
+    first-row offsets of rank r-j's shard for j = 0..P-1,
+    first-row offsets of rank r+j's shard for j = 0..P-1], r = axis_index.
+    Computed from `lax.axis_index` at run time, so every rank compiles and runs
+    one identical program (see difflet_tpu.collective_matmul's docstring).
+    """
+    P = lax.axis_size(axis_name)
+    r = lax.axis_index(axis_name).astype(jnp.int32)
+    j = jnp.arange(P, dtype=jnp.int32)
+    fwd = (r + 1) % P
+    bwd = (r + P - 1) % P
+    minus = ((r - j) % P) * shard_rows
+    plus = ((r + j) % P) * shard_rows
+    return jnp.concatenate([jnp.stack([fwd, bwd]), minus, plus]).astype(jnp.int32)
+
+
+def out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """`out_shape` for a pallas_call under shard_map: varying over the same
+    manual axes as `like` (needed with check_vma=True, harmless without)."""
+    try:
+        varying = frozenset(jax.typeof(like).manual_axis_type.varying)
+    except AttributeError:  # outside shard_map
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
+def interpret_params(interpret):
+    """False -> compile with Mosaic; True -> TPU interpret mode (default
+    params); a `pltpu.InterpretParams` is passed through (tests set
+    detect_races=True)."""
+    if interpret is False or interpret is None:
+        return False
+    if interpret is True:
+        return pltpu.InterpretParams()
+    return interpret
+
+
+@dataclasses.dataclass(frozen=True)
+class VmemPlan:
+    """Bytes per VMEM buffer of a kernel, and the scoped limit it requests."""
+
+    buffers: tuple[tuple[str, tuple[int, ...], str, int], ...]  # (name, shape, dtype, bytes)
+    headroom: int = VMEM_HEADROOM_BYTES
+
+    @property
+    def total(self) -> int:
+        return sum(b for *_, b in self.buffers)
+
+    @property
+    def limit(self) -> int:
+        return self.total + self.headroom
+
+    def describe(self) -> str:
+        mib = 1024 * 1024
+        lines = [f"  {n:<14} {str(list(s)):<28} {d:<9} {b / mib:8.2f} MiB" for n, s, d, b in self.buffers]
+        lines.append(f"  {'total':<14} {'':<28} {'':<9} {self.total / mib:8.2f} MiB"
+                     f"  (vmem_limit_bytes {self.limit / mib:.2f} MiB)")
+        return "\n".join(lines)
+
+
+def buffer(name, shape, dtype):
+    d = jnp.dtype(dtype)
+    return (name, tuple(int(s) for s in shape), d.name, math.prod(shape) * d.itemsize)

@@ -1,0 +1,149 @@
+"""One kernel case in TPU interpret mode on 4 CPU devices, in a process of its own.
+
+Usage: python _interpret_case.py '<json spec>'. Prints the case's result as
+one JSON line prefixed with `RESULT ` and exits through os._exit (a failed
+interpret-mode call leaves effect tokens that jax's atexit handler would
+re-raise). The race detector is always on. Spec keys:
+
+  kind:    "ag" | "rs" | "ag_fallback" | "rs_fallback" | "ag_dispatch" | "rs_dispatch"
+  dtype:   "float32" | "bfloat16"
+  batch:   [] | [B] | ...             leading dims of x
+  S, K:    sequence rows, contraction width (ag: K per rank is K)
+  widths:  ag: per-rank widths of the weights; rs: per-rank k_i of each pair
+  N:       rs: output width
+  slots, col_tile, row_tile: private kernel knobs (optional)
+
+Float32 cases use small integer values, so every product is exact and the
+kernel must equal numpy bit for bit; bf16 cases use normal values and a
+tolerance.
+"""
+
+import json
+import os
+import sys
+import traceback
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+
+import logging  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+P_RING = 4
+
+
+def inputs(spec, rng):
+    dtype = spec["dtype"]
+    batch = tuple(spec.get("batch", []))
+    S = spec["S"]
+
+    def make(shape):
+        if dtype == "float32":
+            return rng.integers(-3, 4, size=shape).astype(np.float32)
+        import ml_dtypes
+
+        return rng.standard_normal(shape).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+    if spec["kind"].startswith("ag"):
+        K = spec["K"]
+        x = make(batch + (S, K))
+        ws = [make((K, P_RING * n)) for n in spec["widths"]]
+        return x, ws
+    N = spec["N"]
+    xs = [make(batch + (S, P_RING * k)) for k in spec["widths"]]
+    ws = [make((P_RING * k, N)) for k in spec["widths"]]
+    return xs, ws
+
+
+def run(spec):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.sharding import PartitionSpec as P
+
+    from difflet_tpu import collective_matmul as cm
+    from difflet_tpu.kernels import all_gather_matmul as agk
+    from difflet_tpu.kernels import matmul_reduce_scatter as rsk
+    from difflet_tpu.mesh import make_mesh
+
+    mesh = make_mesh(P_RING)
+    dt = jnp.dtype(spec["dtype"])
+    rng = np.random.default_rng(spec.get("seed", 0))
+    params = pltpu.InterpretParams(detect_races=True)
+    knobs = {}
+    for key, arg in (("slots", "_recv_slots"), ("col_tile", "_col_tile_limit"), ("row_tile", "_row_tile_limit")):
+        if key in spec:
+            knobs[arg] = spec[key]
+    kind = spec["kind"]
+    nb = len(spec.get("batch", []))
+    lead = (None,) * nb
+    warnings = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    logging.getLogger("difflet_tpu.collective_matmul").addHandler(Count(level=logging.WARNING))
+    result = {}
+
+    if kind.startswith("ag"):
+        x, ws = inputs(spec, rng)
+        nw = len(ws)
+        if kind == "ag":
+            f = lambda x, *w: agk.all_gather_matmul(x, list(w), interpret=params, **knobs)
+        else:  # the dispatch in difflet_tpu.collective_matmul (kernel, or the ring on fallback)
+            f = lambda x, *w: cm.all_gather_matmul(x, list(w), impl="pallas", interpret=params)
+        g = lambda: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(*lead, "tp", None),) + (P(None, "tp"),) * nw,
+                                          out_specs=[P(*lead, None, "tp")] * nw))
+        args = [jnp.asarray(x, dt)] + [jnp.asarray(w, dt) for w in ws]
+        outs = g()(*args)
+        if kind == "ag_fallback":  # tracing the same shape again must not warn again
+            outs = g()(*args)
+        result["reason"] = agk.unsupported_reason(x.shape[:-2] + (x.shape[-2] // P_RING, x.shape[-1]),
+                                                  [w.shape[1] // P_RING for w in ws], dt, P_RING)
+        errs = []
+        for o, w in zip(outs, ws):
+            ref = x @ w
+            o = np.asarray(o.astype(jnp.float32))
+            errs.append(float(np.abs(o - ref).max() / max(1.0, np.abs(ref).max())))
+        result["rel_err"] = errs
+    else:
+        xs, ws = inputs(spec, rng)
+        n = len(xs)
+        if kind == "rs":
+            f = lambda *a: rsk.matmul_reduce_scatter(list(zip(a[:n], a[n:])), interpret=params, **knobs)
+        else:
+            f = lambda *a: cm.matmul_reduce_scatter(list(zip(a[:n], a[n:])), impl="pallas", interpret=params)
+        g = lambda: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(*lead, None, "tp"),) * n + (P("tp", None),) * n,
+                                          out_specs=P(*lead, "tp", None)))
+        args = [jnp.asarray(a, dt) for a in xs + ws]
+        out = g()(*args)
+        if kind == "rs_fallback":  # tracing the same shape again must not warn again
+            out = g()(*args)
+        result["reason"] = rsk.unsupported_reason(
+            [a.shape[:-1] + (a.shape[-1] // P_RING,) for a in xs], [(w.shape[0] // P_RING, w.shape[1]) for w in ws],
+            dt, P_RING)
+        ref = sum(a @ w for a, w in zip(xs, ws))
+        o = np.asarray(out.astype(jnp.float32))
+        result["rel_err"] = [float(np.abs(o - ref).max() / max(1.0, np.abs(ref).max()))]
+    result["warnings"] = warnings
+    return result
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    try:
+        result = run(spec)
+        result["ok"] = True
+    except Exception as e:  # reported to the test, which decides
+        result = dict(ok=False, error_type=type(e).__name__, error=str(e)[-4000:],
+                      traceback=traceback.format_exc()[-4000:])
+    sys.stdout.flush()
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""`unsupported_reason` of both kernels: None exactly where the kernel runs, one
+sentence naming the rule otherwise. Pure shape logic, no devices."""
+
+import jax.numpy as jnp
+import pytest
+
+from difflet_tpu.kernels import _common
+from difflet_tpu.kernels import all_gather_matmul as agk
+from difflet_tpu.kernels import matmul_reduce_scatter as rsk
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+@pytest.mark.parametrize("x_shape,widths,dtype", [
+    ((1184, 5120), [1280, 1280, 1280], BF16),    # Wan2.1-14B q/k/v, S = 4736 over 4
+    ((1184, 5120), [3456], BF16),                # Wan FFN up
+    ((2, 1152, 3072), [768, 768, 768, 3072], BF16),  # FLUX single block, batch 2
+    ((16, 128), [128], F32),                     # halves of 8 rows are whole f32 tiles
+])
+def test_all_gather_matmul_supported(x_shape, widths, dtype):
+    assert agk.unsupported_reason(x_shape, widths, dtype, 4) is None
+    plan = agk.vmem_plan(x_shape, widths, dtype, 4)
+    assert plan.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
+
+
+@pytest.mark.parametrize("x_shape,widths,dtype,axis_size,words", [
+    ((1170, 5120), [1280], BF16, 4, "multiple of 16 rows"),   # Wan unpadded: 4680 / 4
+    ((16, 128), [128], BF16, 4, "multiple of 16 rows"),       # halves of 8 rows: fine for f32, not bf16
+    ((1184, 5120), [1280, 1000], BF16, 4, "multiples of 128"),
+    ((1184, 5000), [1280], BF16, 4, "K = 5000"),
+    ((1184, 5120), [1280], jnp.float16, 4, "float16"),
+    ((1184, 5120), [1280], jnp.int8, 4, "int8"),
+    ((8, 1184, 5120), [1280], BF16, 4, "VMEM budget exceeded"),
+    ((1184, 5120), [1280], BF16, 1, "at least 2 ranks"),
+])
+def test_all_gather_matmul_unsupported(x_shape, widths, dtype, axis_size, words):
+    reason = agk.unsupported_reason(x_shape, widths, dtype, axis_size)
+    assert reason is not None and words in reason, reason
+
+
+@pytest.mark.parametrize("x_shapes,w_shapes,dtype", [
+    ([(4736, 3456)], [(3456, 5120)], BF16),                           # Wan FFN down
+    ([(4608, 768), (4608, 3072)], [(768, 3072), (3072, 3072)], BF16),  # FLUX single-block out
+    ([(2, 64, 128)], [(128, 256)], F32),
+])
+def test_matmul_reduce_scatter_supported(x_shapes, w_shapes, dtype):
+    assert rsk.unsupported_reason(x_shapes, w_shapes, dtype, 4) is None
+    assert rsk.vmem_plan(x_shapes, w_shapes, dtype, 4).limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
+
+
+@pytest.mark.parametrize("x_shapes,w_shapes,dtype,words", [
+    ([(4680, 3456)], [(3456, 5120)], BF16, "multiple of 16 rows"),
+    ([(4736, 3456)], [(3456, 5000)], BF16, "N = 5000"),
+    ([(4736, 3400)], [(3400, 5120)], BF16, "multiples of 128"),
+    ([(4736, 128)] * 3, [(128, 512)] * 3, BF16, "one or two"),
+    ([(4736, 128), (2368, 128)], [(128, 512)] * 2, BF16, "do not share"),
+    ([(4736, 128), (4736, 128)], [(128, 512), (128, 256)], BF16, "do not share"),
+    ([(4, 4736, 3456)], [(3456, 5120)], BF16, "VMEM budget exceeded"),
+    ([(4736, 3456)], [(3456, 5120)], jnp.float16, "float16"),
+])
+def test_matmul_reduce_scatter_unsupported(x_shapes, w_shapes, dtype, words):
+    reason = rsk.unsupported_reason(x_shapes, w_shapes, dtype, 4)
+    assert reason is not None and words in reason, reason
