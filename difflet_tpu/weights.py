@@ -225,9 +225,13 @@ def _permute_last(a, perm):
 
 
 def validate(ckpt: Checkpoint, key_map: dict[str, Key], shapes: dict[str, tuple], where: str):
-    """Missing, unexpected and mis-shaped keys, all at once."""
+    """Missing, unexpected and mis-shaped keys, all at once (one WeightsError listing every problem)."""
     problems, expected = [], set()
+    for path in sorted(set(key_map) - set(shapes)):
+        problems.append(f"key map entry {path} names no parameter of the model")
     for path, key in key_map.items():
+        if path not in shapes:
+            continue
         if key.transform not in TRANSFORMS:
             problems.append(f"{path}: unknown transform {key.transform!r}")
             continue
@@ -240,13 +244,28 @@ def validate(ckpt: Checkpoint, key_map: dict[str, Key], shapes: dict[str, tuple]
                 continue
             got = ckpt.shape(name)
             if want is not None and got != want:
-                problems.append(f"wrong shape for {name}: checkpoint {got}, expected {want}")
-            elif want is None and int(np.prod(got)) != int(np.prod(per_layer)):
-                problems.append(f"wrong shape for {name}: checkpoint {got}, expected {per_layer} elements")
+                problems.append(f"wrong shape for {name} in {ckpt.where[name]}: checkpoint {got}, "
+                                f"expected {want} (for {path} {shapes[path]})")
+            elif want is None and (int(np.prod(got)) != int(np.prod(per_layer))
+                                   or not got or got[0] != per_layer[-1]):
+                problems.append(f"wrong shape for {name} in {ckpt.where[name]}: checkpoint {got}, expected "
+                                f"[{per_layer[-1]}, ...] with {int(np.prod(per_layer))} elements "
+                                f"(for {path} {shapes[path]})")
     unexpected = sorted(set(ckpt.keys()) - expected)
-    problems += [f"unexpected key {k}" for k in unexpected]
+    problems += [f"unexpected key {k} in {ckpt.where[k]}" for k in unexpected]
     if problems:
         raise WeightsError(f"{where}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+
+
+def target_dtype(key: Key, leaf_dtype, dtype):
+    """The dtype a parameter is loaded as: the key's own dtype (kept fp32 tables), else
+    `dtype` (None: the model's), and never a cast of an integer / bool parameter."""
+    if key.dtype is not None:
+        return jnp.dtype(key.dtype)
+    leaf_dtype = jnp.dtype(leaf_dtype)
+    if dtype is None or not jnp.issubdtype(leaf_dtype, jnp.floating):
+        return leaf_dtype
+    return jnp.dtype(dtype)
 
 
 # --------------------------------------------------------------------------
@@ -254,12 +273,23 @@ def validate(ckpt: Checkpoint, key_map: dict[str, Key], shapes: dict[str, tuple]
 # --------------------------------------------------------------------------
 
 def port_for(class_name: str):
-    """The port module for a diffusers `_class_name`."""
+    """The port for a diffusers `_class_name`.
+
+    `difflet_tpu.models.REGISTRY` maps class names to port module names; an
+    entry may also be a module-like object itself (tests register toy ports
+    with `monkeypatch.setitem(REGISTRY, name, obj)`).
+    """
     from difflet_tpu.models import REGISTRY
 
     if class_name not in REGISTRY:
         raise WeightsError(f"unknown _class_name {class_name!r}; supported: {', '.join(sorted(REGISTRY))}")
-    return importlib.import_module(REGISTRY[class_name])
+    port = REGISTRY[class_name]
+    if not isinstance(port, str):
+        return port
+    try:
+        return importlib.import_module(port)
+    except ImportError as e:
+        raise WeightsError(f"_class_name {class_name!r}: its port {port} cannot be imported ({e})") from e
 
 
 def read_config(path) -> dict:
@@ -285,7 +315,10 @@ def load_params(model, ckpt: Checkpoint, key_map: dict[str, Key], *, dtype, mesh
         raise WeightsError(f"key map has no entry for parameters {missing_map}")
     validate(ckpt, key_map, shapes, where or str(ckpt.path))
     if mesh is not None:
-        check_divisible(plan, params, mesh.shape["tp"])
+        try:
+            check_divisible(plan, params, mesh.shape["tp"])
+        except ValueError as e:
+            raise WeightsError(f"{where or ckpt.path}: {e}") from None
         specs = param_specs(params, plan)
     else:
         specs = None
@@ -299,7 +332,7 @@ def load_params(model, ckpt: Checkpoint, key_map: dict[str, Key], *, dtype, mesh
         pname = ".".join(names[:-1] if names[-1] == "value" else names)
         key = key_map[pname]
         shape = tuple(leaf.shape)
-        target = jnp.dtype(key.dtype) if key.dtype else jnp.dtype(leaf.dtype if dtype is None else dtype)
+        target = target_dtype(key, leaf.dtype, dtype)
         sharding = NamedSharding(mesh, spec) if mesh is not None else SingleDeviceSharding(dev)
 
         def cb(index, key=key, shape=shape, target=target):
@@ -310,36 +343,73 @@ def load_params(model, ckpt: Checkpoint, key_map: dict[str, Key], *, dtype, mesh
     return nnx.merge(graphdef, params, rest)
 
 
+def abstract_port_model(port, port_config, *, dtype):
+    """The port's model without memory: parameters are ShapeDtypeStructs."""
+    return nnx.eval_shape(lambda: port.build(port_config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def fill_state(model, port, port_config, *, dtype, mesh=None, plan=None):
+    """Materialises the non-parameter state of a model whose parameters are loaded
+    (buffers a port computes from its config, if any; most ports have none).
+
+    Computed under `jit` from `port.build`, so the parameter initialisation is
+    dead code and never runs; placed with the plan's sharding on `mesh`.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(rest)):
+        return model
+    rest = jax.jit(lambda: nnx.state(port.build(port_config, dtype=dtype, rngs=nnx.Rngs(0)),
+                                     nnx.Not(nnx.Param)))()
+    if mesh is not None:
+        rest = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), rest,
+                            param_specs(rest, plan))
+    return nnx.merge(graphdef, params, rest)
+
+
 def load_transformer(path, *, dtype=jnp.bfloat16, mesh=None, config=None, cache_dir=None, **overrides):
     """A ready port of the diffusers transformer at `path`.
 
     Args:
       path: a diffusers transformer directory (config.json + safetensors).
-      dtype: parameter dtype (the port keeps fp32 where the reference does).
+      dtype: parameter dtype (the port keeps fp32 where the reference does,
+        through `Key(dtype="float32")`).
       mesh: a `tp` mesh from `make_mesh`; each parameter is placed with its
         plan's sharding and each device reads only its slice. None: one device.
       config: a `difflet_tpu.Config` (default: the environment); its
         `split_rope` decides the q/k layout.
       cache_dir: an orbax cache of the converted parameters (see
-        `difflet_tpu.checkpoint`); a second load restores from it.
-      overrides: port-specific build options.
+        `difflet_tpu.checkpoint`): the first load converts and saves them, a
+        later load with the same checkpoint, port config and dtype restores
+        them onto `mesh` without reading the safetensors.
+      overrides: port-specific build options (passed to `config_from_diffusers`).
+
+    Raises:
+      WeightsError: before anything is compiled, for an unknown `_class_name`,
+        a config value the port does not support, missing / unexpected /
+        mis-shaped keys (all listed together), truncated or corrupt files,
+        an index naming a missing shard, or a missing config.json.
     """
     from difflet_tpu.config import Config
 
     config = Config.from_env() if config is None else config
     cfg = read_config(path)
     port = port_for(cfg["_class_name"])
-    port_config = port.config_from_diffusers(cfg, split_rope=config.split_rope, **overrides)
+    try:
+        port_config = port.config_from_diffusers(cfg, split_rope=config.split_rope, **overrides)
+    except ValueError as e:
+        raise WeightsError(f"{pathlib.Path(path) / 'config.json'}: not supported by "
+                           f"{getattr(port, '__name__', port)}: {e}") from None
     if cache_dir is not None:
         from difflet_tpu import checkpoint
 
         cached = checkpoint.restore_if_cached(cache_dir, path, port, port_config, dtype=dtype, mesh=mesh)
         if cached is not None:
             return cached
-    abstract = nnx.eval_shape(lambda: port.build(port_config, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = abstract_port_model(port, port_config, dtype=dtype)
     ckpt = Checkpoint(path)
     model = load_params(abstract, ckpt, port.key_map(port_config, abstract), dtype=dtype, mesh=mesh,
                         plan=port.PLAN, where=str(path))
+    model = fill_state(model, port, port_config, dtype=dtype, mesh=mesh, plan=port.PLAN)
     if cache_dir is not None:
         from difflet_tpu import checkpoint
 
