@@ -1,0 +1,714 @@
+"""Step-time estimate from a compiled (scheduled) TPU HLO module: an ESTIMATE.
+
+No TPU is needed: `jax.jit(step).trace(...).lower().compile()` for a
+deviceless topology (difflet_tpu.deviceless) gives the scheduled HLO, and
+this module replays that schedule on a simple machine model:
+
+* one compute stream that runs the scheduled instructions in order; an XLA
+  fusion advances it by its `estimated_cycles` (backend_config) at the chip
+  clock; a Pallas kernel (`tpu_custom_call`) by a roofline of its
+  `pl.CostEstimate` (max of flops / peak, bytes / HBM bandwidth, remote bytes
+  / ICI bandwidth); other array instructions (copies, transposes without a
+  cycle count) by an HBM roofline of the bytes they read and write; scalar
+  bookkeeping costs nothing;
+* async collectives (`collective-permute-start` / `-done`,
+  `all-gather-start`, `all-reduce-start`, ...) as ICI transfers that start
+  when the compute stream reaches the `-start` and that the `-done` waits
+  for; transfers over the same links (same source-target pairs) queue behind
+  each other, the two directions of a ring run in parallel;
+* synchronous collectives (`all-reduce`, `reduce-scatter`, `all-gather`,
+  `collective-permute`, `all-to-all`) block the compute stream for their
+  transfer time;
+* async local copies (`copy-start`, `slice-start`: HBM <-> VMEM prefetches)
+  as DMA transfers at HBM bandwidth on their own queue;
+* `while` loops run their body once per trip (trip count read from the
+  condition: `induction < constant`), `conditional` takes its costliest
+  branch, `call` inlines.
+
+Transfer times: a collective-permute of B bytes over one link takes
+`B / link_bw + latency`; a ring collective over P chips (XLA runs them
+bidirectionally, two links per chip) moves `(P-1)/P * B` (all-gather on its
+output, reduce-scatter on its input, all-to-all) or `2 (P-1)/P * B`
+(all-reduce) per chip at `2 * link_bw`, plus `latency` per ring step.
+
+The constants (`Chip`) and their sources are documented in
+docs/benchmarks.md. The compiler's `estimated_cycles` for non-matmul fusions
+(`COST_MODEL_TYPE_INVALID`) are known to run high; `Calibration.nonmatmul`
+scales them (one factor, fit on the reference PR's TP rows only, see
+`fit_nonmatmul_scale`). Everything here is a model of the schedule, not a
+measurement.
+
+This parser is local on purpose: Pallas custom-calls print multi-line
+`frontend_attributes` whose continuation lines start with `}`, which
+difflet_tpu.hlo takes for the end of the computation.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+from typing import Iterable
+
+# --------------------------------------------------------------------------
+# Machine constants
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """Per-chip constants of the machine model (sources: docs/benchmarks.md)."""
+
+    name: str
+    clock_hz: float         # TensorCore clock: estimated_cycles -> seconds
+    bf16_flops: float       # peak bf16 FLOP/s per chip
+    hbm_bw: float           # HBM bytes/s
+    hbm_bytes: int          # HBM capacity
+    ici_link_bw: float      # bytes/s one way per ICI link
+    ici_latency: float      # seconds per hop / ring step
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+CHIPS = {
+    "v5e": Chip("v5e", clock_hz=1.5e9, bf16_flops=197e12, hbm_bw=819e9, hbm_bytes=16 * 2**30,
+                ici_link_bw=45e9, ici_latency=1e-6),
+    "v6e": Chip("v6e", clock_hz=1.75e9, bf16_flops=918e12, hbm_bw=1640e9, hbm_bytes=32 * 2**30,
+                ici_link_bw=90e9, ici_latency=1e-6),
+}
+
+
+def chip_for(topology: str) -> Chip:
+    gen = topology.split(":", 1)[0]
+    if gen not in CHIPS:
+        raise ValueError(f"no chip constants for {gen!r} (topology {topology!r}); known: {sorted(CHIPS)}")
+    return CHIPS[gen]
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """At most one fitted factor: scales the compiler's cycle estimate of
+    non-matmul fusions (`COST_MODEL_TYPE_INVALID`). 1.0 = uncalibrated."""
+
+    nonmatmul: float = 1.0
+    source: str = "uncalibrated"
+
+
+# --------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------
+
+_DTYPE_BYTES = {
+    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
+    "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
+    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "token": 0,
+}
+_ARRAY = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
+_COMP_HEAD = re.compile(r"^(ENTRY )?%?(?P<name>[\w.\-]+) \(.*\) -> .*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<type>.+?) (?P<op>[a-z][a-z0-9\-]*)\((?P<rest>.*)$")
+_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+(?:, ?%[\w.\-]+)*)\}?")
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_COST_TYPE = re.compile(r'"cost_model_type":"(\w+)"')
+_PALLAS_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"(\d+)","bytes_accessed":"(\d+)"'
+                          r'(?:,"remote_bytes_transferred":"(\d+)")?')
+_PAIRS = re.compile(r"source_target_pairs=\{([\d,{} ]*)\}")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]+)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_OPNAME = re.compile(r'op_name="([^"]*)"')
+_OPERAND = re.compile(r"%([\w.\-]+)")
+
+
+def array_shapes(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of every array in an HLO type string (tuples flattened)."""
+    out = []
+    for dt, dims in _ARRAY.findall(type_str):
+        out.append((dt, tuple(int(d) for d in dims.split(",") if d)))
+    return out
+
+
+def array_bytes(dtype: str, dims) -> float:
+    return _DTYPE_BYTES[dtype] * math.prod(dims)
+
+
+def type_bytes(type_str: str) -> float:
+    return sum(array_bytes(dt, d) for dt, d in array_shapes(type_str))
+
+
+@dataclasses.dataclass
+class Op:
+    name: str
+    op: str
+    type: str
+    text: str
+
+    @property
+    def calls(self) -> list[str]:
+        out = []
+        for group in _CALLS.findall(self.text):
+            out += [c.strip().lstrip("%") for c in group.split(",")]
+        return out
+
+    @property
+    def operands(self) -> list[str]:
+        args = self.text.split(self.op + "(", 1)[1]
+        depth, end = 1, 0
+        for end, ch in enumerate(args):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                break
+        return _OPERAND.findall(args[:end])
+
+    @property
+    def cycles(self) -> int | None:
+        m = _CYCLES.search(self.text)
+        return int(m.group(1)) if m else None
+
+    @property
+    def cost_type(self) -> str | None:
+        m = _COST_TYPE.search(self.text)
+        return m.group(1) if m else None
+
+    @property
+    def op_name(self) -> str:
+        m = _OPNAME.search(self.text)
+        return m.group(1) if m else ""
+
+    @property
+    def out_bytes(self) -> float:
+        return type_bytes(self.type)
+
+
+@dataclasses.dataclass
+class Module:
+    computations: dict[str, list[Op]]
+    entry: str
+
+    def __post_init__(self):
+        self.index = {c: {o.name: o for o in ops} for c, ops in self.computations.items()}
+
+    @property
+    def schedule(self) -> list[Op]:
+        return self.computations[self.entry]
+
+    def lookup(self, comp: str, name: str) -> Op | None:
+        return self.index.get(comp, {}).get(name)
+
+    def contains(self, comp: str, pred, _seen=None) -> bool:
+        _seen = set() if _seen is None else _seen
+        if comp in _seen or comp not in self.computations:
+            return False
+        _seen.add(comp)
+        return any(pred(o) or any(self.contains(c, pred, _seen) for c in o.calls)
+                   for o in self.computations[comp])
+
+
+def parse(text: str) -> Module:
+    """Computations of an HLO module's text, instructions in schedule order.
+
+    Instructions may span lines (Pallas kernels print multi-line attributes);
+    a computation ends at a line that is exactly `}`.
+    """
+    comps: dict[str, list[Op]] = {}
+    entry = None
+    current = None
+    for line in text.splitlines():
+        if current is None:
+            m = _COMP_HEAD.match(line)
+            if m:
+                current = m.group("name")
+                comps[current] = []
+                if m.group(1):
+                    entry = current
+            continue
+        if line.strip() == "}" and not line.startswith(" "):
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if m:
+            comps[current].append(Op(m.group("name"), m.group("op"), m.group("type"), line))
+        elif comps[current]:
+            comps[current][-1].text += "\n" + line
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return Module(comps, entry)
+
+
+# --------------------------------------------------------------------------
+# Classification
+# --------------------------------------------------------------------------
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
+               "collective-broadcast")
+FREE_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
+            "replica-id", "after-all", "opt-barrier", "iota", "add-dependency", "domain"}
+MATMUL_OPS = ("dot", "convolution")
+
+
+def is_pallas(o: Op) -> bool:
+    return o.op == "custom-call" and "tpu_custom_call" in o.text
+
+
+def group_size(o: Op, default: int) -> int:
+    """Participants of a collective, from its replica_groups."""
+    m = _GROUPS_MESH.search(o.text)
+    if m:
+        return math.prod(int(x) for x in re.findall(r"=(\d+)", m.group(1))) or default
+    m = _GROUPS_LIST.search(o.text)
+    if m:
+        return len(m.group(1).split(","))
+    m = _GROUPS_IOTA.search(o.text)
+    if m:
+        return int(m.group(2))
+    return default
+
+
+def permute_pairs(o: Op) -> tuple:
+    m = _PAIRS.search(o.text)
+    if not m:
+        return ()
+    return tuple(sorted(tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", m.group(0))))
+
+
+# --------------------------------------------------------------------------
+# The simulation
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CollectiveStat:
+    kind: str
+    count: int = 0
+    bytes: float = 0.0      # bytes sent per chip, summed over executions
+    overlapped: int = 0     # async executions with compute scheduled between start and done
+    sync: int = 0           # executions that block the compute stream
+    seconds: float = 0.0    # modelled transfer time, summed
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Estimate:
+    """Modelled time of one program execution and where it goes (seconds)."""
+
+    total: float = 0.0
+    matmul: float = 0.0          # XLA fusions that contain a dot/convolution
+    nonmatmul: float = 0.0       # other XLA fusions (elementwise, norms, reductions, relayouts)
+    pallas: float = 0.0          # Pallas kernels (attention, collective matmuls)
+    other: float = 0.0           # copies, transposes and other unfused array ops
+    sync_collective: float = 0.0  # compute stream blocked in synchronous collectives
+    exposed_transfer: float = 0.0  # compute stream waiting at -done of async collectives
+    exposed_dma: float = 0.0     # compute stream waiting at -done of local async copies
+    collectives: dict = dataclasses.field(default_factory=dict)
+    pallas_kernels: dict = dataclasses.field(default_factory=dict)  # name -> seconds
+    warnings: list = dataclasses.field(default_factory=list)
+
+    def to_dict(self):
+        d = dataclasses.asdict(self)
+        d["collectives"] = {k: v.to_dict() for k, v in self.collectives.items()}
+        return d
+
+    @property
+    def compute(self) -> float:
+        return self.matmul + self.nonmatmul + self.pallas + self.other
+
+
+class Simulator:
+    def __init__(self, module: Module, chip: Chip, calibration: Calibration = Calibration(),
+                 num_partitions: int = 1):
+        self.m = module
+        self.chip = chip
+        self.cal = calibration
+        self.P = num_partitions
+        self.t = 0.0
+        self.queues: dict = collections.defaultdict(float)  # resource -> free time
+        self.pending: dict = {}   # start op name -> (finish time, kind, is_collective)
+        self.est = Estimate()
+        self._matmul_cache: dict = {}
+
+    # ---- costs -----------------------------------------------------------
+
+    def fusion_has_matmul(self, o: Op) -> bool:
+        key = tuple(o.calls)
+        if key not in self._matmul_cache:
+            self._matmul_cache[key] = any(
+                self.m.contains(c, lambda x: x.op in MATMUL_OPS) for c in o.calls)
+        return self._matmul_cache[key]
+
+    def compute_cost(self, comp: str, o: Op) -> tuple[str, float]:
+        """(category, seconds) of a compute-stream instruction."""
+        cyc = o.cycles
+        if cyc is not None:
+            s = cyc / self.chip.clock_hz
+            if o.op == "fusion" and self.fusion_has_matmul(o):
+                return "matmul", s
+            if o.cost_type == "COST_MODEL_TYPE_INVALID":
+                s *= self.cal.nonmatmul
+            return ("nonmatmul" if o.op == "fusion" else "other"), s
+        if is_pallas(o):
+            return "pallas", self.pallas_cost(comp, o)
+        if o.op in FREE_OPS or "S(6)" in o.type.split(" ")[0] or o.out_bytes <= 64:
+            return "free", 0.0
+        # unfused array ops without a cycle count: HBM roofline of what they read and write
+        in_bytes = sum(type_bytes(x.type) for x in (self.m.lookup(comp, n) for n in o.operands) if x)
+        b = o.out_bytes + (o.out_bytes if o.op == "dynamic-update-slice" else in_bytes)
+        return "other", b / self.chip.hbm_bw
+
+    def pallas_cost(self, comp: str, o: Op) -> float:
+        m = _PALLAS_COST.search(o.text)
+        name = o.op_name.rsplit("/", 2)[-2] if "/" in o.op_name else o.name
+        if not m:
+            s = self.attention_cost(comp, o)
+            if s is None:
+                self.est.warnings.append(f"Pallas kernel {name} has no cost estimate; priced by its output bytes")
+                s = 2 * o.out_bytes / self.chip.hbm_bw
+        else:
+            flops, _, nbytes, remote = (int(g) if g else 0 for g in m.groups())
+            if not remote:
+                remote = self.kernel_remote_bytes(comp, o)
+            s = max(flops / self.chip.bf16_flops, nbytes / self.chip.hbm_bw,
+                    remote / (2 * self.chip.ici_link_bw) if remote else 0.0)
+        self.est.pallas_kernels[name] = self.est.pallas_kernels.get(name, 0.0) + s
+        return s
+
+    def attention_cost(self, comp: str, o: Op) -> float | None:
+        """jax's splash/flash attention kernels carry no CostEstimate: a roofline
+        of `4 * Sq * Skv * D` per head (QK^T and PV) and q, k, v, out read once."""
+        refs = {}
+        for n in o.operands:
+            for key in ("q_ref", "k_ref", "v_ref"):
+                if n.endswith(key):
+                    x = self.m.lookup(comp, n)
+                    if x is not None and array_shapes(x.type):
+                        refs[key] = array_shapes(x.type)[0]
+        if "q_ref" not in refs or "k_ref" not in refs:
+            return None
+        (qdt, q), (_, k) = refs["q_ref"], refs["k_ref"]
+        flops = 4 * math.prod(q[:-1]) * k[-2] * q[-1]
+        nbytes = 2 * array_bytes(qdt, q) + sum(array_bytes(*refs[x]) for x in refs if x != "q_ref")
+        return max(flops / self.chip.bf16_flops, nbytes / self.chip.hbm_bw)
+
+    def kernel_remote_bytes(self, comp: str, o: Op) -> float:
+        """ICI bytes a collective-matmul kernel sends per chip, from its shapes,
+        when its CostEstimate does not say (both ring directions together)."""
+        P = self.P
+        if P <= 1:
+            return 0.0
+        ops = [self.m.lookup(comp, n) for n in o.operands]
+        arrays = [array_shapes(x.type)[0] for x in ops if x is not None and array_shapes(x.type)]
+        if "all_gather_matmul" in o.op_name or "all_gather_matmul" in o.name:
+            x = max((a for a in arrays if len(a[1]) >= 2), key=lambda a: array_bytes(*a), default=None)
+            return (P - 1) * array_bytes(*x) if x else 0.0
+        if "matmul_reduce_scatter" in o.op_name or "matmul_reduce_scatter" in o.name:
+            outs = array_shapes(o.type)
+            return (P - 1) * sum(array_bytes(*a) for a in outs)
+        return 0.0
+
+    def transfer(self, comp: str, o: Op, kind: str) -> tuple[float, float, object]:
+        """(seconds, bytes sent per chip, ICI resource) of a collective."""
+        c = self.chip
+        P = group_size(o, self.P)
+        if kind == "collective-permute":
+            arrays = array_shapes(o.type)
+            nbytes = array_bytes(*arrays[0]) if arrays else 0.0
+            pairs = permute_pairs(o)
+            return nbytes / c.ici_link_bw + c.ici_latency, nbytes, ("permute", pairs)
+        if P <= 1:
+            return 0.0, 0.0, ("ring",)
+        arrays = array_shapes(o.type)
+        out = max((array_bytes(*a) for a in arrays), default=0.0)
+        if kind == "all-reduce":
+            moved, steps = 2 * (P - 1) / P * out, 2 * (P - 1)
+        elif kind == "reduce-scatter":
+            ins = [self.m.lookup(comp, n) for n in o.operands]
+            inb = sum(type_bytes(x.type) for x in ins if x) or out * P
+            moved, steps = (P - 1) / P * inb, P - 1
+        else:  # all-gather, all-to-all, collective-broadcast
+            moved, steps = (P - 1) / P * out, P - 1
+        return moved / (2 * c.ici_link_bw) + steps * c.ici_latency, moved, ("ring",)
+
+    def stat(self, kind) -> CollectiveStat:
+        return self.est.collectives.setdefault(kind, CollectiveStat(kind))
+
+    # ---- the schedule ----------------------------------------------------
+
+    def run(self, comp: str | None = None):
+        comp = comp or self.m.entry
+        ops = self.m.computations[comp]
+        for i, o in enumerate(ops):
+            self.step(comp, ops, i, o)
+
+    def step(self, comp, ops, i, o: Op):
+        op = o.op
+        if op == "while":
+            cond, body = self._while_parts(o)
+            trips = self.trip_count(comp, o, cond)
+            for _ in range(trips):
+                self.run(body)
+            return
+        if op == "conditional":
+            branches = o.calls
+            best = None
+            for b in branches:  # costliest branch: simulate each from the same state
+                saved = (self.t, dict(self.queues), dict(self.pending), self._snapshot())
+                self.run(b)
+                cand = (self.t, dict(self.queues), dict(self.pending), self._snapshot())
+                if best is None or cand[0] > best[0]:
+                    best = cand
+                self.t, self.queues, self.pending = saved[0], collections.defaultdict(float, saved[1]), saved[2]
+                self._restore(saved[3])
+            self.t, self.queues, self.pending = best[0], collections.defaultdict(float, best[1]), best[2]
+            self._restore(best[3])
+            return
+        if op == "call":
+            for c in o.calls:
+                self.run(c)
+            return
+        kind = self._collective_kind(comp, o)
+        if op.endswith("-start"):
+            if kind:
+                dur, nbytes, res = self.transfer(comp, o, kind)
+                start = max(self.t, self.queues[res])
+                if res == ("ring",):  # a ring collective uses every link
+                    start = max([start] + [v for k, v in self.queues.items() if k[0] == "permute"])
+                finish = start + dur
+                self.queues[res] = finish
+                st = self.stat(kind)
+                st.count += 1
+                st.bytes += nbytes
+                st.seconds += dur
+                done_idx = next((j for j in range(i + 1, len(ops)) if o.name in ops[j].operands
+                                 and ops[j].op.endswith("-done")), None)
+                if done_idx is not None and any(self._is_compute(comp, x) for x in ops[i + 1:done_idx]):
+                    st.overlapped += 1
+                self.pending[o.name] = (finish, kind, True)
+            else:  # local DMA (copy-start, slice-start, async computations)
+                arrays = [a for a in array_shapes(o.type) if array_bytes(*a) > 64]
+                nbytes = min((array_bytes(*a) for a in arrays), default=0.0)
+                start = max(self.t, self.queues["dma"])
+                finish = start + nbytes / self.chip.hbm_bw
+                self.queues["dma"] = finish
+                self.pending[o.name] = (finish, op, False)
+            return
+        if op.endswith("-done"):
+            src = next((n for n in o.operands if n in self.pending), None)
+            if src is None:
+                # started in an earlier loop iteration (carried through the loop state):
+                # priced as if it started at the top of this body
+                if kind:
+                    dur, nbytes, _ = self.transfer(comp, o, kind)
+                    self.est.warnings.append(f"{o.name}: start not found in {comp}; transfer priced as exposed")
+                    self.t += dur
+                    self.est.exposed_transfer += dur
+                return
+            finish, k, is_coll = self.pending.pop(src)
+            wait = max(0.0, finish - self.t)
+            if is_coll:
+                self.est.exposed_transfer += wait
+            else:
+                self.est.exposed_dma += wait
+            self.t += wait
+            return
+        if kind and op in COLLECTIVES:  # synchronous collective
+            dur, nbytes, res = self.transfer(comp, o, kind)
+            busy = [v for k, v in self.queues.items() if k != "dma"] if res == ("ring",) else [self.queues[res]]
+            start = max([self.t] + busy)
+            finish = start + dur
+            self.queues[res] = finish
+            st = self.stat(kind)
+            st.count += 1
+            st.bytes += nbytes
+            st.sync += 1
+            st.seconds += dur
+            self.est.sync_collective += finish - self.t
+            self.t = finish
+            return
+        cat, s = self.compute_cost(comp, o)
+        if cat != "free":
+            setattr(self.est, cat, getattr(self.est, cat) + s)
+            self.t += s
+
+    def _snapshot(self):
+        return json.dumps(self.est.to_dict(), default=str)
+
+    def _restore(self, snap):
+        d = json.loads(snap)
+        cols = {k: CollectiveStat(**v) for k, v in d.pop("collectives").items()}
+        self.est = Estimate(**d)
+        self.est.collectives = cols
+
+    def _collective_kind(self, comp, o: Op) -> str | None:
+        base = o.op[:-6] if o.op.endswith("-start") else o.op[:-5] if o.op.endswith("-done") else o.op
+        if base in COLLECTIVES:
+            return base
+        if base == "async":  # async-start wrapping a computation: look inside
+            for c in o.calls:
+                for x in self.m.computations.get(c, []):
+                    if x.op in COLLECTIVES:
+                        return x.op
+            if o.op.endswith("-done"):
+                src = next((self.m.lookup(comp, n) for n in o.operands), None)
+                if src is not None:
+                    return self._collective_kind(comp, src)
+        return None
+
+    def _is_compute(self, comp, o: Op) -> bool:
+        if is_pallas(o) or o.op in MATMUL_OPS:
+            return True
+        return o.op == "fusion" and (o.cycles or 0) > 0
+
+    def _while_parts(self, o: Op):
+        cond = re.search(r"condition=%?([\w.\-]+)", o.text).group(1)
+        body = re.search(r"body=%?([\w.\-]+)", o.text).group(1)
+        return cond, body
+
+    def trip_count(self, comp: str, o: Op, cond: str) -> int:
+        m = re.search(r'"known_trip_count":\{"n":"(\d+)"', o.text)
+        if m:
+            return int(m.group(1))
+        ops = self.m.computations.get(cond, [])
+        idx = {x.name: x for x in ops}
+        root = next((x for x in ops if x.text.lstrip().startswith("ROOT")), ops[-1] if ops else None)
+        trips = None
+        if root is not None:
+            # fused conditions: look through one fusion level
+            if root.op == "fusion" and root.calls:
+                inner = self.m.computations.get(root.calls[0], [])
+                r2 = next((x for x in inner if x.text.lstrip().startswith("ROOT")), None)
+                trips = self._compare_trips(r2, {x.name: x for x in inner}, idx, root) if r2 else None
+            else:
+                trips = self._compare_trips(root, idx, idx, None)
+        if trips is None:
+            self.est.warnings.append(f"while {o.name}: trip count unknown, counted once")
+            return 1
+        limit, tuple_index, direction = trips
+        init = 0
+        if tuple_index is not None:
+            init_op = self.m.lookup(comp, o.operands[0]) if o.operands else None
+            if init_op is not None and init_op.op == "tuple":
+                src = self.m.lookup(comp, init_op.operands[tuple_index]) if tuple_index < len(init_op.operands) else None
+                if src is not None and src.op == "constant":
+                    v = re.search(r"constant\((-?\d+)\)", src.text)
+                    init = int(v.group(1)) if v else 0
+        n = limit - init + (1 if direction == "LE" else 0)
+        return max(n, 0)
+
+    def _compare_trips(self, root, idx, outer_idx, fusion):
+        if root is None or root.op != "compare":
+            return None
+        d = re.search(r"direction=(\w+)", root.text)
+        direction = d.group(1) if d else "LT"
+        if direction not in ("LT", "LE"):
+            return None
+        a, b = (root.operands + [None, None])[:2]
+        const = lambda n: idx.get(n) if n in idx and idx[n].op == "constant" else None
+        c = const(b)
+        other = a
+        if c is None and fusion is not None and b in idx and idx[b].op == "parameter":
+            # a fused compare whose limit is a fusion operand
+            pnum = int(re.search(r"parameter\((\d+)\)", idx[b].text).group(1))
+            src = outer_idx.get(fusion.operands[pnum]) if pnum < len(fusion.operands) else None
+            c = src if src is not None and src.op == "constant" else None
+        if c is None:
+            return None
+        v = re.search(r"constant\((-?\d+)\)", c.text)
+        if not v:
+            return None
+        tuple_index = None
+        src = idx.get(other)
+        if src is not None and src.op == "parameter" and fusion is not None:
+            pnum = int(re.search(r"parameter\((\d+)\)", src.text).group(1))
+            src = outer_idx.get(fusion.operands[pnum]) if pnum < len(fusion.operands) else None
+        if src is not None and src.op == "get-tuple-element":
+            ti = re.search(r"index=(\d+)", src.text)
+            tuple_index = int(ti.group(1)) if ti else None
+        return int(v.group(1)), tuple_index, direction
+
+
+def num_partitions(text: str) -> int:
+    m = re.search(r"num_partitions=(\d+)", text[:4000])
+    return int(m.group(1)) if m else 1
+
+
+def estimate(hlo_text: str, chip: Chip | str = "v5e", calibration: Calibration = Calibration()) -> Estimate:
+    """Replays a compiled module's schedule on the machine model (see module doc)."""
+    chip = CHIPS[chip] if isinstance(chip, str) else chip
+    sim = Simulator(parse(hlo_text), chip, calibration, num_partitions(hlo_text))
+    sim.run()
+    # transfers still in flight at the end of the program finish before it returns
+    tail = max([sim.t] + [f for f, _, _ in sim.pending.values()])
+    sim.est.exposed_transfer += tail - sim.t
+    sim.est.total = tail
+    sim.est.warnings = sorted(set(sim.est.warnings))[:20]
+    return sim.est
+
+
+# --------------------------------------------------------------------------
+# Static facts of a compiled step: overlap as scheduled
+# --------------------------------------------------------------------------
+
+
+def schedule_overlap(hlo_text: str) -> dict:
+    """Per collective kind: async pairs in the static schedule and how many
+    have compute scheduled between start and done (not multiplied by trip counts)."""
+    m = parse(hlo_text)
+    sim = Simulator(m, CHIPS["v5e"])
+    out = collections.defaultdict(lambda: [0, 0])
+    for comp, ops in m.computations.items():
+        names = {o.name: i for i, o in enumerate(ops)}
+        for j, o in enumerate(ops):
+            if not o.op.endswith("-done"):
+                continue
+            kind = sim._collective_kind(comp, o)
+            if not kind:
+                continue
+            src = next((n for n in o.operands if n in names), None)
+            if src is None:
+                continue
+            i = names[src]
+            out[kind][0] += 1
+            out[kind][1] += any(sim._is_compute(comp, x) for x in ops[i + 1:j])
+    return {k: dict(pairs=v[0], overlapped=v[1]) for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------
+# Calibration
+# --------------------------------------------------------------------------
+
+
+def fit_nonmatmul_scale(rows: Iterable[tuple[Estimate, float]], chip: Chip | None = None) -> float:
+    """The one factor `k` on non-matmul fusion time that makes
+    `total - (1 - k) * nonmatmul` match measured step times (least squares
+    over `(estimate at k=1, measured seconds)` rows), clipped to [0.2, 1.5].
+
+    Exposed waits can change when non-matmul time shrinks; the fit treats
+    them as fixed, which is exact for TP (synchronous all-reduces) — the rows
+    it is meant to be fit on.
+    """
+    rows = list(rows)
+    # measured = (total - nonmatmul) + k * nonmatmul
+    num = sum(e.nonmatmul * (meas - (e.total - e.nonmatmul)) for e, meas in rows)
+    den = sum(e.nonmatmul ** 2 for e, _ in rows)
+    if den == 0:
+        return 1.0
+    return float(min(1.5, max(0.2, num / den)))
+
+
+def summarize(est: Estimate) -> dict:
+    """A compact dict of an estimate in milliseconds (for tables and JSON)."""
+    ms = lambda s: round(1e3 * s, 3)
+    return dict(
+        step_ms=ms(est.total), matmul_ms=ms(est.matmul), nonmatmul_ms=ms(est.nonmatmul),
+        pallas_ms=ms(est.pallas), other_ms=ms(est.other), sync_collective_ms=ms(est.sync_collective),
+        exposed_transfer_ms=ms(est.exposed_transfer), exposed_dma_ms=ms(est.exposed_dma),
+        pallas_kernels_ms={k: ms(v) for k, v in sorted(est.pallas_kernels.items())},
+        collectives={k: dict(count=v.count, bytes_per_chip=int(v.bytes), overlapped=v.overlapped,
+                             sync=v.sync, transfer_ms=ms(v.seconds))
+                     for k, v in sorted(est.collectives.items())},
+        warnings=list(est.warnings),
+    )
