@@ -305,6 +305,30 @@ def read_config(path) -> dict:
     return cfg
 
 
+def place_from_callback(shape: tuple, sharding, cb) -> jax.Array:
+    """A global array from `cb(index) -> host slice`, one addressable device at a time.
+
+    Like `jax.make_array_from_callback`, but each slice goes to its device
+    before the next is read, so the host holds one device's slice of one
+    parameter at a time; a slice that several devices hold (replicated) is
+    read once and copied between devices.
+    """
+    placed, arrays = {}, []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        index = _norm_index(index, shape)
+        spot = tuple((s.start, s.stop) for s in index)
+        if spot in placed:
+            arrays.append(jax.device_put(placed[spot], device))
+            continue
+        host = np.asarray(cb(index))
+        arr = jax.device_put(host, device)
+        arr.block_until_ready()
+        del host
+        placed[spot] = arr
+        arrays.append(arr)
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
 def load_params(model, ckpt: Checkpoint, key_map: dict[str, Key], *, dtype, mesh=None, plan=None,
                 where: str = ""):
     """Reads, validates and places every parameter of an (abstract) `model` in place."""
@@ -338,7 +362,7 @@ def load_params(model, ckpt: Checkpoint, key_map: dict[str, Key], *, dtype, mesh
         def cb(index, key=key, shape=shape, target=target):
             return read_param(ckpt, key, shape, index).astype(target)
 
-        out.append(jax.make_array_from_callback(shape, sharding, cb))
+        out.append(place_from_callback(shape, sharding, cb))
     params = jax.tree_util.tree_unflatten(treedef, out)
     return nnx.merge(graphdef, params, rest)
 

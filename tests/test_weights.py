@@ -431,3 +431,25 @@ def test_key_map_errors():
     del km["proj_out.bias"]
     with pytest.raises(WeightsError, match=r"no entry for parameters \['proj_out.bias'\]"):
         weights.load_params(abstract, Empty(), km, dtype=None)
+
+
+class Buffer(nnx.Variable):
+    """A non-parameter array a port computes from its config (e.g. a RoPE table)."""
+
+
+def test_non_param_state_is_materialised(tmp_path, monkeypatch):
+    def build(config, *, dtype, rngs):
+        model = _build(config, dtype=dtype, rngs=rngs)
+        model.table = Buffer(jnp.arange(8, dtype=jnp.float32) * 2)
+        return model
+
+    monkeypatch.setitem(REGISTRY, CLASS_NAME, types.SimpleNamespace(**{**vars(TOY_PORT), "build": build}))
+    tensors = torch_weights()
+    path = write_checkpoint(tmp_path / "t", tensors)
+    for cache in (None, tmp_path / "cache", tmp_path / "cache"):  # converted, saved, restored
+        model = weights.load_transformer(path, dtype=jnp.float32, mesh=make_mesh(4), config=Config(),
+                                         cache_dir=cache)
+        table = model.table.get_value()
+        assert isinstance(table, jax.Array) and table.sharding.is_fully_replicated
+        np.testing.assert_array_equal(np.asarray(table), np.arange(8) * 2)
+        assert_loaded(model, expected_params(tensors), mesh=make_mesh(4))
