@@ -39,6 +39,7 @@ import struct
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
@@ -138,10 +139,34 @@ def cache_key(src_path, port, port_config, *, dtype, key_map) -> dict | None:
     })
 
 
-def entry_dir(cache_dir, key: dict):
-    """The cache entry directory for a key."""
-    digest = _sha256(json.dumps(key, sort_keys=True).encode())[:32]
-    return _path(cache_dir) / digest
+def key_digest(key: dict) -> str:
+    return _sha256(json.dumps(key, sort_keys=True).encode())[:32]
+
+
+def entry_dir(cache_dir, key: dict | str):
+    """The cache entry directory for a key (or its digest)."""
+    return _path(cache_dir) / (key if isinstance(key, str) else key_digest(key))
+
+
+def _num_processes() -> int:
+    return jax.process_count()
+
+
+def _agree(digest: str | None, hit: bool) -> tuple[str | None, bool]:
+    """Process 0's cache decision for every process of a multi-host job (they must
+    all restore, or all convert and save to the same entry)."""
+    if _num_processes() == 1:
+        return digest, hit
+    from jax.experimental import multihost_utils
+
+    buf = np.zeros(17, np.uint8)
+    if digest is not None:
+        buf[0] = 2 if hit else 1
+        buf[1:] = np.frombuffer(bytes.fromhex(digest), np.uint8)
+    buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    if buf[0] == 0:
+        return None, False
+    return bytes(buf[1:]).hex(), bool(buf[0] == 2)
 
 
 def _path(p):
@@ -268,10 +293,11 @@ def save(cache_dir, src_path, port, port_config, model, *, dtype):
     """Saves a freshly converted `model` as the cache entry for its source and
     conversion; returns the entry directory (None if the source has no identity)."""
     key = cache_key(src_path, port, port_config, dtype=dtype, key_map=port.key_map(port_config, model))
-    if key is None:
+    digest, _ = _agree(None if key is None else key_digest(key), False)
+    if digest is None:
         log.warning("%s: cannot fingerprint the checkpoint, not caching it", src_path)
         return None
-    d = entry_dir(cache_dir, key)
+    d = entry_dir(cache_dir, digest)
     save_params(d, model, extra={"cache_key": key, "source_path": os.path.abspath(src_path)})
     log.info("cached the converted parameters of %s in %s", src_path, d)
     return d
@@ -279,18 +305,25 @@ def save(cache_dir, src_path, port, port_config, model, *, dtype):
 
 def restore_if_cached(cache_dir, src_path, port, port_config, *, dtype, mesh):
     """The model restored from the cache entry matching this source and conversion,
-    placed on `mesh`; None on a miss (no entry, or any part of the key differs)."""
+    placed on `mesh`; None on a miss (no entry, or any part of the key differs).
+
+    On several hosts, process 0's checkpoint identity and decision count for all.
+    """
     abstract = weights.abstract_port_model(port, port_config, dtype=dtype)
     key = cache_key(src_path, port, port_config, dtype=dtype, key_map=port.key_map(port_config, abstract))
-    if key is None:
+    hit = False
+    if key is not None:
+        meta = _read_meta(entry_dir(cache_dir, key))
+        hit = meta is not None and meta.get("cache_key") == key
+    digest, hit = _agree(None if key is None else key_digest(key), hit)
+    if not hit:
         return None
-    d = entry_dir(cache_dir, key)
-    meta = _read_meta(d)
-    if meta is None or meta.get("cache_key") != key:
-        return None
+    d = entry_dir(cache_dir, digest)
     try:
         model = restore_params(d, abstract, mesh, port.PLAN)
     except Exception as e:  # a damaged entry: convert again (and overwrite it)
+        if _num_processes() > 1:  # the processes could disagree: stop instead
+            raise weights.WeightsError(f"cache entry {d} cannot be restored ({e}); delete it") from e
         log.warning("cache entry %s cannot be restored (%s); converting %s again", d, e, src_path)
         return None
     log.info("restored %s from the cache entry %s", src_path, d)

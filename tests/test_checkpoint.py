@@ -175,3 +175,22 @@ def test_explicit_save_restore_pair(tmp_path):
         checkpoint.restore_params(out, wide, None, testing.PLAN)
     with pytest.raises(WeightsError, match="no difflet_meta.json"):
         checkpoint.restore_params(tmp_path / "nothing", plain, None, testing.PLAN)
+
+
+def test_multihost_decision_is_broadcast(tmp_path, counts, monkeypatch):
+    """With several processes, process 0's digest and hit / miss decision are used by all
+    (here: one process, broadcast as the identity, through the encode / decode path)."""
+    from jax.experimental import multihost_utils
+
+    sent = []
+    monkeypatch.setattr(checkpoint, "_num_processes", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: sent.append(x.copy()) or x)
+    tensors = tw.torch_weights()
+    path = tw.write_checkpoint(tmp_path / "transformer", tensors)
+    cache = tmp_path / "cache"
+    load(path, cache)  # miss (flag 1), then save (flag 1)
+    tw.assert_loaded(load(path, cache), tw.expected_params(tensors))  # hit (flag 2)
+    assert counts["open"] == 1
+    assert [int(b[0]) for b in sent] == [1, 1, 2]
+    (entry,) = list(cache.iterdir())
+    assert all(bytes(b[1:]).hex() == entry.name for b in sent)
