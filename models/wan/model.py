@@ -1,0 +1,472 @@
+"""WanTransformer3DModel (Wan 2.1 / 2.2) in Flax NNX, written once for one device, TP and SP.
+
+Reads top to bottom like diffusers' `transformer_wan.py` (same submodule
+names, so checkpoint keys map by renaming leaves only). Every function takes
+`par` (`difflet_tpu.parallel.Parallel`): column-parallel groups go through
+`nn.column`, row-parallel outputs through `nn.row`, so under SP the residual
+stream holds this rank's rows and every column input is an all-gather fused
+into its matmul, every row output a reduce-scatter fused into its matmul.
+
+Numerics follow diffusers: LayerNorms, modulation arithmetic and the gated
+residual adds in float32 (`.float()` ... `.type_as`), `time_embedder`,
+`scale_shift_table`s and `norm2` kept in float32, RoPE tables computed in
+float64 and stored as float32 (see `rope_tables`). "float32" here means
+`promote_types(dtype, float32)`, so a float64 model stays float64 (tests).
+
+Shapes inside the step (B batch, n = this rank's rows under SP, else all N
+rows; S = every row; D = heads * head_dim; P = tp size):
+  patches (B, n, C*pt*ph*pw) -> x (B, n, D) -> blocks -> (B, n, C_out*pt*ph*pw)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from difflet_tpu import layout, nn, weights
+from difflet_tpu.attention import attention
+from difflet_tpu.parallel import COLUMN, ROW, SHARDED
+
+from difflet_tpu.models.wan.config import WanConfig
+
+# --------------------------------------------------------------------------
+# The parallel plan (module path pattern -> role; everything else replicated)
+#
+#   column-parallel (out features = heads sharded; under SP: AG ring in)
+#     blocks.attn1.to_q/to_k/to_v, blocks.attn2.to_q, blocks.ffn.net.0.proj
+#   column-parallel on replicated text / image tokens (no gather: K/V are
+#   computed once per prompt from the 512 + 257 replicated tokens)
+#     blocks.attn2.to_k/to_v/add_k_proj/add_v_proj
+#   row-parallel (in features sharded; TP: psum, SP: RS ring out)
+#     blocks.attn1.to_out.0, blocks.attn2.to_out.0, blocks.ffn.net.2
+#   sharded like the columns (across-heads q/k RMSNorm: the per-token sum of
+#   squares is psum'd over tp in float32 before normalising)
+#     blocks.attn1.norm_q/norm_k, blocks.attn2.norm_q/norm_k/norm_added_k
+#   modulation: condition_embedder.time_proj (D -> 6D) column-parallel, its
+#     small (B, 6D) output all-gathered (per-token timesteps: the weight is
+#     gathered instead and each rank embeds its own rows)
+#   text projection: text_embedder.linear_1 column, linear_2 row (psum; the
+#     text is replicated, never sequence-sharded)
+#   replicated: patch_embedding, time_embedder, image_embedder, the per-block
+#     scale_shift_table and norm2 affine, norm_out, proj_out, RoPE tables
+#   sequence-sharded under SP: the residual stream x, per-token timesteps and
+#     their modulation, the final projection (outputs gathered at the end)
+# --------------------------------------------------------------------------
+PLAN = {
+    "condition_embedder.time_proj": COLUMN,
+    "condition_embedder.text_embedder.linear_1": COLUMN,
+    "condition_embedder.text_embedder.linear_2": ROW,
+    "blocks.attn1.to_q": COLUMN,
+    "blocks.attn1.to_k": COLUMN,
+    "blocks.attn1.to_v": COLUMN,
+    "blocks.attn1.norm_q": SHARDED,
+    "blocks.attn1.norm_k": SHARDED,
+    "blocks.attn1.to_out.0": ROW,
+    "blocks.attn2.to_q": COLUMN,
+    "blocks.attn2.to_k": COLUMN,
+    "blocks.attn2.to_v": COLUMN,
+    "blocks.attn2.add_k_proj": COLUMN,
+    "blocks.attn2.add_v_proj": COLUMN,
+    "blocks.attn2.norm_q": SHARDED,
+    "blocks.attn2.norm_k": SHARDED,
+    "blocks.attn2.norm_added_k": SHARDED,
+    "blocks.attn2.to_out.0": ROW,
+    "blocks.ffn.net.0.proj": COLUMN,
+    "blocks.ffn.net.2": ROW,
+}
+
+# Parameters diffusers keeps in float32 (`_keep_in_fp32_modules`).
+KEEP_FP32 = ("condition_embedder.time_embedder.", "scale_shift_table", "blocks.scale_shift_table",
+             "blocks.norm2.", "condition_embedder.image_embedder.norm1.",
+             "condition_embedder.image_embedder.norm2.")
+
+
+def _f32(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _keeps_fp32(path: str) -> bool:
+    return any(path == p or path.startswith(p) for p in KEEP_FP32)
+
+
+class LayerNormAffine(nnx.Module):
+    """FP32LayerNorm with a weight (`scale`) and bias."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+
+    def __call__(self, x):
+        return nn.layer_norm(x, self.scale[...], self.bias[...], self.eps)
+
+
+def rms_norm_across_heads(par, x, scale, eps: float, dim: int):
+    """`torch.nn.RMSNorm(dim)` over all heads' channels, of which this rank holds a slice.
+
+    The per-token sum of squares is reduced over the tp axis in float32, so
+    every rank normalises by the full-width RMS (identity on one device).
+    """
+    f = _f32(x.dtype)
+    xf = x.astype(f)
+    sum_sq = par.sum_over_ranks(jnp.sum(xf * xf, axis=-1, keepdims=True))
+    y = xf * lax.rsqrt(sum_sq / dim + eps)
+    return (y * scale.astype(f)).astype(x.dtype)
+
+
+def apply_rotary_emb(x, cos, sin, split: bool):
+    """diffusers' Wan rotation of x `[B, S, H, d]` by tables `[S, d]`, in float32, cast back.
+
+    split=False: interleaved pairs (2i, 2i+1) (the checkpoint layout);
+    split=True: split halves, for q/k permuted at load and permuted tables.
+    """
+    f = jnp.promote_types(x.dtype, cos.dtype)
+    c, s = cos[:, None, :].astype(f), sin[:, None, :].astype(f)
+    rot = layout.apply_rope_split if split else layout.apply_rope_interleaved
+    return rot(x.astype(f), c, s).astype(x.dtype)
+
+
+def _chunks(mod, k: int):
+    """diffusers' `.chunk(k, dim)` of a modulation tensor, each broadcastable to (B, n, D).
+
+    mod: (B, k, D) per sample, or (B, n, k, D) per token (Wan2.2 TI2V).
+    """
+    if mod.ndim == 3:
+        return [mod[:, i:i + 1] for i in range(k)]
+    return [mod[:, :, i] for i in range(k)]
+
+
+# --------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------
+
+class WanAttention(nnx.Module):
+    def __init__(self, c: WanConfig, *, added_kv_proj_dim: int | None, dtype, rngs: nnx.Rngs):
+        dim = c.inner_dim
+        self.heads, self.head_dim, self.dim, self.eps = c.num_attention_heads, c.attention_head_dim, dim, c.eps
+        self.to_q = nn.Linear(dim, dim, dtype=dtype, rngs=rngs)
+        self.to_k = nn.Linear(dim, dim, dtype=dtype, rngs=rngs)
+        self.to_v = nn.Linear(dim, dim, dtype=dtype, rngs=rngs)
+        self.to_out = nnx.Dict({"0": nn.Linear(dim, dim, dtype=dtype, rngs=rngs)})
+        self.norm_q = nn.Weight(dim, dtype=dtype)
+        self.norm_k = nn.Weight(dim, dtype=dtype)
+        if added_kv_proj_dim is not None:
+            self.add_k_proj = nn.Linear(added_kv_proj_dim, dim, dtype=dtype, rngs=rngs)
+            self.add_v_proj = nn.Linear(added_kv_proj_dim, dim, dtype=dtype, rngs=rngs)
+            self.norm_added_k = nn.Weight(dim, dtype=dtype)
+        else:
+            self.add_k_proj = self.add_v_proj = self.norm_added_k = None
+
+    def _norm(self, par, x, weight):
+        return rms_norm_across_heads(par, x, weight.scale[...], self.eps, self.dim)
+
+    def _heads(self, par, t):
+        return t.reshape(*t.shape[:-1], par.local_heads(self.heads), self.head_dim)
+
+    def _attend(self, par, q, k, v, kv_mask=None):
+        o = attention(q, k, v, kv_mask, impl=par.attn_impl, interpret=par.interpret)
+        return o.reshape(*o.shape[:-2], -1)
+
+    def self_attention(self, par, x, cos, sin, kv_mask, split_rope: bool):
+        """attn1: x this rank's rows (SP) or all rows; RoPE; pad keys dropped by kv_mask."""
+        q, k, v = nn.column(par, x, [self.to_q, self.to_k, self.to_v])  # (B, S, D/P) each
+        q = self._heads(par, self._norm(par, q, self.norm_q))
+        k = self._heads(par, self._norm(par, k, self.norm_k))
+        v = self._heads(par, v)
+        q = apply_rotary_emb(q, cos, sin, split_rope)
+        k = apply_rotary_emb(k, cos, sin, split_rope)
+        o = self._attend(par, q, k, v, kv_mask)
+        return nn.row(par, [(o, self.to_out["0"])])
+
+    def context_kv(self, par, context, context_image):
+        """attn2's K/V from the replicated text (and image) tokens: local columns, no gather.
+
+        They do not depend on the latents or the timestep, so a pipeline
+        computes them once per prompt (`Runner.encode_text`).
+        """
+        kv = {"k": self._norm(par, self.to_k(context), self.norm_k), "v": self.to_v(context)}
+        if self.add_k_proj is not None:
+            kv["k_img"] = self._norm(par, self.add_k_proj(context_image), self.norm_added_k)
+            kv["v_img"] = self.add_v_proj(context_image)
+        return kv
+
+    def cross_attention(self, par, x, kv):
+        """attn2: q from the video rows, K/V from `context_kv`; no RoPE, no mask."""
+        (q,) = nn.column(par, x, [self.to_q])
+        q = self._heads(par, self._norm(par, q, self.norm_q))
+        img = None
+        if "k_img" in kv:  # I2V: a separate attention over the image tokens, added before to_out
+            img = self._attend(par, q, self._heads(par, kv["k_img"]), self._heads(par, kv["v_img"]))
+        o = self._attend(par, q, self._heads(par, kv["k"]), self._heads(par, kv["v"]))
+        if img is not None:
+            o = o + img
+        return nn.row(par, [(o, self.to_out["0"])])
+
+
+class FeedForward(nnx.Module):
+    """diffusers FeedForward: net.0 = GELU(proj) (tanh or exact), net.2 = Linear."""
+
+    def __init__(self, dim: int, inner: int, out: int, *, approximate: bool, dtype, rngs: nnx.Rngs):
+        self.approximate = approximate
+        self.net = nnx.Dict({"0": nnx.Dict({"proj": nn.Linear(dim, inner, dtype=dtype, rngs=rngs)}),
+                             "2": nn.Linear(inner, out, dtype=dtype, rngs=rngs)})
+
+    def _act(self, h):
+        return jax.nn.gelu(h, approximate=self.approximate)
+
+    def __call__(self, x):  # replicated (image embedder)
+        return self.net["2"](self._act(self.net["0"]["proj"](x)))
+
+    def parallel(self, par, x):  # the block FFN: AG in, RS out under SP
+        (h,) = nn.column(par, x, [self.net["0"]["proj"]], [self._act])
+        return nn.row(par, [(h, self.net["2"])])
+
+
+# --------------------------------------------------------------------------
+# Condition embeddings
+# --------------------------------------------------------------------------
+
+def timesteps_proj(t, dim: int, dtype):
+    """`Timesteps(dim, flip_sin_to_cos=True, downscale_freq_shift=0)`: [cos, sin], float32."""
+    half = dim // 2
+    exponent = -math.log(10000) * jnp.arange(half, dtype=dtype) / half
+    emb = t.astype(dtype)[..., None] * jnp.exp(exponent)
+    return jnp.concatenate([jnp.cos(emb), jnp.sin(emb)], axis=-1)
+
+
+class TimestepEmbedding(nnx.Module):
+    def __init__(self, in_dim: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.linear_1 = nn.Linear(in_dim, dim, dtype=dtype, rngs=rngs)
+        self.linear_2 = nn.Linear(dim, dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear_2(jax.nn.silu(self.linear_1(x)))
+
+
+class PixArtAlphaTextProjection(nnx.Module):
+    """linear_1 -> GELU(tanh) -> linear_2; column then row parallel over replicated text."""
+
+    def __init__(self, in_dim: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.linear_1 = nn.Linear(in_dim, dim, dtype=dtype, rngs=rngs)
+        self.linear_2 = nn.Linear(dim, dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, par, x):
+        h = nn.gelu_tanh(self.linear_1(x))  # local columns
+        y = jnp.matmul(h, self.linear_2.kernel[...], preferred_element_type=_f32(h.dtype))
+        y = par.sum_over_ranks(y).astype(h.dtype)  # the text is replicated: a psum, not a reduce-scatter
+        return self.linear_2.add_bias(y)
+
+
+class WanImageEmbedding(nnx.Module):
+    """FP32LayerNorm -> FeedForward(exact GELU) -> FP32LayerNorm (eps 1e-5, diffusers' default)."""
+
+    def __init__(self, in_dim: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.norm1 = LayerNormAffine(in_dim, 1e-5, _f32(dtype))
+        self.ff = FeedForward(in_dim, in_dim, dim, approximate=False, dtype=dtype, rngs=rngs)
+        self.norm2 = LayerNormAffine(dim, 1e-5, _f32(dtype))
+
+    def __call__(self, x):
+        return self.norm2(self.ff(self.norm1(x)))
+
+
+class WanTimeTextImageEmbedding(nnx.Module):
+    def __init__(self, c: WanConfig, *, dtype, rngs: nnx.Rngs):
+        dim = c.inner_dim
+        self.freq_dim = c.freq_dim
+        self.time_embedder = TimestepEmbedding(c.freq_dim, dim, dtype=_f32(dtype), rngs=rngs)
+        self.time_proj = nn.Linear(dim, 6 * dim, dtype=dtype, rngs=rngs)
+        self.text_embedder = PixArtAlphaTextProjection(c.text_dim, dim, dtype=dtype, rngs=rngs)
+        self.image_embedder = (WanImageEmbedding(c.image_dim, dim, dtype=dtype, rngs=rngs)
+                               if c.image_dim is not None else None)
+
+    def time(self, par, timestep, dtype):
+        """temb (B, D) and timestep_proj (B, 6, D); per-token timesteps (B, n):
+        temb (B, n, D) and timestep_proj (B, n, 6, D) for this rank's rows."""
+        te_dtype = self.time_embedder.linear_1.kernel.dtype
+        temb = self.time_embedder(timesteps_proj(timestep, self.freq_dim, _f32(dtype)).astype(te_dtype))
+        temb = temb.astype(dtype)
+        h = jax.nn.silu(temb)
+        if timestep.ndim == 1:
+            proj = par.gather_columns(self.time_proj(h))  # (B, 6D/P) -> (B, 6D): tiny
+        else:
+            # Per-token rows differ by rank under SP: gather the (sharded) weight once
+            # instead of the (B, n, 6D) output.
+            w = par.gather_columns(self.time_proj.kernel[...])
+            b = par.gather_columns(self.time_proj.bias[...])
+            proj = h @ w + b
+        return temb, proj.reshape(*proj.shape[:-1], 6, -1)
+
+    def text(self, par, encoder_hidden_states, encoder_hidden_states_image, dtype):
+        ctx = self.text_embedder(par, encoder_hidden_states.astype(dtype))
+        img = None
+        if encoder_hidden_states_image is not None:
+            img = self.image_embedder(encoder_hidden_states_image.astype(dtype))
+        return ctx, img
+
+
+# --------------------------------------------------------------------------
+# Transformer block
+# --------------------------------------------------------------------------
+
+class WanTransformerBlock(nnx.Module):
+    def __init__(self, c: WanConfig, *, dtype, rngs: nnx.Rngs):
+        dim = c.inner_dim
+        self.eps = c.eps
+        self.attn1 = WanAttention(c, added_kv_proj_dim=None, dtype=dtype, rngs=rngs)
+        self.attn2 = WanAttention(c, added_kv_proj_dim=c.added_kv_proj_dim, dtype=dtype, rngs=rngs)
+        self.norm2 = LayerNormAffine(dim, c.eps, _f32(dtype))  # cross_attn_norm=True
+        self.ffn = FeedForward(dim, c.ffn_dim, dim, approximate=True, dtype=dtype, rngs=rngs)
+        self.scale_shift_table = nnx.Param(
+            jax.random.normal(rngs.params(), (1, 6, dim), _f32(dtype)) / dim ** 0.5)
+
+    def __call__(self, par, x, kv, temb, cos, sin, kv_mask, split_rope: bool):
+        """x (B, n, D); kv: this block's attn2 K/V; temb: timestep_proj (B, 6, D) or (B, n, 6, D)."""
+        f = _f32(x.dtype)
+        table = self.scale_shift_table[...]
+        if temb.ndim == 4:
+            table = table[None]
+        shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = _chunks(
+            table.astype(f) + temb.astype(f), 6)
+
+        # 1. Self-attention
+        h = (nn.layer_norm(x.astype(f), eps=self.eps) * (1 + scale_msa) + shift_msa).astype(x.dtype)
+        attn = self.attn1.self_attention(par, h, cos, sin, kv_mask, split_rope)
+        x = (x.astype(f) + attn * gate_msa).astype(x.dtype)
+
+        # 2. Cross-attention (no modulation, no gate)
+        h = self.norm2(x.astype(f)).astype(x.dtype)
+        x = x + self.attn2.cross_attention(par, h, kv)
+
+        # 3. Feed-forward
+        h = (nn.layer_norm(x.astype(f), eps=self.eps) * (1 + c_scale_msa) + c_shift_msa).astype(x.dtype)
+        ff = self.ffn.parallel(par, h)
+        return (x.astype(f) + ff.astype(f) * c_gate_msa).astype(x.dtype)
+
+
+def _scan(blocks, carry, xs, fn):
+    """`fn(block, carry, x) -> carry` over stacked blocks and a stacked `xs` (lax.scan)."""
+    graphdef, state = nnx.split(blocks)
+
+    def body(c, s_x):
+        s, x = s_x
+        return fn(nnx.merge(graphdef, s), c, x), None
+
+    carry, _ = lax.scan(body, carry, (state, xs))
+    return carry
+
+
+def _map(blocks, fn):
+    """`fn(block) -> y` for every stacked block, ys stacked (lax.scan)."""
+    graphdef, state = nnx.split(blocks)
+
+    def body(c, s):
+        return c, fn(nnx.merge(graphdef, s))
+
+    _, ys = lax.scan(body, None, state)
+    return ys
+
+
+# --------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------
+
+class WanTransformer3DModel(nnx.Module):
+    def __init__(self, c: WanConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = c
+        self.dtype = jnp.dtype(dtype)
+        dim = c.inner_dim
+        pt, ph, pw = c.patch_size
+        # 1. Patch embedding: Conv3d(kernel = stride = patch) as a Linear on
+        # patches flattened (c, pt, ph, pw) (the runner patchifies eagerly).
+        self.patch_embedding = nn.Linear(c.patch_features, dim, dtype=dtype, rngs=rngs)
+        # 2. Condition embeddings
+        self.condition_embedder = WanTimeTextImageEmbedding(c, dtype=dtype, rngs=rngs)
+        # 3. Transformer blocks (stacked, run as a scan)
+        self.blocks = nn.stacked(lambda r: WanTransformerBlock(c, dtype=dtype, rngs=r), c.num_layers, rngs)
+        # 4. Output norm & projection
+        self.proj_out = nn.Linear(dim, c.out_channels * pt * ph * pw, dtype=dtype, rngs=rngs)
+        self.scale_shift_table = nnx.Param(
+            jax.random.normal(rngs.params(), (1, 2, dim), _f32(dtype)) / dim ** 0.5)
+
+    def encode_text(self, par, encoder_hidden_states, encoder_hidden_states_image=None):
+        """Every block's cross-attention K/V, stacked `[layers, B, L, D/P]` (this rank's heads)."""
+        ctx, img = self.condition_embedder.text(par, encoder_hidden_states, encoder_hidden_states_image,
+                                                self.dtype)
+        return _map(self.blocks, lambda blk: blk.attn2.context_kv(par, ctx, img))
+
+    def __call__(self, par, patches, timestep, text_kv, cos, sin, kv_mask=None):
+        """The denoiser on patch rows.
+
+        patches: (B, n, C*pt*ph*pw), this rank's rows under SP (padded eagerly).
+        timestep: (B,), or (B, n) per token (rows as the patches).
+        text_kv: `encode_text`'s output. cos/sin: RoPE tables (S, head_dim) for
+        every row (pad rows: identity). kv_mask: (S,) valid keys, or None.
+        Returns (B, n, C_out*pt*ph*pw), features (pt, ph, pw, c).
+        """
+        dtype = self.dtype
+        f = _f32(dtype)
+        x = self.patch_embedding(patches.astype(dtype))
+        temb, timestep_proj = self.condition_embedder.time(par, timestep, dtype)
+
+        split = self.config.split_rope
+        x = _scan(self.blocks, x, text_kv,
+                  lambda blk, h, kv: blk(par, h, kv, timestep_proj, cos, sin, kv_mask, split))
+
+        # 5. Output norm, projection (uses temb, not timestep_proj)
+        table = self.scale_shift_table[...]
+        mod = table[None] + temb[:, :, None] if temb.ndim == 3 else table + temb[:, None]
+        shift, scale = _chunks(mod.astype(f), 2)
+        x = (nn.layer_norm(x.astype(f), eps=self.config.eps) * (1 + scale) + shift).astype(dtype)
+        return self.proj_out(x)
+
+
+def build(config: WanConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs) -> WanTransformer3DModel:
+    """The model with random parameters (float32 kept where diffusers keeps it)."""
+    return WanTransformer3DModel(config, dtype=dtype, rngs=rngs)
+
+
+# --------------------------------------------------------------------------
+# Checkpoint keys
+# --------------------------------------------------------------------------
+
+SPLIT_ROPE_PARAMS = ("blocks.attn1.to_q.kernel", "blocks.attn1.to_q.bias", "blocks.attn1.to_k.kernel",
+                     "blocks.attn1.to_k.bias", "blocks.attn1.norm_q.scale", "blocks.attn1.norm_k.scale")
+
+
+def key_map(config: WanConfig, model) -> dict[str, weights.Key]:
+    """Parameter path -> diffusers key. Patch embedding: the Conv3d as a Linear;
+    float32-kept parameters keep the model's float32 dtype; with split_rope,
+    self-attention's q/k rows, biases and across-heads norm weights are
+    permuted per head to split-halves order (the norm's sum of squares is
+    invariant to a channel permutation applied to it and its weight)."""
+    import dataclasses
+
+    km = weights.default_key_map(model, stacked={"blocks": config.num_layers})
+    km["patch_embedding.kernel"] = weights.Key("patch_embedding.weight", "conv_as_linear")
+    dtypes = _param_dtypes(model)
+    for path in km:
+        if _keeps_fp32(path):
+            km[path] = dataclasses.replace(km[path], dtype=str(dtypes[path]))
+    if config.split_rope:
+        perm = tuple(int(i) for i in layout.heads_permutation(config.num_attention_heads,
+                                                              config.attention_head_dim))
+        for path in SPLIT_ROPE_PARAMS:
+            km[path] = dataclasses.replace(km[path], perm=perm)
+    return km
+
+
+def _param_dtypes(model) -> dict[str, jnp.dtype]:
+    from difflet_tpu.parallel import path_names
+
+    state = nnx.state(model, nnx.Param)
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        names = path_names(path)
+        if names and names[-1] == "value":
+            names = names[:-1]
+        out[".".join(names)] = jnp.dtype(leaf.dtype)
+    return out
