@@ -1,0 +1,633 @@
+"""LTX-2 (diffusers `LTX2VideoTransformer3DModel`, 0.42.1) in Flax NNX.
+
+Reads top to bottom like diffusers' `transformer_ltx2.py`, with the same
+submodule names, so a diffusers key maps to a parameter path by renaming the
+leaf only. One forward serves every parallel mode through `Parallel`:
+
+* the **video** stream (thousands of rows) is sequence-sharded under SP: each
+  column-parallel group that reads video rows starts with an all-gather ring
+  (`par.column`), each row-parallel output that writes video rows ends in a
+  reduce-scatter ring (`par.row`);
+* the **audio** stream (tens of rows) and the text stay replicated: under SP
+  they run as plain TP (`apar`: column-parallel locally, all-reduce after the
+  row-parallel output).
+
+RoPE tables are computed on the host (`rope.py`) and arrive sharded over
+heads; the text masks are diffusers' additive -10000 bias; video pad rows
+(added eagerly by the Runner for SP) are dropped as keys in video
+self-attention and in v2a (video keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from difflet_tpu import layout, nn
+from difflet_tpu.attention import attention
+from difflet_tpu.parallel import COLUMN, ROW, SHARDED
+
+from .config import LTX2Config
+
+# --------------------------------------------------------------------------
+# The parallel plan (module path patterns over the NNX state; stacked blocks
+# without an index). Everything not listed is replicated.
+#
+# | column-parallel (out features / heads)     | row-parallel (in features)  |
+# |--------------------------------------------|-----------------------------|
+# | to_q, to_k, to_v, to_gate_logits of attn1, | to_out.0 of the same six    |
+# |   attn2, audio_attn1, audio_attn2,         |   attentions; ff.net.2,     |
+# |   audio_to_video_attn, video_to_audio_attn |   audio_ff.net.2            |
+# | ff.net.0.proj, audio_ff.net.0.proj         |                             |
+# | adaLN `.linear` of time_embed,             |                             |
+# |   audio_time_embed, av_cross_attn_* (4),   |                             |
+# |   prompt_adaln, audio_prompt_adaln: the    |                             |
+# |   (B, kD) output is all-gathered           |                             |
+#
+# SHARDED: norm_q / norm_k weights (RMSNorm across heads; the per-token sum of
+# squares is all-reduced over `tp`).
+# Replicated: proj_in, audio_proj_in, caption projections, the adaLN timestep
+# embedders (linear_1/2), every scale_shift_table, proj_out, audio_proj_out.
+# Sequence-sharded under SP: the video residual stream, its norms, modulation
+# and gated residuals (per-token timesteps too). Audio and text: replicated.
+# --------------------------------------------------------------------------
+PLAN = {
+    "transformer_blocks.*.to_q": COLUMN,
+    "transformer_blocks.*.to_k": COLUMN,
+    "transformer_blocks.*.to_v": COLUMN,
+    "transformer_blocks.*.to_gate_logits": COLUMN,
+    "transformer_blocks.*.norm_q": SHARDED,
+    "transformer_blocks.*.norm_k": SHARDED,
+    "transformer_blocks.*.to_out.0": ROW,
+    "transformer_blocks.*ff.net.0.proj": COLUMN,
+    "transformer_blocks.*ff.net.2": ROW,
+    "*time_embed.linear": COLUMN,
+    "av_cross_attn_*.linear": COLUMN,
+    "*prompt_adaln.linear": COLUMN,
+}
+
+TEXT_MASK_BIAS = -10000.0  # diffusers: (1 - mask) * -10000.0
+
+
+class Rope(NamedTuple):
+    """cos/sin tables of one RoPE, this rank's channels; `groups` = global
+    rotation groups of the "half" layout (None: interleaved tables)."""
+
+    cos: jax.Array
+    sin: jax.Array
+    groups: int | None
+
+
+def _f32(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def apply_rotary_emb(par, x, rope: Rope):
+    """Rotates this rank's channels `[B, N, C]` of q or k (float32 math, cast back)."""
+    dt = _f32(x.dtype)
+    xf = x.astype(dt)
+    cos, sin = rope.cos.astype(dt), rope.sin.astype(dt)
+    if rope.groups is None:  # diffusers' interleaved pairs (2i, 2i+1)
+        out = layout.apply_rope_interleaved(xf, cos, sin)
+    else:  # split halves within each group (diffusers' split, or permuted interleaved)
+        b, n, c = x.shape
+        g = rope.groups // par.size
+        xg = xf.reshape(b, n, g, c // g)
+        cos = cos.reshape(cos.shape[0], n, g, -1)
+        sin = sin.reshape(sin.shape[0], n, g, -1)
+        out = layout.apply_rope_split(xg, jnp.concatenate([cos, cos], -1),
+                                      jnp.concatenate([sin, sin], -1)).reshape(b, n, c)
+    return out.astype(x.dtype)
+
+
+def torch_lerp(start, end, weight):
+    """`torch.lerp` as its CPU kernel computes it (exact at weight 0 and 1)."""
+    return jnp.where(jnp.abs(weight) < 0.5, start + weight * (end - start), end - (end - start) * (1 - weight))
+
+
+# --------------------------------------------------------------------------
+# Embeddings (diffusers embeddings.py)
+# --------------------------------------------------------------------------
+
+def get_timestep_embedding(timesteps, embedding_dim=256, max_period=10000):
+    """`Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)`: [cos, sin], float32."""
+    dt = _f32(timesteps.dtype)
+    half = embedding_dim // 2
+    exponent = -math.log(max_period) * jnp.arange(half, dtype=dt)
+    exponent = exponent / half
+    emb = timesteps.astype(dt)[:, None] * jnp.exp(exponent)[None, :]
+    return jnp.concatenate([jnp.cos(emb), jnp.sin(emb)], axis=-1)
+
+
+class TimestepEmbedding(nnx.Module):
+    def __init__(self, in_channels, time_embed_dim, *, dtype, rngs):
+        self.linear_1 = nn.Linear(in_channels, time_embed_dim, dtype=dtype, rngs=rngs)
+        self.linear_2 = nn.Linear(time_embed_dim, time_embed_dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, sample):
+        return self.linear_2(jax.nn.silu(self.linear_1(sample)))
+
+
+class PixArtAlphaCombinedTimestepSizeEmbeddings(nnx.Module):
+    def __init__(self, embedding_dim, *, dtype, rngs):
+        self.timestep_embedder = TimestepEmbedding(256, embedding_dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, timestep, hidden_dtype):
+        return self.timestep_embedder(get_timestep_embedding(timestep).astype(hidden_dtype))
+
+
+class PixArtAlphaTextProjection(nnx.Module):
+    def __init__(self, in_features, hidden_size, *, dtype, rngs):
+        self.linear_1 = nn.Linear(in_features, hidden_size, dtype=dtype, rngs=rngs)
+        self.linear_2 = nn.Linear(hidden_size, hidden_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, caption):
+        return self.linear_2(nn.gelu_tanh(self.linear_1(caption)))
+
+
+class LTX2AdaLayerNormSingle(nnx.Module):
+    """`emb = TimestepEmbedding(Timesteps(t))`; returns `(linear(silu(emb)), emb)`.
+
+    `linear` is column-parallel: each rank computes its columns of the small
+    `(B*T, n*D)` output, then all of them are gathered.
+    """
+
+    def __init__(self, embedding_dim, num_mod_params=6, *, dtype, rngs):
+        self.num_mod_params = num_mod_params
+        self.emb = PixArtAlphaCombinedTimestepSizeEmbeddings(embedding_dim, dtype=dtype, rngs=rngs)
+        self.linear = nn.Linear(embedding_dim, num_mod_params * embedding_dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, par, timestep, batch_size, hidden_dtype):
+        """timestep `(B,)` or `(B, T)` -> `((B, T, n*D), (B, T, D))`."""
+        embedded = self.emb(timestep.reshape(-1), hidden_dtype)
+        mod = par.gather_columns(self.linear(jax.nn.silu(embedded)))
+        return mod.reshape(batch_size, -1, mod.shape[-1]), embedded.reshape(batch_size, -1, embedded.shape[-1])
+
+
+# --------------------------------------------------------------------------
+# Attention and feed-forward
+# --------------------------------------------------------------------------
+
+class RMSNorm(nnx.Module):
+    """diffusers RMSNorm (float32 variance); weight only if elementwise_affine."""
+
+    def __init__(self, dim, eps, elementwise_affine, *, dtype):
+        self.eps = eps
+        self.weight = nn.Weight(dim, dtype=dtype) if elementwise_affine else None
+
+    def __call__(self, x):
+        return nn.rms_norm(x, None if self.weight is None else self.weight.scale[...], self.eps)
+
+
+def rms_norm_across_heads(par, x, weight, eps, dim):
+    """torch.nn.RMSNorm over all heads' channels of `x` (this rank holds some):
+    the per-token sum of squares is summed over the `tp` ranks."""
+    xf = x.astype(_f32(x.dtype))
+    sum_sq = par.sum_over_ranks(jnp.sum(xf * xf, axis=-1, keepdims=True))
+    return nn.rms_norm(x, weight, eps, sum_sq=sum_sq, dim=dim)
+
+
+def _bias_attention(q, k, v, bias):
+    """SDPA with diffusers' additive key bias `(B, 1, Skv)` (text mask)."""
+    return jax.nn.dot_product_attention(q, k, v, bias=bias[:, None].astype(q.dtype), implementation="xla")
+
+
+class LTX2Attention(nnx.Module):
+    def __init__(self, query_dim, heads, dim_head, *, cross_attention_dim=None, bias=True, out_bias=True,
+                 norm_eps=1e-6, apply_gated_attention=False, dtype, rngs):
+        self.heads, self.head_dim = heads, dim_head
+        self.inner_dim = heads * dim_head
+        self.norm_eps = norm_eps
+        kv_dim = query_dim if cross_attention_dim is None else cross_attention_dim
+        self.norm_q = nn.Weight(self.inner_dim, dtype=dtype)
+        self.norm_k = nn.Weight(self.inner_dim, dtype=dtype)
+        self.to_q = nn.Linear(query_dim, self.inner_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.to_k = nn.Linear(kv_dim, self.inner_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.to_v = nn.Linear(kv_dim, self.inner_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.to_out = nnx.Dict({"0": nn.Linear(self.inner_dim, query_dim, bias=out_bias, dtype=dtype, rngs=rngs)})
+        self.to_gate_logits = (nn.Linear(query_dim, heads, dtype=dtype, rngs=rngs)
+                               if apply_gated_attention else None)
+
+    def __call__(self, qpar, kvpar, hidden_states, encoder_hidden_states=None, *, query_rotary_emb=None,
+                 key_rotary_emb=None, kv_mask=None, attention_bias=None, perturbation=None):
+        """`qpar` runs the query side and the output (its rows), `kvpar` the key/value side.
+
+        kv_mask: bool `[Skv]`/`[B, Skv]`, False for pad keys. attention_bias:
+        additive `(B, 1, Skv)`. perturbation: STG lerp weight `(B, 1, 1)`
+        (LTX2PerturbedAttnProcessor), 1 = plain attention, 0 = values only.
+        """
+        gated = self.to_gate_logits is not None
+        if encoder_hidden_states is None:  # self-attention: one gather feeds q, k, v (and the gate)
+            outs = nn.column(qpar, hidden_states, [self.to_q, self.to_k, self.to_v]
+                             + ([self.to_gate_logits] if gated else []))
+            query, key, value = outs[:3]
+        else:
+            outs = nn.column(qpar, hidden_states, [self.to_q] + ([self.to_gate_logits] if gated else []))
+            query = outs[0]
+            key, value = nn.column(kvpar, encoder_hidden_states, [self.to_k, self.to_v])
+        gate_logits = outs[-1] if gated else None
+
+        query = rms_norm_across_heads(qpar, query, self.norm_q.scale[...], self.norm_eps, self.inner_dim)
+        key = rms_norm_across_heads(qpar, key, self.norm_k.scale[...], self.norm_eps, self.inner_dim)
+        if query_rotary_emb is not None:
+            query = apply_rotary_emb(qpar, query, query_rotary_emb)
+            key = apply_rotary_emb(qpar, key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
+
+        heads = qpar.local_heads(self.heads)
+        split = lambda t: t.reshape(*t.shape[:2], heads, self.head_dim)
+        if attention_bias is not None:
+            out = _bias_attention(split(query), split(key), split(value), attention_bias)
+        else:
+            out = attention(split(query), split(key), split(value), kv_mask, impl=qpar.attn_impl,
+                            interpret=qpar.interpret)
+        out = out.reshape(*out.shape[:2], -1).astype(query.dtype)
+        if perturbation is not None:
+            out = torch_lerp(value, out, perturbation.astype(out.dtype))
+        if gated:
+            gates = 2.0 * jax.nn.sigmoid(gate_logits)
+            out = (split(out) * gates[..., None]).reshape(out.shape)
+        return nn.row(qpar, [(out, self.to_out["0"])])
+
+
+class FeedForward(nnx.Module):
+    def __init__(self, dim, *, activation_fn="gelu-approximate", bias=True, dtype, rngs):
+        self.approximate = activation_fn == "gelu-approximate"
+        self.net = nnx.Dict({"0": nnx.Dict({"proj": nn.Linear(dim, 4 * dim, bias=bias, dtype=dtype, rngs=rngs)}),
+                             "2": nn.Linear(4 * dim, dim, bias=bias, dtype=dtype, rngs=rngs)})
+
+    def __call__(self, par, x):
+        act = lambda h: jax.nn.gelu(h, approximate=self.approximate)
+        (h,) = nn.column(par, x, [self.net["0"]["proj"]], [act])
+        return nn.row(par, [(h, self.net["2"])])
+
+
+# --------------------------------------------------------------------------
+# The block
+# --------------------------------------------------------------------------
+
+class BlockInputs(NamedTuple):
+    """Per-forward tensors every block reads (this rank's video rows under SP)."""
+
+    encoder_hidden_states: jax.Array
+    audio_encoder_hidden_states: jax.Array
+    temb: jax.Array
+    temb_audio: jax.Array
+    temb_ca_scale_shift: jax.Array
+    temb_ca_audio_scale_shift: jax.Array
+    temb_ca_gate: jax.Array
+    temb_ca_audio_gate: jax.Array
+    temb_prompt: jax.Array | None
+    temb_prompt_audio: jax.Array | None
+    video_rotary_emb: Rope
+    audio_rotary_emb: Rope
+    ca_video_rotary_emb: Rope
+    ca_audio_rotary_emb: Rope
+    encoder_attention_mask: jax.Array | None  # additive (B, 1, L)
+    audio_encoder_attention_mask: jax.Array | None
+    video_kv_mask: jax.Array | None  # bool [Nv_padded]: False for pad rows
+    perturbation_mask: jax.Array | None  # (B, 1, 1)
+    stg_layers: jax.Array | None  # bool [num_layers]
+
+
+def get_mod_params(scale_shift_table, temb, batch_size):
+    n = scale_shift_table.shape[0]
+    ada = scale_shift_table[None, None] + temb.reshape(batch_size, temb.shape[1], n, -1)
+    return [ada[:, :, i] for i in range(n)]
+
+
+class LTX2VideoTransformerBlock(nnx.Module):
+    def __init__(self, c: LTX2Config, *, dtype, rngs):
+        dim, adim = c.inner_dim, c.audio_inner_dim
+        eps, affine = c.norm_eps, c.norm_elementwise_affine
+        attn = lambda q, h, d, **kw: LTX2Attention(q, h, d, bias=c.attention_bias, out_bias=c.attention_out_bias,
+                                                   norm_eps=eps, dtype=dtype, rngs=rngs, **kw)
+        H, Dh, Ha, Dha = c.num_attention_heads, c.attention_head_dim, c.audio_num_attention_heads, \
+            c.audio_attention_head_dim
+        self.perturbed_attn = c.perturbed_attn
+
+        # 1. Self-attention (video and audio)
+        self.norm1 = RMSNorm(dim, eps, affine, dtype=dtype)
+        self.attn1 = attn(dim, H, Dh, apply_gated_attention=c.gated_attn)
+        self.audio_norm1 = RMSNorm(adim, eps, affine, dtype=dtype)
+        self.audio_attn1 = attn(adim, Ha, Dha, apply_gated_attention=c.audio_gated_attn)
+        # 2. Prompt cross-attention
+        self.norm2 = RMSNorm(dim, eps, affine, dtype=dtype)
+        self.attn2 = attn(dim, H, Dh, cross_attention_dim=c.cross_attention_dim, apply_gated_attention=c.gated_attn)
+        self.audio_norm2 = RMSNorm(adim, eps, affine, dtype=dtype)
+        self.audio_attn2 = attn(adim, Ha, Dha, cross_attention_dim=c.audio_cross_attention_dim,
+                                apply_gated_attention=c.audio_gated_attn)
+        # 3. Audio-to-video (Q video, K/V audio) and video-to-audio (Q audio, K/V video)
+        self.audio_to_video_norm = RMSNorm(dim, eps, affine, dtype=dtype)
+        self.audio_to_video_attn = attn(dim, Ha, Dha, cross_attention_dim=adim, apply_gated_attention=c.gated_attn)
+        self.video_to_audio_norm = RMSNorm(adim, eps, affine, dtype=dtype)
+        self.video_to_audio_attn = attn(adim, Ha, Dha, cross_attention_dim=dim,
+                                        apply_gated_attention=c.audio_gated_attn)
+        # 4. Feed-forward
+        self.norm3 = RMSNorm(dim, eps, affine, dtype=dtype)
+        self.ff = FeedForward(dim, activation_fn=c.activation_fn, bias=c.ff_bias, dtype=dtype, rngs=rngs)
+        self.audio_norm3 = RMSNorm(adim, eps, affine, dtype=dtype)
+        self.audio_ff = FeedForward(adim, activation_fn=c.activation_fn, bias=c.audio_ff_bias, dtype=dtype,
+                                    rngs=rngs)
+        # 5. Per-layer modulation tables
+        self.video_cross_attn_adaln = c.cross_attn_mod
+        self.audio_cross_attn_adaln = c.audio_cross_attn_mod
+        table = lambda n, d, scale: nnx.Param(jax.random.normal(rngs.params(), (n, d), dtype) * scale)
+        self.scale_shift_table = table(9 if c.cross_attn_mod else 6, dim, dim ** -0.5)
+        self.audio_scale_shift_table = table(9 if c.audio_cross_attn_mod else 6, adim, adim ** -0.5)
+        self.cross_attn_adaln = c.cross_attn_mod or c.audio_cross_attn_mod
+        if self.cross_attn_adaln:
+            self.prompt_scale_shift_table = table(2, dim, 1.0)
+            self.audio_prompt_scale_shift_table = table(2, adim, 1.0)
+        self.video_a2v_cross_attn_scale_shift_table = table(5, dim, 1.0)
+        self.audio_a2v_cross_attn_scale_shift_table = table(5, adim, 1.0)
+
+    def __call__(self, par, apar, hidden_states, audio_hidden_states, b: BlockInputs, *, layer=None,
+                 use_a2v_cross_attention=True, use_v2a_cross_attention=True):
+        """`par` runs the video stream (sequence-sharded under SP), `apar` the audio stream (never)."""
+        batch_size = hidden_states.shape[0]
+        perturbation = None
+        if self.perturbed_attn and b.perturbation_mask is not None:  # STG: lerp weight 1 off the STG layers
+            perturbation = jnp.where(b.stg_layers[layer], b.perturbation_mask, 1.0)
+
+        # 1.1. Video self-attention
+        video_ada_params = get_mod_params(self.scale_shift_table[...], b.temb, batch_size)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = video_ada_params[:6]
+        if self.video_cross_attn_adaln:
+            shift_text_q, scale_text_q, gate_text_q = video_ada_params[6:9]
+        norm_hidden_states = self.norm1(hidden_states) * (1 + scale_msa) + shift_msa
+        attn_hidden_states = self.attn1(par, par, norm_hidden_states, query_rotary_emb=b.video_rotary_emb,
+                                        kv_mask=b.video_kv_mask, perturbation=perturbation)
+        hidden_states = hidden_states + attn_hidden_states * gate_msa
+
+        # 1.2. Audio self-attention
+        audio_ada_params = get_mod_params(self.audio_scale_shift_table[...], b.temb_audio, batch_size)
+        audio_shift_msa, audio_scale_msa, audio_gate_msa, audio_shift_mlp, audio_scale_mlp, audio_gate_mlp = \
+            audio_ada_params[:6]
+        if self.audio_cross_attn_adaln:
+            audio_shift_text_q, audio_scale_text_q, audio_gate_text_q = audio_ada_params[6:9]
+        norm_audio_hidden_states = self.audio_norm1(audio_hidden_states) * (1 + audio_scale_msa) + audio_shift_msa
+        attn_audio_hidden_states = self.audio_attn1(apar, apar, norm_audio_hidden_states,
+                                                    query_rotary_emb=b.audio_rotary_emb, perturbation=perturbation)
+        audio_hidden_states = audio_hidden_states + attn_audio_hidden_states * audio_gate_msa
+
+        # 2. Cross-attention with the text (Q: video or audio; K, V: text, replicated)
+        encoder_hidden_states, audio_encoder_hidden_states = b.encoder_hidden_states, b.audio_encoder_hidden_states
+        if self.cross_attn_adaln:
+            if b.temb_prompt is not None:
+                shift_text_kv, scale_text_kv = get_mod_params(self.prompt_scale_shift_table[...], b.temb_prompt,
+                                                              batch_size)
+                audio_shift_text_kv, audio_scale_text_kv = get_mod_params(
+                    self.audio_prompt_scale_shift_table[...], b.temb_prompt_audio, batch_size)
+            else:  # use_prompt_adaln_single=False: the static per-layer tables only
+                shift_text_kv, scale_text_kv = self.prompt_scale_shift_table[...][None, None].transpose(2, 0, 1, 3)
+                audio_shift_text_kv, audio_scale_text_kv = \
+                    self.audio_prompt_scale_shift_table[...][None, None].transpose(2, 0, 1, 3)
+
+        # 2.1. Video-text
+        norm_hidden_states = self.norm2(hidden_states)
+        if self.video_cross_attn_adaln:
+            norm_hidden_states = norm_hidden_states * (1 + scale_text_q) + shift_text_q
+        if self.cross_attn_adaln:
+            encoder_hidden_states = encoder_hidden_states * (1 + scale_text_kv) + shift_text_kv
+        attn_hidden_states = self.attn2(par, apar, norm_hidden_states, encoder_hidden_states,
+                                        attention_bias=b.encoder_attention_mask)
+        if self.video_cross_attn_adaln:
+            attn_hidden_states = attn_hidden_states * gate_text_q
+        hidden_states = hidden_states + attn_hidden_states
+
+        # 2.2. Audio-text
+        norm_audio_hidden_states = self.audio_norm2(audio_hidden_states)
+        if self.audio_cross_attn_adaln:
+            norm_audio_hidden_states = norm_audio_hidden_states * (1 + audio_scale_text_q) + audio_shift_text_q
+        if self.cross_attn_adaln:
+            audio_encoder_hidden_states = audio_encoder_hidden_states * (1 + audio_scale_text_kv) \
+                + audio_shift_text_kv
+        attn_audio_hidden_states = self.audio_attn2(apar, apar, norm_audio_hidden_states,
+                                                    audio_encoder_hidden_states,
+                                                    attention_bias=b.audio_encoder_attention_mask)
+        if self.audio_cross_attn_adaln:
+            attn_audio_hidden_states = attn_audio_hidden_states * audio_gate_text_q
+        audio_hidden_states = audio_hidden_states + attn_audio_hidden_states
+
+        # 3. Audio-to-video and video-to-audio cross-attention
+        if use_a2v_cross_attention or use_v2a_cross_attention:
+            norm_hidden_states = self.audio_to_video_norm(hidden_states)
+            norm_audio_hidden_states = self.video_to_audio_norm(audio_hidden_states)
+
+            # 3.1. Global + per-layer modulation (NOTE: scale before shift)
+            table = self.video_a2v_cross_attn_scale_shift_table[...]
+            video_a2v_ca_scale, video_a2v_ca_shift, video_v2a_ca_scale, video_v2a_ca_shift = get_mod_params(
+                table[:4], b.temb_ca_scale_shift, batch_size)
+            a2v_gate = get_mod_params(table[4:], b.temb_ca_gate, batch_size)[0]
+            table = self.audio_a2v_cross_attn_scale_shift_table[...]
+            audio_a2v_ca_scale, audio_a2v_ca_shift, audio_v2a_ca_scale, audio_v2a_ca_shift = get_mod_params(
+                table[:4], b.temb_ca_audio_scale_shift, batch_size)
+            v2a_gate = get_mod_params(table[4:], b.temb_ca_audio_gate, batch_size)[0]
+
+            # 3.2. a2v: Q video (gathered rows), K/V audio; output reduce-scattered to video rows
+            if use_a2v_cross_attention:
+                mod_norm_hidden_states = norm_hidden_states * (1 + video_a2v_ca_scale) + video_a2v_ca_shift
+                mod_norm_audio_hidden_states = norm_audio_hidden_states * (1 + audio_a2v_ca_scale) \
+                    + audio_a2v_ca_shift
+                a2v_attn_hidden_states = self.audio_to_video_attn(
+                    par, apar, mod_norm_hidden_states, mod_norm_audio_hidden_states,
+                    query_rotary_emb=b.ca_video_rotary_emb, key_rotary_emb=b.ca_audio_rotary_emb)
+                hidden_states = hidden_states + a2v_gate * a2v_attn_hidden_states
+
+            # 3.3. v2a: Q audio, K/V video (gathered rows, pad keys dropped); output all-reduced
+            if use_v2a_cross_attention:
+                mod_norm_hidden_states = norm_hidden_states * (1 + video_v2a_ca_scale) + video_v2a_ca_shift
+                mod_norm_audio_hidden_states = norm_audio_hidden_states * (1 + audio_v2a_ca_scale) \
+                    + audio_v2a_ca_shift
+                v2a_attn_hidden_states = self.video_to_audio_attn(
+                    apar, par, mod_norm_audio_hidden_states, mod_norm_hidden_states,
+                    query_rotary_emb=b.ca_audio_rotary_emb, key_rotary_emb=b.ca_video_rotary_emb,
+                    kv_mask=b.video_kv_mask)
+                audio_hidden_states = audio_hidden_states + v2a_gate * v2a_attn_hidden_states
+
+        # 4. Feed-forward
+        norm_hidden_states = self.norm3(hidden_states) * (1 + scale_mlp) + shift_mlp
+        hidden_states = hidden_states + self.ff(par, norm_hidden_states) * gate_mlp
+        norm_audio_hidden_states = self.audio_norm3(audio_hidden_states) * (1 + audio_scale_mlp) + audio_shift_mlp
+        audio_hidden_states = audio_hidden_states + self.audio_ff(apar, norm_audio_hidden_states) * audio_gate_mlp
+        return hidden_states, audio_hidden_states
+
+
+# --------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------
+
+def rope_groups(c: LTX2Config) -> dict[str, int | None]:
+    """Rotation groups of each RoPE's tables ("half" layout), None for interleaved tables.
+
+    Native split: the RoPE module's heads (diffusers groups by `cos.shape[1]`:
+    video heads for the video side of a2v/v2a, audio heads for the audio
+    side). Interleaved permuted to split halves: the consuming attention's heads.
+    """
+    if c.rope_type == "split":
+        return dict(video=c.num_attention_heads, audio=c.audio_num_attention_heads,
+                    ca_video=c.num_attention_heads, ca_audio=c.audio_num_attention_heads)
+    if c.split_rope:
+        return dict(video=c.num_attention_heads, audio=c.audio_num_attention_heads,
+                    ca_video=c.audio_num_attention_heads, ca_audio=c.audio_num_attention_heads)
+    return dict(video=None, audio=None, ca_video=None, ca_audio=None)
+
+
+class LTX2VideoTransformer3DModel(nnx.Module):
+    def __init__(self, c: LTX2Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = c
+        dim, adim = c.inner_dim, c.audio_inner_dim
+        lin = lambda i, o: nn.Linear(i, o, dtype=dtype, rngs=rngs)
+        adaln = lambda d, n: LTX2AdaLayerNormSingle(d, n, dtype=dtype, rngs=rngs)
+
+        # 1. Patchification input projections
+        self.proj_in = lin(c.in_channels, dim)
+        self.audio_proj_in = lin(c.audio_in_channels, adim)
+        if c.use_keyframes_abs_pos_embedding:
+            self.keyframes_abs_pos_embedding = nnx.Param(jnp.zeros((1, dim), dtype))
+        # 2. Prompt embeddings (LTX-2.0)
+        if c.use_prompt_embeddings:
+            self.caption_projection = PixArtAlphaTextProjection(c.caption_channels, dim, dtype=dtype, rngs=rngs)
+            self.audio_caption_projection = PixArtAlphaTextProjection(c.caption_channels, adim, dtype=dtype,
+                                                                      rngs=rngs)
+        # 3. Timestep modulation
+        self.time_embed = adaln(dim, 9 if c.cross_attn_mod else 6)
+        self.audio_time_embed = adaln(adim, 9 if c.audio_cross_attn_mod else 6)
+        self.av_cross_attn_video_scale_shift = adaln(dim, 4)
+        self.av_cross_attn_audio_scale_shift = adaln(adim, 4)
+        self.av_cross_attn_video_a2v_gate = adaln(dim, 1)
+        self.av_cross_attn_audio_v2a_gate = adaln(adim, 1)
+        self.scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (2, dim), dtype) * dim ** -0.5)
+        self.audio_scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (2, adim), dtype) * adim ** -0.5)
+        if c.prompt_modulation and c.use_prompt_adaln_single:
+            self.prompt_adaln = adaln(dim, 2)
+            self.audio_prompt_adaln = adaln(adim, 2)
+        # 4. RoPE: host-side tables (rope.py), no parameters.
+        # 5. Transformer blocks, stacked for one scan
+        self.transformer_blocks = nn.stacked(lambda r: LTX2VideoTransformerBlock(c, dtype=dtype, rngs=r),
+                                             c.num_layers, rngs)
+        # 6. Output layers (norm_out / audio_norm_out: LayerNorm without affine)
+        self.proj_out = lin(dim, c.video_out_channels)
+        self.audio_proj_out = lin(adim, c.audio_output_channels)
+
+    def __call__(self, par, inputs: dict, *, isolate_modalities: bool = False):
+        """The forward on prepared inputs (see `runner.Runner`): video rows are
+        this rank's (padded) rows under SP; returns `(sample, audio_sample)`."""
+        c = self.config
+        apar = dataclasses.replace(par, mode="tp") if par.seq_sharded else par
+        hidden_states = inputs["hidden_states"]
+        audio_hidden_states = inputs["audio_hidden_states"]
+        batch_size, dtype, adtype = hidden_states.shape[0], hidden_states.dtype, audio_hidden_states.dtype
+
+        # text masks -> additive bias, as diffusers
+        def text_bias(mask, dt):
+            return None if mask is None else ((1 - mask.astype(dt)) * TEXT_MASK_BIAS)[:, None, :]
+
+        encoder_attention_mask = text_bias(inputs.get("encoder_attention_mask"), dtype)
+        audio_encoder_attention_mask = text_bias(inputs.get("audio_encoder_attention_mask"), adtype)
+
+        # 1. RoPE tables (this rank's channels)
+        groups = rope_groups(c)
+        ropes = {k: Rope(inputs[f"rope_{k}_cos"], inputs[f"rope_{k}_sin"], groups[k]) for k in groups}
+
+        # 2. Input projections
+        hidden_states = self.proj_in(hidden_states)
+        audio_hidden_states = self.audio_proj_in(audio_hidden_states)
+        if c.use_keyframes_abs_pos_embedding and inputs.get("video_keyframes_mask") is not None:
+            marker = (inputs["video_keyframes_mask"] > 0).astype(dtype)
+            hidden_states = hidden_states + marker * self.keyframes_abs_pos_embedding[...].astype(dtype)
+
+        # 3. Timestep embeddings and modulation
+        gate_factor = c.cross_attn_timestep_scale_multiplier / c.timestep_scale_multiplier
+        temb, embedded_timestep = self.time_embed(par, inputs["timestep"], batch_size, dtype)
+        temb_audio, audio_embedded_timestep = self.audio_time_embed(par, inputs["audio_timestep"], batch_size,
+                                                                    adtype)
+        if c.prompt_modulation and c.use_prompt_adaln_single:
+            temb_prompt, _ = self.prompt_adaln(par, inputs["sigma"], batch_size, dtype)
+            temb_prompt_audio, _ = self.audio_prompt_adaln(par, inputs["audio_sigma"], batch_size, adtype)
+        else:
+            temb_prompt = temb_prompt_audio = None
+        video_ca_timestep, audio_ca_timestep = inputs["video_ca_timestep"], inputs["audio_ca_timestep"]
+        video_cross_attn_scale_shift, _ = self.av_cross_attn_video_scale_shift(par, video_ca_timestep, batch_size,
+                                                                               dtype)
+        video_cross_attn_a2v_gate, _ = self.av_cross_attn_video_a2v_gate(par, video_ca_timestep * gate_factor,
+                                                                         batch_size, dtype)
+        audio_cross_attn_scale_shift, _ = self.av_cross_attn_audio_scale_shift(par, audio_ca_timestep, batch_size,
+                                                                               adtype)
+        audio_cross_attn_v2a_gate, _ = self.av_cross_attn_audio_v2a_gate(par, audio_ca_timestep * gate_factor,
+                                                                         batch_size, adtype)
+
+        # 4. Prompt embeddings (LTX-2.0)
+        encoder_hidden_states = inputs["encoder_hidden_states"]
+        audio_encoder_hidden_states = inputs["audio_encoder_hidden_states"]
+        if c.use_prompt_embeddings:
+            encoder_hidden_states = self.caption_projection(encoder_hidden_states)
+            audio_encoder_hidden_states = self.audio_caption_projection(audio_encoder_hidden_states)
+
+        # 5. Transformer blocks: one scan over the stacked parameters
+        perturbation_mask = inputs.get("perturbation_mask")
+        b = BlockInputs(
+            encoder_hidden_states, audio_encoder_hidden_states, temb, temb_audio, video_cross_attn_scale_shift,
+            audio_cross_attn_scale_shift, video_cross_attn_a2v_gate, audio_cross_attn_v2a_gate, temb_prompt,
+            temb_prompt_audio, ropes["video"], ropes["audio"], ropes["ca_video"], ropes["ca_audio"],
+            encoder_attention_mask, audio_encoder_attention_mask, inputs.get("video_kv_mask"),
+            None if perturbation_mask is None else perturbation_mask.reshape(-1, 1, 1),
+            inputs.get("stg_layers"))
+
+        def body(block, carry):
+            h, a, layer = carry
+            h, a = block(par, apar, h, a, b, layer=layer, use_a2v_cross_attention=not isolate_modalities,
+                         use_v2a_cross_attention=not isolate_modalities)
+            return h, a, layer + 1
+
+        hidden_states, audio_hidden_states, _ = nn.scan_blocks(
+            self.transformer_blocks, (hidden_states, audio_hidden_states, jnp.int32(0)), body)
+
+        # 6. Output layers (embedded_timestep, not temb; [0] = shift, [1] = scale)
+        scale_shift_values = self.scale_shift_table[...][None, None] + embedded_timestep[:, :, None]
+        shift, scale = scale_shift_values[:, :, 0], scale_shift_values[:, :, 1]
+        hidden_states = nn.layer_norm(hidden_states, eps=1e-6) * (1 + scale) + shift
+        output = self.proj_out(hidden_states)
+
+        audio_scale_shift_values = self.audio_scale_shift_table[...][None, None] + audio_embedded_timestep[:, :, None]
+        audio_shift, audio_scale = audio_scale_shift_values[:, :, 0], audio_scale_shift_values[:, :, 1]
+        audio_hidden_states = nn.layer_norm(audio_hidden_states, eps=1e-6) * (1 + audio_scale) + audio_shift
+        audio_output = self.audio_proj_out(audio_hidden_states)
+        return output, audio_output
+
+
+def build(config: LTX2Config, *, dtype=jnp.float32, rngs: nnx.Rngs) -> LTX2VideoTransformer3DModel:
+    """The model with random parameters (load real ones with `weights.load_transformer`)."""
+    return LTX2VideoTransformer3DModel(config, dtype=dtype, rngs=rngs)
+
+
+# --------------------------------------------------------------------------
+# Weight key map for difflet_tpu.weights.load_transformer
+# --------------------------------------------------------------------------
+
+ROPE_ATTENTIONS = ("attn1", "audio_attn1", "audio_to_video_attn", "video_to_audio_attn")  # q/k get RoPE
+
+
+def key_map(config: LTX2Config, model) -> dict:
+    """Parameter path -> diffusers key: the default naming, plus (interleaved
+    checkpoints with `split_rope`) each head's q/k rows, biases and q/k norm
+    weights of the RoPE attentions permuted to split halves."""
+    from difflet_tpu import weights
+
+    km = weights.default_key_map(model, stacked={"transformer_blocks": config.num_layers})
+    if config.split_rope:
+        heads = dict(attn1=(config.num_attention_heads, config.attention_head_dim))
+        for name in ROPE_ATTENTIONS[1:]:
+            heads[name] = (config.audio_num_attention_heads, config.audio_attention_head_dim)
+        for name, (h, d) in heads.items():
+            perm = tuple(int(i) for i in layout.heads_permutation(h, d))
+            for leaf in ("to_q.kernel", "to_q.bias", "to_k.kernel", "to_k.bias", "norm_q.scale", "norm_k.scale"):
+                path = f"transformer_blocks.{name}.{leaf}"
+                if path in km:
+                    km[path] = dataclasses.replace(km[path], perm=perm)
+    return km
