@@ -7,8 +7,9 @@
 validates all of them (missing, unexpected and mis-shaped keys are reported
 together, before anything compiles), casts, and places each parameter with
 its sharding. With a mesh every device reads only its own slice
-(`safe_open(...).get_slice`), so a checkpoint never exists whole on one
-device or as one host array beyond a single tensor.
+(`safe_open(...).get_slice`) and the slice goes to its device before the
+next is read, so a checkpoint never exists whole on one device, and the host
+holds one device's slice of one parameter at a time.
 
 A port describes its checkpoint with a key map: parameter path (dot-joined
 NNX state path) -> `Key`. `default_key_map` derives the usual rules
@@ -16,7 +17,9 @@ NNX state path) -> `Key`. `default_key_map` derives the usual rules
 `weight`; stacked blocks `name.{i}.`); ports override what differs.
 Permutations (split-halves RoPE) are applied here, once, on the host; the
 model records them in its config, so a cached (orbax) copy is not permuted
-twice.
+twice. With `cache_dir`, the converted parameters are saved with orbax
+and later restored straight onto the mesh (`difflet_tpu.checkpoint`).
+See docs/loading.md.
 """
 
 from __future__ import annotations

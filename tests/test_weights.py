@@ -453,3 +453,9 @@ def test_non_param_state_is_materialised(tmp_path, monkeypatch):
         assert isinstance(table, jax.Array) and table.sharding.is_fully_replicated
         np.testing.assert_array_equal(np.asarray(table), np.arange(8) * 2)
         assert_loaded(model, expected_params(tensors), mesh=make_mesh(4))
+
+
+def test_top_level_entry_point():
+    import difflet_tpu
+
+    assert difflet_tpu.load_transformer is weights.load_transformer
