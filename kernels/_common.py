@@ -152,3 +152,31 @@ class VmemPlan:
 def buffer(name, shape, dtype):
     d = jnp.dtype(dtype)
     return (name, tuple(int(s) for s in shape), d.name, math.prod(shape) * d.itemsize)
+
+
+def kernel_vmem_from_hlo(text: str) -> list[dict]:
+    """Per Pallas kernel (`tpu_custom_call`) in a compiled module's text: its
+    name, the scoped VMEM it requested (`scoped_memory_configs`) and the VMEM
+    Mosaic says it uses (`used_scoped_memory_configs`), in bytes."""
+    import re
+
+    out = []
+    for m in re.finditer(r'custom_call_target="tpu_custom_call"', text):
+        start = text.rfind("\n", 0, m.start()) + 1
+        # One instruction may span lines (its frontend attributes do); it ends
+        # where the next instruction or the computation does.
+        nxt = re.compile(r"\n\s+(?:ROOT )?%|\n\}\n").search(text, m.start())
+        line = text[start:nxt.start() if nxt else len(text)]
+        name = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) =", line)
+
+        def vmem(key):
+            cfg = re.search(r'"%s":\[([^\]]*)\]' % key, line)
+            if not cfg:
+                return None
+            sizes = [int(s) for ms, s in re.findall(r'"memory_space":"(\d+)","offset":"\d+","size":"(\d+)"',
+                                                       cfg.group(1)) if ms == "1"]
+            return sum(sizes) if sizes else 0
+
+        out.append(dict(name=name.group(1) if name else "?", requested=vmem("scoped_memory_configs"),
+                        used=vmem("used_scoped_memory_configs")))
+    return out

@@ -106,6 +106,8 @@ def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
             _common.buffer("xbuf", (2, recv_slots, B, h, K), dtype),
             _common.buffer("wbuf", (2, K, tn), dtype),
             _common.buffer("obuf", (2, 2, B, h, tn), dtype),
+            # values Mosaic materialises per dot: the x row piece, the weight tile, the f32 result
+            _common.buffer("dot operands", (tm * K + K * tn,), dtype),
             _common.buffer("f32 result", (tm, tn), jnp.float32),
         ))
         if plan.limit <= cap:

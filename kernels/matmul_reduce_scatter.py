@@ -119,6 +119,8 @@ def _plan(x_shapes, w_shapes, dtype, axis_size, *, recv_slots=RECV_SLOTS,
         bufs += [
             _common.buffer("recv", (2, recv_slots, nt, B, h, tn), dtype),
             _common.buffer("sbuf", (2, 2, B, h, tn), dtype),
+            # values Mosaic materialises per dot: x row pieces, weight tiles, f32 products and sum
+            _common.buffer("dot operands", (sum(tm * k + k * tn for k in ks),), dtype),
             _common.buffer("f32 acc", (2, tm, tn), jnp.float32),
         ]
         plan = _common.VmemPlan(tuple(bufs))
