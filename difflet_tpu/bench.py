@@ -1,62 +1,532 @@
-"""`python -m difflet_tpu.bench`: smoke run of the rings on 4 virtual CPU devices.
+"""`python -m difflet_tpu.bench`: the denoise benchmark, TP vs SP, and compile-only estimates.
 
-(The denoise benchmark replaces this once the model ports land.) It runs the
-toy model of difflet_tpu.testing on one device, under TP and under SP, and
-prints step times and the SP/TP difference.
+With no arguments on a machine without a TPU it sets up 4 virtual CPU
+devices and runs every landed port's tiny preset for a few steps under TP and
+SP (float32), printing a table: step times, the final latents' sha256, and
+SP vs TP relative L2 / PSNR. On a TPU VM the same command runs the ports'
+released presets at their benchmark shapes.
+
+`--compile-only --topology v5e:2x2` needs neither a TPU nor weights: it
+compiles the real config's step for that slice (deviceless) per mode and
+reports HBM per chip, FLOPs, collectives and a schedule-based ESTIMATE of the
+step time (difflet_tpu.estimate; docs/benchmarks.md has the model and its
+constants).
+
+Modes: tp, sp (JAX rings or Pallas kernels per the config / model default),
+sp-xla (plain all_gather / psum_scatter with XLA's collective-matmul
+decomposition switched on), all. Default: DIFFLET_TPU_SP (1 -> sp, 0 -> tp),
+unset -> tp and sp.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import hashlib
+import json
+import math
+import os
+import sys
 import time
+
+CPU_DEVICES = 4
+XLA_CM_FLAGS = {
+    "xla_tpu_all_gather_collective_matmul_mode": "POST_SPMD",
+    "xla_tpu_reduce_scatter_collective_matmul_mode": "POST_SPMD",
+}
+# shapes that fit each family's tiny preset (the porting-brief fixture grids)
+TINY_SHAPES = {
+    "flux": dict(height=64, width=96, frames=1),
+    "wan": dict(height=64, width=96, frames=9),
+    "hunyuan_video": dict(height=64, width=96, frames=9),
+    "ltx2": dict(height=96, width=128, frames=9),
+    "toy": dict(height=64, width=64, frames=1),
+}
+MODES = ("tp", "sp", "sp-xla")
+COMPILE_VARIANTS = {  # compile-only: mode -> (parallel mode, Config overrides)
+    "tp": ("tp", {}),
+    "sp": ("sp", {"sp_kernel": "jax"}),
+    "sp-pallas": ("sp", {"sp_kernel": "pallas"}),
+    "sp-xla": ("sp-xla", {}),
+}
+
+
+class BenchError(Exception):
+    pass
+
+
+def has_tpu() -> bool:
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def parser():
+    ap = argparse.ArgumentParser(prog="python -m difflet_tpu.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", help="family (flux, wan, hunyuan_video, ltx2), family:preset "
+                    "(wan:tiny, wan:Wan2.2-T2V-A14B) or a released preset name; repeatable; default: every "
+                    "landed port (tiny presets on CPU)")
+    ap.add_argument("--height", type=int)
+    ap.add_argument("--width", type=int)
+    ap.add_argument("--frames", type=int)
+    ap.add_argument("--steps", type=int, help="denoise steps (default: 4 on CPU, the pipeline's default on TPU)")
+    ap.add_argument("--mode", help="tp | sp | sp-xla | all, or a comma list (default: from DIFFLET_TPU_SP)")
+    ap.add_argument("--weights", help="a diffusers transformer directory (random init otherwise)")
+    ap.add_argument("--embeddings", help="precomputed text embeddings (.safetensors / .npz, diffusers argument names)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per expert before the timed loop (>= 1)")
+    ap.add_argument("--guidance", type=float, help="guidance scale (default: the pipeline's; 1 turns CFG off)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: float32 on CPU, bfloat16 on TPU")
+    ap.add_argument("--json", help="write the results as JSON to this path")
+    ap.add_argument("--profile", help="jax.profiler trace of the timed steps into DIR/<model>-<mode>")
+    ap.add_argument("--dump-hlo", help="write each compiled step's HLO text into DIR")
+    ap.add_argument("--compile-only", action="store_true", help="deviceless compile + estimate for --topology")
+    ap.add_argument("--topology", help="TPU topology for --compile-only, e.g. v5e:2x2, v5e:2x4, v6e:2x2")
+    ap.add_argument("--calibrated", choices=("yes", "no"), default="yes",
+                    help="--compile-only: apply the estimator's one fitted factor (default yes; both are reported)")
+    return ap
+
+
+def parse_modes(value: str | None) -> list[str]:
+    if value is None:
+        env = os.environ.get("DIFFLET_TPU_SP")
+        if env is None:
+            return ["tp", "sp"]
+        if env.strip() not in ("0", "1"):
+            raise BenchError(f"DIFFLET_TPU_SP={env!r} is not allowed; use 0 or 1")
+        return ["sp"] if env.strip() == "1" else ["tp"]
+    out = []
+    for m in value.split(","):
+        m = m.strip()
+        if m == "all":
+            out += [x for x in MODES if x not in out]
+        elif m in MODES or m == "sp-pallas":
+            if m not in out:
+                out.append(m)
+        else:
+            raise BenchError(f"--mode {value!r}: unknown mode {m!r}; use tp, sp, sp-xla or all")
+    return out
+
+
+def validate(args, ap):
+    if args.steps is not None and args.steps < 1:
+        ap.error("--steps must be >= 1")
+    if args.warmup < 1:
+        ap.error("--warmup must be >= 1 (the first call compiles; timed steps never include it)")
+    for name in ("height", "width", "frames"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            ap.error(f"--{name} must be positive")
+    if args.guidance is not None and args.guidance < 0:
+        ap.error("--guidance must be >= 0")
+    if args.compile_only:
+        if not args.topology:
+            ap.error("--compile-only needs --topology (e.g. v5e:2x2)")
+        for flag in ("weights", "embeddings", "profile"):
+            if getattr(args, flag):
+                ap.error(f"--{flag} cannot be combined with --compile-only (nothing runs)")
+    elif args.topology:
+        ap.error("--topology only applies to --compile-only")
+    if args.weights and not os.path.isdir(args.weights):
+        ap.error(f"--weights {args.weights}: not a directory")
+    if args.weights and args.model and len(args.model) > 1:
+        ap.error("--weights loads one transformer: give one --model")
+    if args.embeddings and not os.path.isfile(args.embeddings):
+        ap.error(f"--embeddings {args.embeddings}: no such file")
+    try:
+        args.modes = parse_modes(args.mode)
+    except BenchError as e:
+        ap.error(str(e))
+    if args.compile_only:
+        if args.mode is None or "all" in args.mode.split(","):
+            args.modes = list(COMPILE_VARIANTS)
+        args.modes = [m for m in args.modes]
+    elif "sp-pallas" in args.modes:
+        ap.error("--mode sp-pallas is a --compile-only variant; on a device set DIFFLET_TPU_SP_KERNEL=pallas")
+
+
+# --------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------
+
+
+def sha256(arrays: dict) -> str:
+    import numpy as np
+
+    h = hashlib.sha256()
+    for k in sorted(arrays):
+        h.update(np.ascontiguousarray(np.asarray(arrays[k], np.float32)).tobytes())
+    return h.hexdigest()
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Relative L2 of a against reference b and PSNR over b's data range, all latents together."""
+    import numpy as np
+
+    x = np.concatenate([np.asarray(a[k], np.float64).ravel() for k in sorted(b)])
+    y = np.concatenate([np.asarray(b[k], np.float64).ravel() for k in sorted(b)])
+    err = float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+    mse = float(np.mean((x - y) ** 2))
+    rng = float(y.max() - y.min())
+    psnr = float("inf") if mse == 0 else float(10 * math.log10(rng * rng / mse))
+    return dict(rel_l2=err, psnr_db=psnr)
+
+
+class Progress:
+    def __init__(self, label, stream=sys.stderr, width=24):
+        self.label, self.stream, self.width = label, stream, width
+
+    def __call__(self, i, n, dt):
+        fill = int(self.width * i / n)
+        self.stream.write(f"\r{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {i}/{n} {dt * 1e3:8.1f} ms")
+        if i == n:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def ms(x):
+    return None if x is None else round(1e3 * x, 3)
+
+
+def shape_for(fam, preset, args):
+    from difflet_tpu.pipeline import FAMILIES
+
+    base = dict(TINY_SHAPES[fam] if preset in ("tiny",) or fam == "toy" else FAMILIES[fam].shape)
+    for k in ("height", "width", "frames"):
+        if getattr(args, k) is not None:
+            base[k] = getattr(args, k)
+    if fam == "flux" and base.get("frames", 1) != 1:
+        raise BenchError("FLUX makes images: --frames must be 1")
+    return base
+
+
+def build_config(port, preset):
+    from difflet_tpu.config import Config
+
+    cfg = port.config_from_diffusers(dict(port.PRESETS[preset]), split_rope=Config.from_env().split_rope)
+    return cfg
+
+
+# --------------------------------------------------------------------------
+# The on-device (or CPU) benchmark
+# --------------------------------------------------------------------------
+
+
+def run_model(fam, preset, args, mesh, dtype, results, hlo_dir=None):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from difflet_tpu import pipeline as PL
+    from difflet_tpu.config import Config
+
+    family = PL.FAMILIES[fam]
+    port = PL.load_port(fam)
+    cfg = build_config(port, preset)
+    shape = shape_for(fam, preset, args)
+    guidance = family.guidance if args.guidance is None else args.guidance
+    cfg_batch = family.guidance_mode == "cfg" and guidance != 1.0
+    steps = args.steps or (4 if args.cpu else family.steps)
+    np_dtype = np.float32 if dtype == jnp.float32 else jnp.bfloat16
+    inputs = port.example_inputs(cfg, **shape, batch=1, seed=args.seed, dtype=np_dtype)
+    cfg_inputs = port.example_inputs(cfg, **shape, batch=2, seed=args.seed + 1, dtype=np_dtype) if cfg_batch else None
+    if cfg_inputs is not None:  # conditional rows second, the same latents
+        for k in family.latent_keys:
+            if k in cfg_inputs:
+                cfg_inputs[k] = np.concatenate([inputs[k], inputs[k]])
+    if args.embeddings:
+        emb = PL.read_embeddings(args.embeddings)
+        if cfg_batch:
+            cfg_inputs = PL.apply_embeddings(cfg_inputs, emb, True)
+        else:
+            inputs = PL.apply_embeddings(inputs, emb, False)
+    schedule = family.schedule(steps, inputs, preset)
+    boundary = family.boundaries.get(preset)
+    n_experts = 2 if boundary is not None else 1
+    analytic = float(port.flops(cfg, cfg_inputs if cfg_batch else inputs))
+    base = dict(model=f"{fam}:{preset}", family=fam, preset=preset, shape=shape, steps=steps,
+                guidance=guidance, cfg_batch2=cfg_batch, experts=n_experts, dtype=str(np.dtype(np_dtype)),
+                devices=mesh.devices.size, platform=mesh.devices.flat[0].platform,
+                analytic_tflops_per_step=analytic / 1e12, seed=args.seed,
+                weights=args.weights or "random", embeddings=args.embeddings or "random")
+    finals = {}
+    for mode in args.modes:
+        row = dict(base, mode=mode)
+        label = f"{fam}:{preset} {mode}"
+        t0 = time.perf_counter()
+        models = []
+        for e in range(n_experts):
+            if args.weights:
+                from difflet_tpu import weights
+
+                path = args.weights if n_experts == 1 else os.path.join(
+                    args.weights, "transformer" if e == 0 else "transformer_2")
+                models.append(weights.load_transformer(path, dtype=dtype, mesh=mesh))
+            else:
+                models.append(port.build(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed + e)))
+        runners = [port.Runner(m, mesh, Config.from_env(), mode=mode) for m in models]
+        jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(models[0]))[:1])
+        row["load_s"] = time.perf_counter() - t0
+        den = PL.Denoiser(family, runners, inputs, schedule, guidance=guidance, boundary=boundary,
+                          cfg_inputs=cfg_inputs, dtype=dtype,
+                          audio_guidance=7.0 if fam == "ltx2" and args.guidance is None else None)
+        c0 = PL.CompileCounter.count()
+        w = den.warmup(args.warmup)
+        c1 = PL.CompileCounter.count()
+        row["first_call_s"] = w.first_call_s
+        prof = os.path.join(args.profile, f"{fam}-{preset}-{mode}".replace(":", "_")) if args.profile else None
+        t0 = time.perf_counter()
+        final, times = den.run(progress=Progress(label), profile_dir=prof)
+        row["denoise_s"] = time.perf_counter() - t0
+        row["compilations_warmup"] = c1 - c0
+        row["compilations_timed"] = PL.CompileCounter.count() - c1
+        row["step_ms"] = dict(median=ms(float(np.median(times))), min=ms(min(times)), max=ms(max(times)))
+        row["compile_s"] = w.compile_s(float(np.median(times)))
+        row["peak_memory_bytes"] = peak_memory(mesh)
+        row["sha256"] = sha256(final)
+        row["profile"] = prof
+        if hlo_dir:
+            row["hlo"] = dump_hlo(hlo_dir, f"{fam}-{preset}-{mode}", runners[0], den, mode)
+        finals[mode] = final
+        results.append(row)
+    ref = "tp" if "tp" in finals else None
+    for mode, final in finals.items():
+        if ref and mode != ref:
+            row = next(r for r in results if r["model"] == base["model"] and r["mode"] == mode)
+            tp_row = next(r for r in results if r["model"] == base["model"] and r["mode"] == ref)
+            row["vs_tp"] = compare(final, finals[ref])
+            row["vs_tp"]["step_ratio"] = row["step_ms"]["median"] / tp_row["step_ms"]["median"]
+
+
+def peak_memory(mesh):
+    peaks = []
+    for d in mesh.devices.flat:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 - platforms without memory stats
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(stats["peak_bytes_in_use"])
+    return max(peaks) if peaks else None
+
+
+def dump_hlo(directory, name, runner, den, mode):
+    import jax
+
+    os.makedirs(directory, exist_ok=True)
+    kw = den.kwargs(den.initial(), float(den.schedule.timesteps[0]))
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v for k, v in kw.items()}
+    compiled = runner.trace(**abstract).lower().compile()
+    path = os.path.join(directory, f"{name}.hlo.txt".replace(":", "_"))
+    with open(path, "w") as f:
+        f.write(compiled.as_text())
+    return path
+
+
+def print_table(results, out=sys.stdout):
+    hdr = (f"{'model':28} {'mode':7} {'load s':>7} {'compile s':>9} {'step ms med':>11} {'min':>8} {'max':>8} "
+           f"{'denoise s':>9} {'peak GiB':>8} {'sha256':>12} {'rel L2 vs TP':>12} {'PSNR dB':>8} {'SP/TP':>6}")
+    print(hdr, file=out)
+    for r in results:
+        if "error" in r:
+            print(f"{r['model']:28} {r.get('mode', '-'):7} ERROR: {r['error']}", file=out)
+            continue
+        v = r.get("vs_tp", {})
+        peak = "-" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.2f}"
+        print(f"{r['model']:28} {r['mode']:7} {r['load_s']:7.2f} {r['compile_s']:9.2f} "
+              f"{r['step_ms']['median']:11.2f} {r['step_ms']['min']:8.2f} {r['step_ms']['max']:8.2f} "
+              f"{r['denoise_s']:9.2f} {peak:>8} {r['sha256'][:12]:>12} "
+              f"{('%.2e' % v['rel_l2']) if v else '-':>12} {('%.1f' % v['psnr_db']) if v else '-':>8} "
+              f"{('%.3f' % v['step_ratio']) if v else '-':>6}", file=out)
+
+
+def run_bench(args):
+    tpu = has_tpu()
+    args.cpu = not tpu
+    if args.cpu:
+        from difflet_tpu.mesh import use_cpu_devices
+
+        use_cpu_devices(CPU_DEVICES)
+    import jax
+    import jax.numpy as jnp
+
+    from difflet_tpu import pipeline as PL
+    from difflet_tpu.mesh import make_mesh
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype or ("float32" if args.cpu else "bfloat16")]
+    ports = PL.landed_ports()
+    if args.model:
+        models = [PL.resolve_model(m, ports) for m in args.model]
+    else:
+        models = [(f, "tiny" if args.cpu else PL.FAMILIES[f].released) for f, (p, _) in ports.items() if p is not None]
+        if not models:
+            print("no model port has landed yet; running the toy model", file=sys.stderr)
+            models = [("toy", "tiny" if args.cpu else "toy-small")]
+        for f, (p, why) in ports.items():
+            if p is None:
+                print(f"skipping {f}: {why}", file=sys.stderr)
+    mesh = make_mesh(min(CPU_DEVICES, jax.device_count()) if args.cpu else None)
+    results = []
+    failed = False
+    for fam, preset in models:
+        try:
+            run_model(fam, preset, args, mesh, dtype, results, hlo_dir=args.dump_hlo)
+        except BenchError:
+            raise
+        except Exception as e:  # noqa: BLE001 - report per model, keep going
+            failed = True
+            results.append(dict(model=f"{fam}:{preset}", error=f"{type(e).__name__}: {str(e)[:300]}"))
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(kind="bench", platform="cpu" if args.cpu else "tpu", results=results), f, indent=1,
+                      default=str)
+    return 1 if failed else 0
+
+
+# --------------------------------------------------------------------------
+# Compile-only estimates
+# --------------------------------------------------------------------------
+
+
+def compile_one(port, fam, preset, cfg, shape, variant, mesh, chip, calibration, args, batch):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from difflet_tpu import deviceless, estimate as E, runtime
+    from difflet_tpu.config import Config
+
+    pmode, overrides = COMPILE_VARIANTS[variant]
+    config = Config.from_env(**overrides)
+    P = mesh.devices.size
+    inputs = port.example_inputs(cfg, **shape, batch=batch, seed=0, dtype=jnp.bfloat16)
+    analytic = float(port.flops(cfg, inputs))
+    t0 = time.perf_counter()
+    model = runtime.abstract_model(lambda: port.build(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), mesh, port.PLAN)
+    runner = port.Runner(model, mesh, config, mode=pmode)
+    abstract = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in inputs.items()
+                if isinstance(v, np.ndarray)}
+    abstract.update({k: v for k, v in inputs.items() if not isinstance(v, np.ndarray)})
+    lowered = runner.trace(**abstract).lower()
+    compiled = lowered.compile(compiler_options=dict(XLA_CM_FLAGS) if pmode == "sp-xla" else None)
+    compile_s = time.perf_counter() - t0
+    text = compiled.as_text()
+    if args.dump_hlo:
+        os.makedirs(args.dump_hlo, exist_ok=True)
+        with open(os.path.join(args.dump_hlo, f"{fam}-{preset}-{variant}.hlo.txt"), "w") as f:
+            f.write(text)
+    mem = deviceless.memory_report(compiled)
+    cost = compiled.cost_analysis() or {}
+    raw = E.estimate(text, chip)
+    cal = E.estimate(text, chip, calibration)
+    ideal = analytic / (P * chip.bf16_flops)
+    used = cal if args.calibrated == "yes" else raw
+    sp_kernel = config.ag_kernel("pallas", "tpu") if pmode == "sp" else None
+    return dict(
+        model=f"{fam}:{preset}", family=fam, preset=preset, mode=variant, parallel_mode=pmode,
+        ag_impl=sp_kernel, shape=shape, batch=batch, chips=P, compile_s=round(compile_s, 2),
+        hbm=dict(mem, capacity=chip.hbm_bytes, fits=mem["total"] <= chip.hbm_bytes),
+        flops=dict(xla_per_chip=cost.get("flops"), analytic_total=analytic, analytic_per_chip=analytic / P),
+        ideal_ms=ms(ideal), estimate_ms=ms(used.total), estimate_raw_ms=ms(raw.total),
+        estimate_calibrated_ms=ms(cal.total), calibration=calibration.nonmatmul,
+        breakdown=E.summarize(used), schedule_overlap=E.schedule_overlap(text),
+        compiler_options=XLA_CM_FLAGS if pmode == "sp-xla" else {},
+    )
+
+
+def run_compile_only(args):
+    from difflet_tpu import deviceless
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other deviceless compiles on this machine
+    deviceless.setup_process(args.topology)
+    import jax  # noqa: F401  (after the TPU environment is set)
+
+    from difflet_tpu import estimate as E
+    from difflet_tpu import pipeline as PL
+
+    chip = E.chip_for(args.topology)
+    calibration = E.CALIBRATION.get(chip.name, E.Calibration())
+    try:
+        mesh = deviceless.topology_mesh(args.topology)
+    except Exception as e:  # noqa: BLE001
+        raise BenchError(f"--topology {args.topology}: libtpu did not accept it ({type(e).__name__}: {e})")
+    ports = PL.landed_ports()
+    if args.model:
+        models = [PL.resolve_model(m, ports) for m in args.model]
+    else:
+        models = [(f, PL.FAMILIES[f].released) for f, (p, _) in ports.items() if p is not None] or [("toy", "toy-small")]
+    results, failed = [], False
+    for fam, preset in models:
+        port = PL.load_port(fam)
+        cfg = build_config(port, preset)
+        shape = shape_for(fam, preset, args)
+        family = PL.FAMILIES[fam]
+        guidance = family.guidance if args.guidance is None else args.guidance
+        batch = 2 if family.guidance_mode == "cfg" and guidance != 1.0 else 1
+        for variant in args.modes:
+            print(f"compiling {fam}:{preset} {variant} for {args.topology} ...", file=sys.stderr, flush=True)
+            try:
+                results.append(compile_one(port, fam, preset, cfg, shape, variant, mesh, chip, calibration, args, batch))
+            except Exception as e:  # noqa: BLE001
+                failed = True
+                results.append(dict(model=f"{fam}:{preset}", mode=variant, error=f"{type(e).__name__}: {str(e)[:400]}"))
+    for r in results:
+        if "error" in r:
+            continue
+        tp = next((x for x in results if x.get("model") == r["model"] and x.get("mode") == "tp" and "error" not in x), None)
+        if tp and r["mode"] != "tp":
+            r["ratio_vs_tp"] = round(r["estimate_ms"] / tp["estimate_ms"], 3)
+    print_compile_table(results, args.topology, chip, calibration)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(kind="compile-only", topology=args.topology, chip=chip.to_dict(),
+                           calibration=calibration.__dict__, note="estimates from the compiled schedule, not measurements",
+                           results=results), f, indent=1, default=str)
+    return 1 if failed else 0
+
+
+def print_compile_table(results, topology, chip, calibration, out=sys.stdout):
+    gib = lambda b: b / 2**30
+    print(f"compile-only ESTIMATES for {topology} ({chip.name}: {chip.bf16_flops / 1e12:.0f} TFLOP/s, "
+          f"HBM {gib(chip.hbm_bytes):.0f} GiB at {chip.hbm_bw / 1e9:.0f} GB/s, ICI {chip.ici_link_bw / 1e9:.0f} GB/s/link; "
+          f"non-matmul factor {calibration.nonmatmul})", file=out)
+    print(f"{'model':28} {'mode':9} {'args GiB':>8} {'temp GiB':>8} {'out GiB':>7} {'HBM GiB':>7} {'fits':>4} "
+          f"{'TF/chip xla':>11} {'TF/chip an.':>11} {'ideal ms':>8} {'est ms':>8} {'raw ms':>8} {'x TP':>5} "
+          f"{'matmul':>7} {'nonmm':>7} {'pallas':>7} {'exposed':>7} {'sync':>7}  collectives (count/bytes per chip/overlapped)",
+          file=out)
+    for r in results:
+        if "error" in r:
+            print(f"{r['model']:28} {r['mode']:9} ERROR: {r['error']}", file=out)
+            continue
+        h, b = r["hbm"], r["breakdown"]
+        coll = "; ".join(f"{k} {v['count']}/{v['bytes_per_chip'] / 1e9:.2f}GB/{v['overlapped']}"
+                         for k, v in b["collectives"].items())
+        xla = r["flops"]["xla_per_chip"]
+        print(f"{r['model']:28} {r['mode']:9} {gib(h['arguments']):8.2f} {gib(h['temporaries']):8.2f} "
+              f"{gib(h['outputs']):7.2f} {gib(h['total']):7.2f} {'yes' if h['fits'] else 'NO':>4} "
+              f"{(xla or 0) / 1e12:11.2f} {r['flops']['analytic_per_chip'] / 1e12:11.2f} {r['ideal_ms']:8.1f} "
+              f"{r['estimate_ms']:8.1f} {r['estimate_raw_ms']:8.1f} {r.get('ratio_vs_tp', 1.0):5.2f} "
+              f"{b['matmul_ms']:7.1f} {b['nonmatmul_ms']:7.1f} {b['pallas_ms']:7.1f} "
+              f"{b['exposed_transfer_ms']:7.1f} {b['sync_collective_ms']:7.1f}  {coll}", file=out)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m difflet_tpu.bench", description=__doc__)
-    ap.add_argument("--devices", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5)
+    ap = parser()
     args = ap.parse_args(argv)
-
-    from difflet_tpu.mesh import use_cpu_devices
-
-    use_cpu_devices(args.devices)
-    import jax
-    import numpy as np
-    from flax import nnx
-    from jax.sharding import PartitionSpec as P
-
-    from difflet_tpu import layout, runtime
-    from difflet_tpu.config import Config
-    from difflet_tpu.mesh import TP, make_mesh
-    from difflet_tpu.parallel import Parallel
-    from difflet_tpu.testing import PLAN, ToyConfig, ToyModel
-
-    c = ToyConfig(dim=256, heads=8, ffn=1024, layers=4, in_channels=64)
-    model = ToyModel(c, nnx.Rngs(0))
-    x = np.random.default_rng(0).standard_normal((1, 1000, c.in_channels)).astype(np.float32)
-    mesh = make_mesh(args.devices)
-    xp, pad = layout.pad_tokens(x, 2 * args.devices)
-    mask = layout.key_mask(x.shape[1], xp.shape[1], batch=1)
-    results = {}
-    for mode in ("tp", "sp"):
-        par = Parallel.for_mesh(mesh, Config(), mode=mode)
-        rows = P(None, TP, None) if par.seq_sharded else P()
-        step, state = runtime.compile_step(model, lambda m, p, a, b: m(p, a, b), par, mesh, PLAN,
-                                           in_specs=(rows, P()), out_specs=rows)
-        out = jax.block_until_ready(step(state, xp, mask))
-        times = []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            out = jax.block_until_ready(step(state, xp, mask))
-            times.append(time.perf_counter() - t)
-        results[mode] = (np.asarray(layout.unpad(out, x.shape[1])), float(np.median(times)))
-    a, b = results["sp"][0], results["tp"][0]
-    err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
-    print(f"{'mode':6} {'step ms (median)':>18}")
-    for mode, (_, t) in results.items():
-        print(f"{mode:6} {t * 1e3:18.2f}")
-    print(f"SP vs TP relative L2: {err:.2e}")
+    validate(args, ap)
+    try:
+        if args.compile_only:
+            return run_compile_only(args)
+        return run_bench(args)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # bad --model names, shapes the port refuses
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -97,6 +97,10 @@ class Calibration:
     source: str = "uncalibrated"
 
 
+# The fitted factor per chip (see docs/benchmarks.md for the fit and its residuals).
+CALIBRATION: dict = {}
+
+
 # --------------------------------------------------------------------------
 # Parsing
 # --------------------------------------------------------------------------
