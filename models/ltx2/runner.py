@@ -104,6 +104,7 @@ class Runner:
                 runtime.place(model, mesh, PLAN)
         self._steps = {}
         self._tables = {}
+        self._placed = {}
 
     # ---- checks -----------------------------------------------------------
 
@@ -117,6 +118,15 @@ class Runner:
                             ("ffn width", 4 * c.inner_dim), ("audio ffn width", 4 * c.audio_inner_dim)):
             if width % size:
                 raise ValueError(f"{name}={width} does not divide over tp={size} ranks")
+
+    def row_multiple(self) -> int:
+        """Video rows per SP step must be a multiple of this: 2P for the JAX
+        rings (two halves per rank); with a Pallas kernel opted in, also whole
+        sublane tiles per half (8 rows f32, 16 bf16), so the kernel can run."""
+        mult = 2 * self.par.size
+        if "pallas" in (self.par.ag_impl, self.par.rs_impl):
+            mult *= 8 * 4 // jnp.dtype(self.dtype).itemsize
+        return mult
 
     # ---- inputs -------------------------------------------------------------
 
@@ -191,12 +201,12 @@ class Runner:
 
         # Sequence parallelism: video rows in whole halves per rank
         nv_pad = nv
-        if par.seq_sharded:
-            mult = 2 * par.size
-            if nv % mult:
-                if not self.pad:
-                    raise ValueError(f"{nv} video tokens cannot be split over tp={par.size}: {cm.split_rule(par.size)}")
-                nv_pad = layout.padded_length(nv, mult)
+        if par.seq_sharded and not self.pad:
+            if nv % (2 * par.size):
+                raise ValueError(f"{nv} video tokens cannot be split over tp={par.size} (pad=False): "
+                                 f"{cm.split_rule(par.size)}")
+        elif par.seq_sharded:
+            nv_pad = layout.padded_length(nv, self.row_multiple())
         fps = 24.0 if kw["fps"] is None else float(kw["fps"])
         tables = self._rope_tables(video_coords, audio_coords, kw, fps, nv_pad)
 
@@ -240,8 +250,8 @@ class Runner:
         # LTX-2.5 keyframe marker
         km = kw["video_keyframes_mask"]
         if km is not None and c.use_keyframes_abs_pos_embedding:
-            km = km if km.ndim == 3 else (km.reshape(*km.shape, 1) if _abstract(km) is False else
-                                          jax.ShapeDtypeStruct((*km.shape, 1), km.dtype))
+            if len(km.shape) == 2:
+                km = jax.ShapeDtypeStruct((*km.shape, 1), km.dtype) if _abstract(km) else km[..., None]
             _expect("video_keyframes_mask", km, (B, nv, 1))
             put("video_keyframes_mask", _pad_rows(_cast(km, dtype), nv_pad), rows)
 
@@ -292,11 +302,6 @@ class Runner:
         }
         for name in ("video", "ca_video"):
             out[name] = tuple(_pad_rows(t, nv_pad) for t in out[name])
-        if self.mesh is not None:
-            sharding = NamedSharding(self.mesh, CHANNELS)
-            out = {k: tuple(jax.device_put(t, sharding) for t in v) for k, v in out.items()}
-        else:
-            out = {k: tuple(jnp.asarray(t) for t in v) for k, v in out.items()}
         if key is not None:
             self._tables[key] = out
         return out
@@ -313,9 +318,21 @@ class Runner:
         return self._steps[key]
 
     def _place(self, inputs, specs):
-        if self.mesh is None:
-            return {k: v if isinstance(v, jax.Array) else jnp.asarray(v) for k, v in inputs.items()}
-        return {k: jax.device_put(v, NamedSharding(self.mesh, specs[k])) for k, v in inputs.items()}
+        """Inputs on the mesh with their specs; the (cached) RoPE tables are placed once."""
+        out = {}
+        for k, v in inputs.items():
+            cached = k.startswith("rope_") and isinstance(v, np.ndarray)
+            if cached and id(v) in self._placed:
+                out[k] = self._placed[id(v)][1]
+                continue
+            if self.mesh is None:
+                placed = v if isinstance(v, jax.Array) else jnp.asarray(v)
+            else:
+                placed = jax.device_put(v, NamedSharding(self.mesh, specs[k]))
+            if cached:
+                self._placed[id(v)] = (v, placed)  # keeps v alive, so its id stays unique
+            out[k] = placed
+        return out
 
     def __call__(self, **kwargs):
         """diffusers' forward kwargs -> `(sample, audio_sample)` as diffusers returns them."""
