@@ -1,0 +1,49 @@
+"""Parameter path -> diffusers checkpoint key, for `difflet_tpu.weights.load_transformer`.
+
+Everything follows `weights.default_key_map` (Linear kernel = torch weight
+transposed, norm `scale` = `weight`, stacked blocks `name.{i}.`), except:
+
+* `x_embedder.proj`: the Conv3d weight `[D, C, pt, p, p]` as a Linear over
+  patches flattened `(c, pt, ph, pw)` ("conv_as_linear").
+* single blocks' `proj_out.packed.weight`: torch layout `[D, D + F]`, input
+  features regrouped per head unit (`model.packed_order`), see plan.py.
+* split-halves RoPE (`config.split_rope`): every q/k that meets RoPE in the
+  joint attention (image `to_q/to_k`, and so the text `add_q_proj/add_k_proj`
+  it is dotted with; the single blocks' `to_q/to_k`) has its output rows
+  (kernel columns, bias) permuted per head to `[0, 2, 4, ..., 1, 3, 5, ...]`,
+  and the per-head q/k RMSNorm weights the same way. The token refiner has no
+  RoPE and is left alone.
+"""
+
+from __future__ import annotations
+
+from difflet_tpu import layout
+from difflet_tpu.weights import Key, default_key_map
+
+from .config import HunyuanVideoConfig
+from .model import packed_order
+
+
+def key_map(config: HunyuanVideoConfig, model) -> dict[str, Key]:
+    c = config
+    L, Ls, Lr = c.num_layers, c.num_single_layers, c.num_refiner_layers
+    out = default_key_map(model, stacked={"transformer_blocks": L, "single_transformer_blocks": Ls,
+                                          "context_embedder.token_refiner.refiner_blocks": Lr})
+    out["x_embedder.proj.kernel"] = Key("x_embedder.proj.weight", "conv_as_linear")
+    out["single_transformer_blocks.proj_out.packed.weight"] = Key(
+        "single_transformer_blocks.{i}.proj_out.weight", perm=tuple(int(i) for i in packed_order(c)), layers=Ls)
+    if c.split_rope:
+        heads = tuple(int(i) for i in layout.heads_permutation(c.num_attention_heads, c.attention_head_dim))
+        per_head = tuple(int(i) for i in layout.rope_permutation(c.attention_head_dim))
+        for prefix, n, names, norms in (
+                ("transformer_blocks", L, ("to_q", "to_k", "add_q_proj", "add_k_proj"),
+                 ("norm_q", "norm_k", "norm_added_q", "norm_added_k")),
+                ("single_transformer_blocks", Ls, ("to_q", "to_k"), ("norm_q", "norm_k"))):
+            for name in names:
+                for leaf in ("kernel", "bias"):
+                    k = out[f"{prefix}.attn.{name}.{leaf}"]
+                    out[f"{prefix}.attn.{name}.{leaf}"] = Key(k.template, k.transform, perm=heads, layers=n)
+            for name in norms:
+                k = out[f"{prefix}.attn.{name}.scale"]
+                out[f"{prefix}.attn.{name}.scale"] = Key(k.template, k.transform, perm=per_head, layers=n)
+    return out
