@@ -172,8 +172,8 @@ def compare(a: dict, b: dict) -> dict:
 
 
 class Progress:
-    def __init__(self, label, stream=sys.stderr, width=24):
-        self.label, self.stream, self.width = label, stream, width
+    def __init__(self, label, stream=None, width=24):
+        self.label, self.stream, self.width = label, stream or sys.stderr, width
 
     def __call__(self, i, n, dt):
         fill = int(self.width * i / n)
@@ -323,7 +323,8 @@ def dump_hlo(directory, name, runner, den, mode):
     return path
 
 
-def print_table(results, out=sys.stdout):
+def print_table(results, out=None):
+    out = out or sys.stdout
     hdr = (f"{'model':28} {'mode':7} {'load s':>7} {'compile s':>9} {'step ms med':>11} {'min':>8} {'max':>8} "
            f"{'denoise s':>9} {'peak GiB':>8} {'sha256':>12} {'rel L2 vs TP':>12} {'PSNR dB':>8} {'SP/TP':>6}")
     print(hdr, file=out)
@@ -487,7 +488,8 @@ def run_compile_only(args):
     return 1 if failed else 0
 
 
-def print_compile_table(results, topology, chip, calibration, out=sys.stdout):
+def print_compile_table(results, topology, chip, calibration, out=None):
+    out = out or sys.stdout
     gib = lambda b: b / 2**30
     print(f"compile-only ESTIMATES for {topology} ({chip.name}: {chip.bf16_flops / 1e12:.0f} TFLOP/s, "
           f"HBM {gib(chip.hbm_bytes):.0f} GiB at {chip.hbm_bw / 1e9:.0f} GB/s, ICI {chip.ici_link_bw / 1e9:.0f} GB/s/link; "

@@ -1,0 +1,131 @@
+"""`python -m difflet_tpu.bench`: tiny presets in every mode, the JSON report,
+SP vs TP parity in float32, bad flags, and --compile-only on a small config."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from difflet_tpu import bench
+from difflet_tpu import pipeline as PL
+
+ROW_FIELDS = ("model", "mode", "load_s", "compile_s", "step_ms", "denoise_s", "peak_memory_bytes", "sha256",
+              "compilations_timed", "steps", "shape", "dtype")
+
+
+def _landed():
+    return [f for f, (p, _) in PL.landed_ports().items() if p is not None]
+
+
+def _run(tmp_path, *argv):
+    out = tmp_path / "r.json"
+    rc = bench.main([*argv, "--json", str(out)])
+    return rc, json.loads(out.read_text())
+
+
+def _check_rows(data, modes):
+    rows = data["results"]
+    assert [r["mode"] for r in rows] == modes
+    for r in rows:
+        assert "error" not in r, r
+        for f in ROW_FIELDS:
+            assert f in r, (f, r)
+        assert set(r["step_ms"]) == {"median", "min", "max"}
+        assert r["step_ms"]["min"] <= r["step_ms"]["median"] <= r["step_ms"]["max"]
+        assert len(r["sha256"]) == 64
+        assert r["compilations_timed"] == 0, "a timed step recompiled"
+    tp = rows[0]
+    for r in rows[1:]:
+        v = r["vs_tp"]
+        assert v["rel_l2"] < 1e-5, (r["mode"], v)
+        assert v["psnr_db"] > 80
+        assert v["step_ratio"] == pytest.approx(r["step_ms"]["median"] / tp["step_ms"]["median"])
+    return rows
+
+
+def test_toy_every_mode_json_and_parity(tmp_path, capsys):
+    rc, data = _run(tmp_path, "--model", "toy:tiny", "--mode", "all", "--steps", "3")
+    assert rc == 0
+    _check_rows(data, ["tp", "sp", "sp-xla"])
+    out = capsys.readouterr()
+    assert "SP/TP" in out.out and "toy:tiny" in out.out
+    assert "3/3" in out.err  # the progress bar
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["flux", "wan", "hunyuan_video", "ltx2"])
+def test_port_tiny_presets_every_mode(tmp_path, family):
+    if family not in _landed():
+        pytest.skip(f"the {family} port has not landed")
+    rc, data = _run(tmp_path, "--model", f"{family}:tiny", "--mode", "all", "--steps", "2")
+    assert rc == 0
+    rows = _check_rows(data, ["tp", "sp", "sp-xla"])
+    fam = PL.FAMILIES[family]
+    assert rows[0]["cfg_batch2"] == (fam.guidance_mode == "cfg")
+
+
+def test_mode_default_follows_DIFFLET_TPU_SP(monkeypatch):
+    monkeypatch.delenv("DIFFLET_TPU_SP", raising=False)
+    assert bench.parse_modes(None) == ["tp", "sp"]
+    monkeypatch.setenv("DIFFLET_TPU_SP", "1")
+    assert bench.parse_modes(None) == ["sp"]
+    monkeypatch.setenv("DIFFLET_TPU_SP", "0")
+    assert bench.parse_modes(None) == ["tp"]
+    assert bench.parse_modes("all") == ["tp", "sp", "sp-xla"]
+    assert bench.parse_modes("sp,tp") == ["sp", "tp"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--warmup", "0"], "--warmup must be >= 1"),
+    (["--mode", "ring"], "unknown mode 'ring'"),
+    (["--compile-only"], "--compile-only needs --topology"),
+    (["--topology", "v5e:2x2"], "--topology only applies to --compile-only"),
+    (["--compile-only", "--topology", "v5e:2x2", "--weights", "."], "cannot be combined with --compile-only"),
+    (["--weights", "/nonexistent/dir"], "not a directory"),
+    (["--embeddings", "/nonexistent.npz"], "no such file"),
+    (["--height", "-8"], "--height must be positive"),
+    (["--dtype", "float16"], "invalid choice"),
+    (["--mode", "sp-pallas"], "compile-only variant"),
+])
+def test_bad_flags_are_clear_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_model_and_impossible_shape(capsys):
+    assert bench.main(["--model", "sdxl"]) == 2
+    assert "unknown model 'sdxl'" in capsys.readouterr().err
+    assert bench.main(["--model", "toy:huge"]) == 2
+    assert "no preset 'huge'" in capsys.readouterr().err
+    if "flux" in _landed():
+        assert bench.main(["--model", "flux:tiny", "--frames", "9"]) == 2
+        assert "--frames must be 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compile_only_on_a_small_config(tmp_path):
+    out = tmp_path / "co.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "DIFFLET_TPU_"))}
+    proc = subprocess.run([sys.executable, "-m", "difflet_tpu.bench", "--compile-only", "--topology", "v5e:2x2",
+                           "--model", "toy:toy-small", "--mode", "tp,sp,sp-xla", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["kind"] == "compile-only" and "estimate" in data["note"]
+    rows = {r["mode"]: r for r in data["results"]}
+    assert set(rows) == {"tp", "sp", "sp-xla"}
+    for r in rows.values():
+        assert r["hbm"]["fits"] and r["hbm"]["total"] > 0
+        assert r["flops"]["xla_per_chip"] > 0 and r["flops"]["analytic_per_chip"] > 0
+        assert r["estimate_ms"] > r["ideal_ms"] > 0
+        assert r["breakdown"]["collectives"]
+    assert "all-reduce" in rows["tp"]["breakdown"]["collectives"]
+    cp = rows["sp"]["breakdown"]["collectives"]["collective-permute"]
+    assert cp["count"] > 0 and cp["overlapped"] == cp["count"]
+    assert rows["sp-xla"]["compiler_options"] == bench.XLA_CM_FLAGS
+    assert "ESTIMATES for v5e:2x2" in proc.stdout
