@@ -41,3 +41,115 @@ def test_wan22_expert_switch_at_the_boundary():
     assert experts == [0] * k + [1] * (40 - k)  # one switch, high noise first
     assert sch.timesteps[k - 1] >= 875 > sch.timesteps[k]
     assert all(S.wan22_expert(t, None) == 0 for t in sch.timesteps)
+
+
+# --------------------------------------------------------------------------
+# The loop on the toy port (4 CPU devices)
+# --------------------------------------------------------------------------
+
+def _toy_denoiser(mode="tp", steps=3, family=None, guidance=1.0, runners=None, boundary=None):
+    import dataclasses
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from difflet_tpu import pipeline as PL
+    from difflet_tpu.config import Config
+    from difflet_tpu.mesh import make_mesh
+
+    port = PL.ToyPort
+    cfg = port.config_from_diffusers(port.PRESETS["tiny"])
+    fam = family or PL.FAMILIES["toy"]
+    inputs = port.example_inputs(cfg, batch=1, seed=0)
+    cfg_inputs = None
+    if fam.guidance_mode == "cfg":
+        cfg_inputs = port.example_inputs(cfg, batch=2, seed=1)
+        cfg_inputs["hidden_states"] = np.concatenate([inputs["hidden_states"]] * 2)
+    mesh = make_mesh(4)
+    if runners is None:
+        runners = [port.Runner(port.build(cfg, dtype=jnp.float32, rngs=nnx.Rngs(e)), mesh, Config(), mode=mode)
+                   for e in range(2 if boundary else 1)]
+    sched = fam.schedule(steps, inputs, "tiny")
+    return PL.Denoiser(fam, runners, inputs, sched, guidance=guidance, cfg_inputs=cfg_inputs,
+                       boundary=boundary, dtype=jnp.float32)
+
+
+def test_the_step_compiles_once_and_the_timestep_is_a_runtime_value():
+    from difflet_tpu import pipeline as PL
+
+    den = _toy_denoiser(steps=5)
+    den.warmup(2)
+    before = PL.CompileCounter.count()
+    final, times = den.run()
+    assert PL.CompileCounter.count() == before, "a denoise step recompiled"
+    assert len(times) == 5 and np.isfinite(final["hidden_states"]).all()
+    # five different timesteps went through the same executable
+    assert len(set(den.schedule.timesteps.tolist())) == 5
+
+
+def test_euler_update_matches_numpy_and_cfg_is_one_batch2_call():
+    import dataclasses
+
+    from difflet_tpu import pipeline as PL
+
+    calls = []
+
+    class Fake:
+        def __call__(self, hidden_states, timestep):
+            calls.append((hidden_states.shape, np.asarray(timestep).copy()))
+            b = hidden_states.shape[0] // 2
+            h = np.asarray(hidden_states)
+            return np.concatenate([h[:b] * 0.5, h[b:] * 2.0]) if b else h * 0.5
+
+    fam = dataclasses.replace(PL.FAMILIES["toy"], guidance_mode="cfg")
+    den = _toy_denoiser(family=fam, guidance=3.0, steps=2, runners=[Fake()])
+    x0 = den.latents0["hidden_states"]
+    out = den.step(den.initial(), 0)["hidden_states"]
+    assert calls[0][0][0] == 2 * x0.shape[0]            # one call, batch 2
+    np.testing.assert_allclose(calls[0][1], den.schedule.timesteps[0])
+    u, c = 0.5 * x0, 2.0 * x0
+    want = x0 + den.schedule.dt(0) * (u + 3.0 * (c - u))
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6)
+
+
+def test_wan22_denoiser_switches_expert_once():
+    from difflet_tpu import pipeline as PL
+
+    used = []
+
+    class Fake:
+        def __init__(self, k):
+            self.k = k
+
+        def __call__(self, hidden_states, timestep):
+            used.append(self.k)
+            return np.zeros(hidden_states.shape, np.float32)
+
+    fam = PL.FAMILIES["wan"]
+    den = _toy_denoiser(family=PL.FAMILIES["toy"], steps=10, runners=[Fake(0), Fake(1)], boundary=0.875)
+    den.schedule = fam.schedule(10, {}, "Wan2.2-T2V-A14B")
+    den.run()
+    k = used.index(1)
+    assert used == [0] * k + [1] * (10 - k) and 0 < k < 10
+
+
+def test_embeddings_file_replaces_conditioning(tmp_path):
+    from difflet_tpu import pipeline as PL
+
+    inputs = {"hidden_states": np.zeros((2, 4, 3), np.float32), "timestep": np.zeros(2, np.float32),
+              "encoder_hidden_states": np.zeros((2, 5, 6), np.float32),
+              "encoder_attention_mask": np.ones((2, 5), np.float32)}
+    pos = np.random.default_rng(0).standard_normal((1, 5, 6)).astype(np.float32)
+    neg = np.ones((5, 6), np.float32)
+    path = tmp_path / "emb.npz"
+    np.savez(path, prompt_embeds=pos, negative_prompt_embeds=neg)
+    out = PL.apply_embeddings(inputs, PL.read_embeddings(str(path)), cfg_batch=True)
+    np.testing.assert_array_equal(out["encoder_hidden_states"][1], pos[0])   # conditional second
+    np.testing.assert_array_equal(out["encoder_hidden_states"][0], neg)
+    np.testing.assert_array_equal(out["encoder_attention_mask"], inputs["encoder_attention_mask"])
+    np.savez(path, encoder_hidden_states=np.zeros((1, 7, 6), np.float32))
+    with pytest.raises(ValueError, match="encoder_hidden_states has shape"):
+        PL.apply_embeddings(inputs, PL.read_embeddings(str(path)), cfg_batch=True)
+    np.savez(path, clip_embeds=pos)
+    with pytest.raises(ValueError, match="unknown arrays"):
+        PL.apply_embeddings(inputs, PL.read_embeddings(str(path)), cfg_batch=False)
