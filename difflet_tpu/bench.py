@@ -432,7 +432,7 @@ def compile_one(port, fam, preset, cfg, shape, variant, mesh, chip, calibration,
         flops=dict(xla_per_chip=cost.get("flops"), analytic_total=analytic, analytic_per_chip=analytic / P),
         ideal_ms=ms(ideal), estimate_ms=ms(used.total), estimate_raw_ms=ms(raw.total),
         estimate_calibrated_ms=ms(cal.total), calibration=calibration.nonmatmul,
-        breakdown=E.summarize(used), schedule_overlap=E.schedule_overlap(text),
+        breakdown=E.summarize(used), breakdown_raw=E.summarize(raw), schedule_overlap=E.schedule_overlap(text),
         compiler_options=XLA_CM_FLAGS if pmode == "sp-xla" else {},
     )
 

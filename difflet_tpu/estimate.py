@@ -100,6 +100,15 @@ class Calibration:
 # The fitted factor per chip (see docs/benchmarks.md for the fit and its residuals).
 CALIBRATION: dict = {}
 
+# Measured v5e-4 step times of the reference PR (ms per denoise step, batch 1):
+# family -> (shape, TP, SP with the PR's defaults). Calibration fits on TP only.
+REFERENCE_PR = {
+    "wan": ("480x832x9", 360.7, 249.2),
+    "flux": ("1024x1024", 175.2, 140.6),
+    "hunyuan_video": ("320x512x61", 549.9, 478.0),
+    "ltx2": ("480x704x49", 218.0, 192.1),
+}
+
 
 # --------------------------------------------------------------------------
 # Parsing
@@ -386,10 +395,12 @@ class Simulator:
         refs = {}
         for n in o.operands:
             for key in ("q_ref", "k_ref", "v_ref"):
-                if n.endswith(key):
+                if n == key or n.endswith("." + key):
                     x = self.m.lookup(comp, n)
                     if x is not None and array_shapes(x.type):
                         refs[key] = array_shapes(x.type)[0]
+        if "k_ref" not in refs and "v_ref" in refs:  # k's operand name can be lost; v has its shape
+            refs["k_ref"] = refs["v_ref"]
         if "q_ref" not in refs or "k_ref" not in refs:
             return None
         (qdt, q), (_, k) = refs["q_ref"], refs["k_ref"]

@@ -1,0 +1,131 @@
+"""Compile-only estimates of the four models on a TPU slice, and the table of docs/benchmarks.md.
+
+    python benchmark/estimates.py run [--topology v5e:2x2] [--only wan,flux] [--out benchmark/results]
+    python benchmark/estimates.py table [--out benchmark/results]
+
+`run` calls `python -m difflet_tpu.bench --compile-only` once per case (one
+process each: deviceless compiles need a fresh libtpu) and keeps its JSON.
+`table` fits the estimator's one calibration factor on the reference PR's TP
+rows only (difflet_tpu.estimate.fit_nonmatmul_scale), reports how well it
+then predicts the PR's SP rows, and prints the markdown table.
+Everything here is an ESTIMATE from the compiled schedule, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# name -> (model, bench flags, modes). Batch 1 (guidance 1) as the reference PR's step rows.
+CASES = {
+    "wan": ("wan:Wan2.1-T2V-14B", ["--height", "480", "--width", "832", "--frames", "9", "--guidance", "1"], "all"),
+    "flux": ("flux:flux.1-dev", ["--height", "1024", "--width", "1024"], "all"),
+    "hunyuan_video": ("hunyuan_video:hunyuan-video", ["--height", "320", "--width", "512", "--frames", "61"], "all"),
+    "ltx2": ("ltx2:ltx-2.0", ["--height", "480", "--width", "704", "--frames", "49", "--guidance", "1"], "all"),
+    # HBM at the long shapes
+    "wan_81": ("wan:Wan2.1-T2V-14B", ["--height", "480", "--width", "832", "--frames", "81", "--guidance", "1"],
+               "tp,sp-pallas"),
+    "hunyuan_video_720p": ("hunyuan_video:hunyuan-video", ["--height", "720", "--width", "1280", "--frames", "129"],
+                           "sp-pallas"),
+}
+
+
+def command(name, topology, out_dir):
+    model, flags, modes = CASES[name]
+    return [sys.executable, "-m", "difflet_tpu.bench", "--compile-only", "--topology", topology, "--model", model,
+            *flags, "--mode", modes, "--calibrated", "no", "--json", str(pathlib.Path(out_dir) / f"{name}.json")]
+
+
+def run(args):
+    os.makedirs(args.out, exist_ok=True)
+    names = args.only.split(",") if args.only else list(CASES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "DIFFLET_TPU_"))}
+    env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    for name in names:
+        cmd = command(name, args.topology, args.out)
+        print("$", " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, env=env, cwd=ROOT, check=False)
+
+
+def load(out_dir):
+    res = {}
+    for name in CASES:
+        p = pathlib.Path(out_dir) / f"{name}.json"
+        if p.exists():
+            res[name] = {r["mode"]: r for r in json.loads(p.read_text())["results"] if "error" not in r}
+    return res
+
+
+def fit(res):
+    """The calibration factor from TP rows only; returns (k, rows)."""
+    from difflet_tpu import estimate as E
+
+    rows = []
+    for fam, (_, tp_ms, _) in E.REFERENCE_PR.items():
+        r = res.get(fam, {}).get("tp")
+        if r is None:
+            continue
+        b = r.get("breakdown_raw", r["breakdown"])
+        rows.append((E.Estimate(total=b["step_ms"] / 1e3, nonmatmul=b["nonmatmul_ms"] / 1e3), tp_ms / 1e3))
+    return (E.fit_nonmatmul_scale(rows) if rows else 1.0), rows
+
+
+def calibrated_ms(r, k):
+    """Step estimate with non-matmul fusions scaled by k (exposed waits held fixed: an approximation
+    for SP, where shorter compute can expose more transfer; `run` with the factor set recompiles exactly)."""
+    b = r.get("breakdown_raw", r["breakdown"])
+    return b["step_ms"] - (1 - k) * b["nonmatmul_ms"]
+
+
+def table(args):
+    from difflet_tpu import estimate as E
+
+    res = load(args.out)
+    k, rows = fit(res)
+    lines = [f"calibration: non-matmul factor k = {k:.3f}, fit on {len(rows)} TP rows", ""]
+    hdr = ("| model (shape) | mode | est. raw ms | est. calibrated ms | ideal ms | PR measured ms | "
+           "cal. vs PR | x TP (cal.) | HBM GiB/chip | exposed transfer ms | non-matmul ms (cal.) | matmul ms | "
+           "attention ms |")
+    lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for fam in ("wan", "flux", "hunyuan_video", "ltx2", "wan_81", "hunyuan_video_720p"):
+        modes = res.get(fam, {})
+        ref = E.REFERENCE_PR.get(fam)
+        tp_cal = calibrated_ms(modes["tp"], k) if "tp" in modes else None
+        for mode in ("tp", "sp", "sp-pallas", "sp-xla"):
+            r = modes.get(mode)
+            if r is None:
+                continue
+            b = r.get("breakdown_raw", r["breakdown"])
+            cal = calibrated_ms(r, k)
+            meas = None
+            if ref:
+                meas = ref[1] if mode == "tp" else ref[2] if mode in ("sp", "sp-pallas") else None
+            shape = "x".join(str(r["shape"][x]) for x in ("height", "width", "frames") if x in r["shape"])
+            lines.append(
+                f"| {r['model']} ({shape}) | {mode} | {b['step_ms']:.1f} | {cal:.1f} | {r['ideal_ms']:.1f} | "
+                f"{'' if meas is None else meas} | {'' if meas is None else f'{100 * (cal / meas - 1):+.1f}%'} | "
+                f"{'' if tp_cal is None else f'{cal / tp_cal:.2f}'} | {r['hbm']['total'] / 2**30:.2f} | "
+                f"{b['exposed_transfer_ms'] + b['sync_collective_ms']:.1f} | {k * b['nonmatmul_ms'] + b['other_ms']:.1f} | "
+                f"{b['matmul_ms'] + sum(v for n, v in b['pallas_kernels_ms'].items() if 'matmul' in n):.1f} | "
+                f"{sum(v for n, v in b['pallas_kernels_ms'].items() if 'splash' in n or 'flash' in n):.1f} |")
+    print("\n".join(lines))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("run", "table"))
+    ap.add_argument("--topology", default="v5e:2x2")
+    ap.add_argument("--only", help="comma list of " + ", ".join(CASES))
+    ap.add_argument("--out", default=str(ROOT / "benchmark" / "results"))
+    args = ap.parse_args(argv)
+    (run if args.what == "run" else table)(args)
+
+
+if __name__ == "__main__":
+    main()
