@@ -36,10 +36,40 @@ CASES = {
 }
 
 
-def command(name, topology, out_dir):
+HLO_DIR = "/tmp/difflet_hlo"  # compiled HLO texts (large; not committed)
+
+
+def command(name, topology, out_dir, hlo_dir=HLO_DIR):
     model, flags, modes = CASES[name]
     return [sys.executable, "-m", "difflet_tpu.bench", "--compile-only", "--topology", topology, "--model", model,
-            *flags, "--mode", modes, "--calibrated", "no", "--json", str(pathlib.Path(out_dir) / f"{name}.json")]
+            *flags, "--mode", modes, "--calibrated", "no", "--json", str(pathlib.Path(out_dir) / f"{name}.json"),
+            "--dump-hlo", str(pathlib.Path(hlo_dir) / name)]
+
+
+def reestimate(args):
+    """Recomputes every JSON's estimates from the dumped HLO (after an estimator change, no recompile)."""
+    from difflet_tpu import estimate as E
+
+    for name in CASES:
+        p = pathlib.Path(args.out) / f"{name}.json"
+        if not p.exists():
+            continue
+        data = json.loads(p.read_text())
+        chip = E.CHIPS[data["chip"]["name"]]
+        for r in data["results"]:
+            if "error" in r:
+                continue
+            h = pathlib.Path(HLO_DIR) / name / f"{r['family']}-{r['preset']}-{r['mode']}.hlo.txt"
+            if not h.exists():
+                print("no HLO for", name, r["mode"], file=sys.stderr)
+                continue
+            text = h.read_text()
+            est = E.estimate(text, chip)
+            r["breakdown_raw"] = r["breakdown"] = E.summarize(est)
+            r["estimate_raw_ms"] = r["estimate_ms"] = round(1e3 * est.total, 3)
+            r["schedule_overlap"] = E.schedule_overlap(text)
+        p.write_text(json.dumps(data, indent=1))
+        print("re-estimated", name)
 
 
 def run(args):
@@ -119,12 +149,12 @@ def table(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("run", "table"))
+    ap.add_argument("what", choices=("run", "table", "reestimate"))
     ap.add_argument("--topology", default="v5e:2x2")
     ap.add_argument("--only", help="comma list of " + ", ".join(CASES))
     ap.add_argument("--out", default=str(ROOT / "benchmark" / "results"))
     args = ap.parse_args(argv)
-    (run if args.what == "run" else table)(args)
+    dict(run=run, table=table, reestimate=reestimate)[args.what](args)
 
 
 if __name__ == "__main__":

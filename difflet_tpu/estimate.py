@@ -401,6 +401,13 @@ class Simulator:
                         refs[key] = array_shapes(x.type)[0]
         if "k_ref" not in refs and "v_ref" in refs:  # k's operand name can be lost; v has its shape
             refs["k_ref"] = refs["v_ref"]
+        if ("q_ref" not in refs or "k_ref" not in refs) and any(w in o.op_name for w in ("splash", "flash", "mha")):
+            # names all lost: q, k, v are the kernel's floating operands of rank >= 3, in order
+            arrays = [array_shapes(x.type)[0] for x in (self.m.lookup(comp, n) for n in o.operands)
+                      if x is not None and array_shapes(x.type)]
+            qkv = [a for a in arrays if a[0] in ("bf16", "f32", "f16") and len(a[1]) >= 3]
+            if len(qkv) >= 2:
+                refs = dict(zip(("q_ref", "k_ref", "v_ref"), qkv))
         if "q_ref" not in refs or "k_ref" not in refs:
             return None
         (qdt, q), (_, k) = refs["q_ref"], refs["k_ref"]
