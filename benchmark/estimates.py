@@ -97,7 +97,7 @@ def fit(res):
     from difflet_tpu import estimate as E
 
     rows = []
-    for fam, (_, tp_ms, _) in E.REFERENCE_PR.items():
+    for fam, (_, tp_ms, _, _) in E.REFERENCE_PR.items():
         r = res.get(fam, {}).get("tp")
         if r is None:
             continue
@@ -135,7 +135,7 @@ def table(args):
             cal = calibrated_ms(r, k)
             meas = None
             if ref:
-                meas = ref[1] if mode == "tp" else ref[2] if mode in ("sp", "sp-pallas") else None
+                meas = {"tp": ref[1], "sp": ref[2], "sp-pallas": ref[3]}.get(mode)
             shape = "x".join(str(r["shape"][x]) for x in ("height", "width", "frames") if x in r["shape"])
             lines.append(
                 f"| {r['model']} ({shape}) | {mode} | {b['step_ms']:.1f} | {cal:.1f} | {r['ideal_ms']:.1f} | "

@@ -101,12 +101,14 @@ class Calibration:
 CALIBRATION: dict = {}
 
 # Measured v5e-4 step times of the reference PR (ms per denoise step, batch 1):
-# family -> (shape, TP, SP with the PR's defaults). Calibration fits on TP only.
+# family -> (shape, TP, SP with JAX rings, SP with the PR's defaults). HunyuanVideo's
+# ring column is the PR's dual-stream-only SP (its single-stream ring SP: 500.7).
+# LTX-2's default is the ring. Calibration fits on the TP column only.
 REFERENCE_PR = {
-    "wan": ("480x832x9", 360.7, 249.2),
-    "flux": ("1024x1024", 175.2, 140.6),
-    "hunyuan_video": ("320x512x61", 549.9, 478.0),
-    "ltx2": ("480x704x49", 218.0, 192.1),
+    "wan": ("480x832x9", 360.7, 292.4, 249.2),
+    "flux": ("1024x1024", 175.2, 156.5, 140.6),
+    "hunyuan_video": ("320x512x61", 549.9, 516.1, 478.0),
+    "ltx2": ("480x704x49", 218.0, 192.1, 192.1),
 }
 
 
