@@ -256,6 +256,7 @@ def _rs_ring(pairs, axis_name, P):
     s = rows // P
     h = s // 2
     dtype = jnp.result_type(*[x.dtype for x, _ in pairs], *[w.dtype for _, w in pairs])
+    acc_dtype = jnp.promote_types(dtype, jnp.float32)  # float32 partial sums; float64 stays float64
     idx = lax.axis_index(axis_name)
     fwd = [(i, (i + 1) % P) for i in range(P)]
     bwd = [(i, (i - 1) % P) for i in range(P)]
@@ -264,7 +265,7 @@ def _rs_ring(pairs, axis_name, P):
         acc = None
         for x, w in pairs:
             xr = lax.dynamic_slice_in_dim(x, dest * s + offset, h, axis=x.ndim - 2)
-            y = jnp.matmul(xr, w, preferred_element_type=jnp.float32)
+            y = jnp.matmul(xr, w, preferred_element_type=acc_dtype)
             acc = y if acc is None else acc + y
         return acc
 
@@ -278,8 +279,8 @@ def _rs_ring(pairs, axis_name, P):
             # Keeps XLA from fusing the add into the matmul, which would make
             # the matmul wait for the transfer and serialise the ring.
             pf, pb, recv_f, recv_b = lax.optimization_barrier((pf, pb, recv_f, recv_b))
-            pf = pf + recv_f.astype(jnp.float32)
-            pb = pb + recv_b.astype(jnp.float32)
+            pf = pf + recv_f.astype(acc_dtype)
+            pb = pb + recv_b.astype(acc_dtype)
         if j < P - 1:
             recv_f = lax.ppermute(pf.astype(dtype), axis_name, fwd)
             recv_b = lax.ppermute(pb.astype(dtype), axis_name, bwd)
