@@ -176,7 +176,6 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow
 def test_known_answers_on_compiled_v5e_programs(monkeypatch):
     from difflet_tpu import deviceless
 
