@@ -1,0 +1,446 @@
+"""Wan 2.1 / 2.2 port: parity with the diffusers fixtures (one device, TP, SP on 2 and 4
+CPU devices), the model-specific mechanisms against the plain model (float64, each
+shown to fail without the mechanism), input errors, presets, and a deviceless
+v5e:2x2 compile of Wan2.1-14B at the benchmark shape."""
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file, save_file
+
+from difflet_tpu import collective_matmul as cm
+from difflet_tpu import deviceless, weights
+from difflet_tpu.config import Config
+from difflet_tpu.mesh import TP, make_mesh
+from difflet_tpu.parallel import COLUMN, ROW, Parallel, role_of
+from difflet_tpu.models import wan
+from difflet_tpu.models.wan import model as wan_model
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
+CASES = ["wan_t2v", "wan_ti2v", "wan_i2v", "wan_t2v_pad", "wan_t2v_batch2"]
+
+
+# --------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def fixture(case, dtype=np.float32):
+    """(diffusers forward kwargs, expected sample) of a fixture case."""
+    z = np.load(FIXTURES / case / "io.npz")
+    kwargs = {k[3:]: z[k].astype(dtype) for k in z.files if k.startswith("in.")}
+    return kwargs, z["out.sample"]
+
+
+def load(case, dtype=jnp.float32, mesh=None, split_rope=True):
+    return weights.load_transformer(FIXTURES / case / "transformer", dtype=dtype, mesh=mesh,
+                                    config=Config(split_rope=split_rope))
+
+
+@functools.lru_cache(maxsize=None)
+def load_f32(case, tp=None):
+    return load(case, mesh=None if tp is None else make_mesh(tp))
+
+
+def run(case, tp=None, mode=None, config=None):
+    kwargs, _ = fixture(case)
+    mesh = None if tp is None else make_mesh(tp)
+    return wan.Runner(load_f32(case, tp), mesh, config or Config(), mode)(**kwargs)
+
+
+# --------------------------------------------------------------------------
+# Parity with diffusers (float32)
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", CASES)
+def test_parity_one_device(case):
+    kwargs, ref = fixture(case)
+    out = run(case)
+    assert out.shape == ref.shape
+    assert rel(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("case", CASES)
+def test_parity_tp_sp(case, tp, mode):
+    _, ref = fixture(case)
+    assert rel(run(case, tp, mode), ref) <= 1e-5
+
+
+def test_parity_sp_xla_collectives():
+    _, ref = fixture("wan_t2v_pad")
+    assert rel(run("wan_t2v_pad", 4, "sp-xla"), ref) <= 1e-5
+
+
+def test_parity_sp_pallas_config_falls_back_on_fixture_shapes():
+    """Config(sp_kernel="pallas", sp_rs_kernel="pallas") on a fixture: the kernels
+    reject 16-column shards (their unsupported_reason), the JAX ring runs."""
+    _, ref = fixture("wan_i2v")
+    cm._NOTICED.clear()
+    out = run("wan_i2v", 4, "sp", Config(sp_kernel="pallas", sp_rs_kernel="pallas"))
+    assert rel(out, ref) <= 1e-5
+    assert {op for op, _ in cm._NOTICED} == {"all_gather_matmul", "matmul_reduce_scatter"}
+
+
+@pytest.mark.slow
+def test_sp_pallas_kernels_interpret_mode():
+    """A Wan with 128-wide shards (heads 4 x 128, ffn 512, tp 4) runs the Pallas
+    all-gather-matmul and matmul-reduce-scatter kernels (TPU interpret mode)
+    under SP and matches the one-device model."""
+    c = wan.config_from_diffusers(dict(wan.PRESETS["tiny"], attention_head_dim=128, ffn_dim=512, num_layers=1))
+    model = wan.build(c, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    kwargs = wan.example_inputs(c, height=64, width=96, frames=9, text_len=16)
+    ref = wan.Runner(model)(**kwargs)
+    cm._NOTICED.clear()
+    mesh = make_mesh(4)
+    out = wan.Runner(model, mesh, Config(sp_kernel="pallas", sp_rs_kernel="pallas"), "sp")(**kwargs)
+    assert not cm._NOTICED, f"a kernel fell back to the ring: {cm._NOTICED}"
+    assert rel(out, ref) <= 1e-5
+
+
+def test_sp_against_tp_with_padding():
+    """SP (45 tokens padded to 128 rows) against TP, float32, 4 CPU devices."""
+    kwargs, _ = fixture("wan_t2v_pad")
+    mesh = make_mesh(4)
+    model = load_f32("wan_t2v_pad", 4)
+    sp = wan.Runner(model, mesh, Config(), "sp")
+    shapes = sp.shapes(**kwargs)
+    assert (shapes.tokens, shapes.rows) == (45, 128)
+    tp = wan.Runner(model, mesh, Config(), "tp")
+    assert tp.shapes(**kwargs).rows == 45
+    assert rel(sp(**kwargs), tp(**kwargs)) <= 1e-5
+
+
+# --------------------------------------------------------------------------
+# Model-specific mechanisms against the plain model (float64)
+# --------------------------------------------------------------------------
+
+def test_sp_row_padding_float64():
+    """SP with row padding equals the unpadded one-device model; pad keys must be dropped."""
+    with jax.enable_x64(True):
+        kwargs, expected = fixture("wan_t2v_pad", np.float64)
+        ref = wan.Runner(load("wan_t2v_pad", jnp.float64))(**kwargs)
+        assert rel(ref, expected) <= 1e-5
+        mesh = make_mesh(4)
+        runner = wan.Runner(load("wan_t2v_pad", jnp.float64, mesh), mesh, Config(), "sp")
+        assert runner.shapes(**kwargs).rows == 128  # each ring half: 16 rows
+        assert rel(runner(**kwargs), ref) <= 1e-12
+        runner._mask = lambda shapes: None  # mechanism removed: pad keys attended to
+        assert rel(runner(**kwargs), ref) > 1e-3
+
+
+def test_sp_without_row_padding():
+    """DIFFLET_TPU_WAN_SP_PAD=0: a sequence that splits runs unpadded; one that does not is refused."""
+    mesh = make_mesh(4)
+    kwargs, ref = fixture("wan_t2v")  # 72 tokens = 8 * 9
+    runner = wan.Runner(load_f32("wan_t2v", 4), mesh, Config(wan_sp_pad=False), "sp")
+    assert runner.shapes(**kwargs).rows == 72
+    assert rel(runner(**kwargs), ref) <= 1e-5
+    kwargs, _ = fixture("wan_t2v_pad")  # 45 tokens
+    runner = wan.Runner(load_f32("wan_t2v_pad", 4), mesh, Config(wan_sp_pad=False), "sp")
+    with pytest.raises(ValueError, match=r"45 patch tokens do not split.*multiple of 2\*P = 8.*WAN_SP_PAD"):
+        runner(**kwargs)
+
+
+def test_rope_tables_pad_rows_and_split_order():
+    c = wan.preset("tiny")
+    cos, sin = wan.rope_tables(c, (3, 4, 6), rows=80, split=False)
+    assert (cos[72:] == 1).all() and (sin[72:] == 0).all()  # pad rows: identity rotation
+    # token (f, h, w) = (2, 1, 3): t/h/w channels 8/4/4, interleaved pairs
+    t_dim, h_dim, w_dim = c.rope_dims
+    tok = 2 * 24 + 1 * 6 + 3
+    ang = np.concatenate([p * 10000.0 ** (-np.arange(0, d, 2) / d) for p, d in ((2, t_dim), (1, h_dim), (3, w_dim))])
+    np.testing.assert_allclose(cos[tok], np.repeat(np.cos(ang), 2), atol=1e-7)
+    np.testing.assert_allclose(sin[tok], np.repeat(np.sin(ang), 2), atol=1e-7)
+    cs, ss = wan.rope_tables(c, (3, 4, 6), rows=80, split=True)
+    perm = np.r_[0:16:2, 1:16:2]
+    np.testing.assert_array_equal(cs, cos[:, perm])
+    np.testing.assert_array_equal(ss, sin[:, perm])
+
+
+def test_qk_norm_across_heads_sharded_float64():
+    """The across-heads RMSNorm with channels sharded over tp=4 (sum of squares
+    psum'd) equals the unsharded norm; normalising each slice alone does not."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((2, 24, 64)) * rng.uniform(0.1, 3.0, 64)
+        scale = 1 + 0.1 * rng.standard_normal(64)
+        ref = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+        one = wan_model.rms_norm_across_heads(Parallel(), jnp.asarray(x), jnp.asarray(scale), 1e-6, 64)
+        assert np.abs(np.asarray(one) - ref).max() < 1e-13
+        mesh = make_mesh(4)
+        for par, ok in ((Parallel(mode="tp", size=4), True), (Parallel(mode="sp", size=4), True),
+                        (Parallel(), False)):  # Parallel(): no reduction over ranks
+            fn = jax.shard_map(lambda a, s, par=par: wan_model.rms_norm_across_heads(par, a, s, 1e-6, 64),
+                               mesh=mesh, in_specs=(P(None, None, TP), P(TP)), out_specs=P(None, None, TP),
+                               check_vma=False)
+            err = np.abs(np.asarray(fn(jnp.asarray(x), jnp.asarray(scale))) - ref).max()
+            assert (err < 1e-13) if ok else (err > 1e-2), (par.mode, err)
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_sharded_model_float64(mode):
+    """TP / SP (across-heads norms, sharded time_proj, per-token modulation under SP)
+    against the one-device model in float64 on the per-token TI2V case."""
+    with jax.enable_x64(True):
+        kwargs, _ = fixture("wan_ti2v", np.float64)
+        ref = wan.Runner(load("wan_ti2v", jnp.float64))(**kwargs)
+        mesh = make_mesh(4)
+        out = wan.Runner(load("wan_ti2v", jnp.float64, mesh), mesh, Config(), mode)(**kwargs)
+        assert rel(out, ref) <= 1e-12
+
+
+def test_split_rope_float64():
+    """Split-halves RoPE (q/k rows and q/k norm weights permuted at load, tables
+    permuted per forward) equals the interleaved model; each part is needed."""
+    with jax.enable_x64(True):
+        kwargs, _ = fixture("wan_t2v", np.float64)
+        split = load("wan_t2v", jnp.float64, split_rope=True)
+        plain = load("wan_t2v", jnp.float64, split_rope=False)
+        assert split.config.split_rope and not plain.config.split_rope
+        ref = wan.Runner(plain)(**kwargs)
+        assert rel(wan.Runner(split)(**kwargs), ref) <= 1e-12
+        wq_split = np.asarray(split.blocks.attn1.to_q.kernel[...])
+        wq_plain = np.asarray(plain.blocks.attn1.to_q.kernel[...])
+        assert not np.array_equal(wq_split, wq_plain)
+
+        # Removed: tables left interleaved.
+        r = wan.Runner(split)
+        shapes = r.shapes(**kwargs)
+        r._tables[(shapes.grid, shapes.rows)] = tuple(
+            jnp.asarray(t) for t in wan.rope_tables(split.config, shapes.grid, shapes.rows, split=False))
+        assert rel(r(**kwargs), ref) > 1e-3
+
+        # Removed: norm_q / norm_k weights not permuted with the q/k rows.
+        abstract = nnx.eval_shape(lambda: wan.build(split.config, dtype=jnp.float64, rngs=nnx.Rngs(0)))
+        km = wan.key_map(split.config, abstract)
+        for p in ("blocks.attn1.norm_q.scale", "blocks.attn1.norm_k.scale"):
+            km[p] = dataclasses.replace(km[p], perm=None)
+        ckpt = weights.Checkpoint(FIXTURES / "wan_t2v" / "transformer")
+        bad = weights.load_params(abstract, ckpt, km, dtype=jnp.float64)
+        assert rel(wan.Runner(bad)(**kwargs), ref) > 1e-3
+
+        # Removed: permuted weights run with the interleaved rotation.
+        bad = load("wan_t2v", jnp.float64, split_rope=True)
+        bad.config = dataclasses.replace(bad.config, split_rope=False)
+        assert rel(wan.Runner(bad)(**kwargs), ref) > 1e-3
+
+
+def test_text_kv_cache():
+    """encode_text once per prompt, reused by every step: the same output as
+    computing K/V in the step (one device and SP), a different prompt's cache
+    gives a different output, and the compiled step does less work."""
+    kwargs, ref = fixture("wan_i2v")
+    runner = wan.Runner(load_f32("wan_i2v"))
+    kv = runner.encode_text(kwargs["encoder_hidden_states"], kwargs["encoder_hidden_states_image"])
+    assert set(kv) == {"k", "v", "k_img", "v_img"} and kv["k"].shape == (2, 1, 512, 64)
+    cached = runner(kwargs["hidden_states"], kwargs["timestep"], text_kv=kv)
+    assert rel(cached, runner(**kwargs)) == 0.0 and rel(cached, ref) <= 1e-5
+    other_prompt = kwargs["encoder_hidden_states"] + np.random.default_rng(1).standard_normal((1, 512, 24)).astype(np.float32)
+    other = runner.encode_text(other_prompt, kwargs["encoder_hidden_states_image"])
+    assert rel(runner(kwargs["hidden_states"], kwargs["timestep"], text_kv=other), ref) > 1e-3
+
+    mesh = make_mesh(4)
+    kwargs, ref = fixture("wan_t2v_pad")
+    sp = wan.Runner(load_f32("wan_t2v_pad", 4), mesh, Config(), "sp")
+    kv = sp.encode_text(kwargs["encoder_hidden_states"])
+    assert kv["k"].sharding.spec == P(None, None, None, TP)
+    assert rel(sp(kwargs["hidden_states"], kwargs["timestep"], text_kv=kv), ref) <= 1e-5
+
+    # Compiled per-step cost, one layer (XLA's cost analysis counts a scan body once):
+    # the cached step skips the text projection and the K/V projections.
+    c = wan.config_from_diffusers(dict(wan.PRESETS["tiny"], num_layers=1))
+    r = wan.Runner(wan.build(c, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    inputs = wan.example_inputs(c, height=48, width=64, frames=9, text_len=512)
+    ab = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in inputs.items()}
+    full = r.trace(**ab).lower().compile().cost_analysis()["flops"]
+    cached = r.trace(ab["hidden_states"], ab["timestep"], text_kv=r.text_kv_shapes(1, 512)).lower().compile()
+    cached = cached.cost_analysis()["flops"]
+    saving = wan.flops(c, inputs) - wan.flops(c, inputs, text_kv_cached=True)
+    print(f"\nper-step flops (1 layer, L=512): full {full:.3e}, cached {cached:.3e}, "
+          f"saved {full - cached:.3e} (analytic matmul saving {saving:.3e})")
+    assert cached < 0.5 * full
+    assert 0.9 * saving <= full - cached <= 1.2 * saving
+
+
+# --------------------------------------------------------------------------
+# Errors before compilation
+# --------------------------------------------------------------------------
+
+def test_i2v_needs_512_text_tokens():
+    kwargs, _ = fixture("wan_i2v")
+    runner = wan.Runner(load_f32("wan_i2v"))
+    with pytest.raises(ValueError, match="512"):
+        runner(**dict(kwargs, encoder_hidden_states=kwargs["encoder_hidden_states"][:, :100]))
+    with pytest.raises(ValueError, match="needs encoder_hidden_states_image"):
+        runner(**{k: v for k, v in kwargs.items() if k != "encoder_hidden_states_image"})
+
+
+def test_input_errors():
+    kwargs, _ = fixture("wan_t2v")
+    runner = wan.Runner(load_f32("wan_t2v"))
+    with pytest.raises(ValueError, match="in_channels=4"):
+        runner(**dict(kwargs, hidden_states=np.zeros((1, 5, 3, 8, 12), np.float32)))
+    with pytest.raises(ValueError, match="not a multiple of the patch size"):
+        runner(**dict(kwargs, hidden_states=np.zeros((1, 4, 3, 7, 12), np.float32)))
+    with pytest.raises(ValueError, match="rope_max_seq_len"):
+        runner(**dict(kwargs, hidden_states=np.zeros((1, 4, 3, 8, 66), np.float32)))
+    with pytest.raises(ValueError, match=r"timestep must be \(1,\) or per token \(1, 72\)"):
+        runner(**dict(kwargs, timestep=np.zeros((1, 71), np.float32)))
+    with pytest.raises(ValueError, match="text_dim=24"):
+        runner(**dict(kwargs, encoder_hidden_states=np.zeros((1, 10, 23), np.float32)))
+    with pytest.raises(ValueError, match="no image branch"):
+        runner(**kwargs, encoder_hidden_states_image=np.zeros((1, 6, 20), np.float32))
+    with pytest.raises(ValueError, match="4 heads do not divide over tp=3"):
+        wan.Runner(wan.build(wan.preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0)), make_mesh(3), Config())
+
+
+def test_config_from_diffusers_refuses_unsupported_values():
+    base = wan.PRESETS["tiny"]
+    for key, value in (("qk_norm", "rms_norm"), ("pos_embed_seq_len", 514), ("cross_attn_norm", False),
+                       ("added_kv_proj_dim", 64)):
+        with pytest.raises(ValueError, match=key):
+            wan.config_from_diffusers(dict(base, **{key: value}))
+    with pytest.raises(ValueError, match="added_kv_proj_dim"):
+        wan.config_from_diffusers(dict(base, image_dim=20, added_kv_proj_dim=32))
+
+
+# --------------------------------------------------------------------------
+# Wan2.2 A14B experts
+# --------------------------------------------------------------------------
+
+def test_experts_switch_at_the_boundary(tmp_path):
+    """load_experts reads transformer + transformer_2 and switches at boundary_ratio * 1000."""
+    src = FIXTURES / "wan_t2v" / "transformer"
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer_2").mkdir()
+    for sub in ("transformer", "transformer_2"):
+        shutil.copy(src / "config.json", tmp_path / sub / "config.json")
+    tensors = load_file(str(src / "diffusion_pytorch_model.safetensors"))
+    save_file(tensors, str(tmp_path / "transformer" / "diffusion_pytorch_model.safetensors"))
+    low = {k: (v * 0.5 if k.startswith("blocks.") and k.endswith(".weight") else v) for k, v in tensors.items()}
+    save_file(low, str(tmp_path / "transformer_2" / "diffusion_pytorch_model.safetensors"))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "boundary_ratio": 0.875}))
+
+    experts = wan.load_experts(tmp_path, dtype=jnp.float32, config=Config())
+    assert experts.boundary_timestep == 875.0
+    kwargs, _ = fixture("wan_t2v")
+    hi, lo = dict(kwargs, timestep=np.array([900.0], np.float32)), dict(kwargs, timestep=np.array([500.0], np.float32))
+    assert experts.expert_for(hi["timestep"]) == "high" and experts.expert_for(lo["timestep"]) == "low"
+    assert experts.expert_for(np.array([875.0])) == "high"
+    np.testing.assert_array_equal(experts(**hi), experts.high(**hi))
+    np.testing.assert_array_equal(experts(**lo), experts.low(**lo))
+    assert rel(experts.low(**lo), experts.high(**lo)) > 1e-2
+    kv = experts.encode_text(kwargs["encoder_hidden_states"])
+    np.testing.assert_array_equal(experts(hi["hidden_states"], hi["timestep"], text_kv=kv), experts(**hi))
+    np.testing.assert_array_equal(experts(lo["hidden_states"], lo["timestep"], text_kv=kv), experts(**lo))
+    with pytest.raises(ValueError, match="straddle"):
+        experts.expert_for(np.array([900.0, 500.0]))
+
+
+# --------------------------------------------------------------------------
+# Presets, plan, FLOPs, bench inputs
+# --------------------------------------------------------------------------
+
+PARAMS = {  # porting-brief section 3.4 (counted from diffusers meta models)
+    "Wan2.1-T2V-1.3B": 1_418_996_800, "Wan2.1-T2V-14B": 14_288_491_584, "Wan2.1-I2V-14B-480P": 16_394_878_784,
+    "Wan2.2-T2V-A14B": 14_288_491_584, "Wan2.2-I2V-A14B": 14_288_901_184, "Wan2.2-TI2V-5B": 4_999_787_712,
+    "tiny": 154_832,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_presets_build_the_released_sizes(name):
+    c = wan.preset(name)
+    model = nnx.eval_shape(lambda: wan.build(c, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    assert sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state)) == PARAMS[name]
+    km = wan.key_map(c, model)
+    assert km["patch_embedding.kernel"].transform == "conv_as_linear"
+    assert km["blocks.scale_shift_table"].dtype == "float32"
+    assert km["condition_embedder.time_embedder.linear_1.kernel"].dtype == "float32"
+    assert km["blocks.attn1.to_q.kernel"].perm is not None and km["blocks.attn2.to_q.kernel"].perm is None
+
+
+def test_plan_covers_every_block_linear():
+    model = nnx.eval_shape(lambda: wan.build(wan.preset("Wan2.1-I2V-14B-480P"), dtype=jnp.bfloat16,
+                                             rngs=nnx.Rngs(0)))
+    paths = weights.param_paths(model)
+    linears = {p.rsplit(".", 1)[0] for p in paths if p.startswith("blocks.") and p.endswith(".kernel")}
+    roles = {p: role_of(p, wan.PLAN) for p in linears}
+    assert all(r in (COLUMN, ROW) for r in roles.values()), roles
+    assert roles["blocks.attn2.add_k_proj"] == COLUMN and roles["blocks.ffn.net.2"] == ROW
+    assert role_of("condition_embedder.time_proj", wan.PLAN) == COLUMN
+
+
+def test_flops_match_the_brief():
+    c14, c13, c5 = wan.preset("Wan2.1-T2V-14B"), wan.preset("Wan2.1-T2V-1.3B"), wan.preset("Wan2.2-TI2V-5B")
+    for c, frames, tflops in ((c14, 9, 133.99), (c14, 81, 1678.37), (c13, 9, 16.34), (c13, 81, 283.00)):
+        inputs = wan.example_inputs(c, frames=frames)
+        assert inputs["hidden_states"].shape[2:] == ((frames - 1) // 4 + 1, 60, 104)
+        assert abs(wan.flops(c, inputs) / 1e12 - tflops) < 0.01
+    inputs = wan.example_inputs(c5, height=704, width=1280, frames=121, per_token=False)
+    assert abs(wan.flops(c5, inputs) / 1e12 - 517.0) < 0.05
+    ti2v = wan.example_inputs(c5, height=704, width=1280, frames=121)
+    assert ti2v["timestep"].shape == (1, 27280) and ti2v["hidden_states"].shape == (1, 48, 31, 44, 80)
+    i2v = wan.example_inputs(wan.preset("Wan2.1-I2V-14B-480P"))
+    assert i2v["encoder_hidden_states_image"].shape == (1, 257, 1280)
+
+
+# --------------------------------------------------------------------------
+# Deviceless v5e:2x2 compile of Wan2.1-T2V-14B (bf16) at 480x832x9
+# --------------------------------------------------------------------------
+
+DEVICELESS = """
+import json, time
+import jax, jax.numpy as jnp
+from flax import nnx
+from difflet_tpu import deviceless, runtime
+from difflet_tpu.config import Config
+from difflet_tpu.models import wan
+mesh = deviceless.topology_mesh("v5e:2x2")
+cfg = wan.preset("Wan2.1-T2V-14B")
+model = runtime.abstract_model(lambda: wan.build(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), mesh, wan.PLAN)
+inputs = wan.example_inputs(cfg, frames=9)
+ab = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32 if k == "timestep" else jnp.bfloat16) for k, v in inputs.items()}
+out = {}
+for mode in ("tp", "sp"):
+    t = time.time()
+    runner = wan.Runner(model, mesh, Config(), mode)
+    compiled = runner.trace(**ab).lower().compile()
+    out[mode] = dict(memory_report=deviceless.memory_report(compiled), rows=runner.shapes(**ab).rows,
+                     ag=runner.par.ag_impl, seconds=time.time() - t)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_deviceless_v5e_compile_wan21_14b(monkeypatch):
+    # Several test processes may hold libtpu at once (its lockfile allows one by default).
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    out = deviceless.run_python(DEVICELESS, "v5e:2x2")
+    gib = 2 ** 30
+    for mode in ("tp", "sp"):
+        m = out[mode]["memory_report"]
+        hbm = m["arguments"] + m["temporaries"]
+        print(f"\nWan2.1-14B bf16 480x832x9 {mode}: rows {out[mode]['rows']}, AG {out[mode]['ag']}, "
+              f"arguments {m['arguments'] / gib:.2f} GiB + temporaries {m['temporaries'] / gib:.2f} GiB "
+              f"= {hbm / gib:.2f} GiB per chip (compiled in {out[mode]['seconds']:.0f} s)")
+        assert hbm < 16 * gib
+    assert out["tp"]["rows"] == 4680 and out["sp"]["rows"] == 4736
+    assert out["sp"]["ag"] == "pallas"
