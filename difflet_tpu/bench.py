@@ -223,6 +223,17 @@ def run_model(fam, preset, args, mesh, dtype, results, hlo_dir=None):
     family = PL.FAMILIES[fam]
     port = PL.load_port(fam)
     cfg = build_config(port, preset)
+    if args.weights:  # the checkpoint's own config decides the shapes
+        from difflet_tpu import weights
+        from difflet_tpu.config import Config as _C
+        from difflet_tpu.models import REGISTRY
+
+        wdir = args.weights if not family.boundaries.get(preset) else os.path.join(args.weights, "transformer")
+        wcfg = weights.read_config(wdir)
+        if REGISTRY.get(wcfg["_class_name"]) != PL.PORT_MODULES.get(fam):
+            raise BenchError(f"--weights {args.weights} holds a {wcfg['_class_name']}, not a {fam} transformer "
+                             f"(--model {fam}:{preset})")
+        cfg = port.config_from_diffusers(wcfg, split_rope=_C.from_env().split_rope)
     shape = shape_for(fam, preset, args)
     guidance = family.guidance if args.guidance is None else args.guidance
     cfg_batch = family.guidance_mode == "cfg" and guidance != 1.0
@@ -375,6 +386,8 @@ def run_bench(args):
         except BenchError:
             raise
         except Exception as e:  # noqa: BLE001 - report per model, keep going
+            if type(e).__name__ == "WeightsError":
+                raise BenchError(str(e)) from e
             failed = True
             results.append(dict(model=f"{fam}:{preset}", error=f"{type(e).__name__}: {str(e)[:300]}"))
     print_table(results)

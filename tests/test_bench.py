@@ -129,3 +129,30 @@ def test_compile_only_on_a_small_config(tmp_path):
     assert cp["count"] > 0 and cp["overlapped"] == cp["count"]
     assert rows["sp-xla"]["compiler_options"] == bench.XLA_CM_FLAGS
     assert "ESTIMATES for v5e:2x2" in proc.stdout
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def test_weights_of_another_family_are_refused(capsys):
+    if "flux" not in _landed():
+        pytest.skip("the flux port has not landed")
+    assert bench.main(["--model", "flux:tiny", "--weights", os.path.join(FIXTURES, "wan_t2v", "transformer")]) == 2
+    assert "not a flux transformer" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_weights_and_embeddings_files(tmp_path):
+    if "wan" not in _landed():
+        pytest.skip("the wan port has not landed")
+    import numpy as np
+
+    emb = tmp_path / "emb.npz"
+    rng = np.random.default_rng(3)
+    np.savez(emb, prompt_embeds=rng.standard_normal((1, 512, 24)).astype(np.float32),
+             negative_prompt_embeds=rng.standard_normal((1, 512, 24)).astype(np.float32))
+    rc, data = _run(tmp_path, "--model", "wan:tiny", "--weights", os.path.join(FIXTURES, "wan_t2v", "transformer"),
+                    "--embeddings", str(emb), "--mode", "tp,sp", "--steps", "2")
+    assert rc == 0
+    rows = _check_rows(data, ["tp", "sp"])
+    assert rows[0]["weights"].endswith("transformer") and rows[0]["embeddings"] == str(emb)
