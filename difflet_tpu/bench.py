@@ -355,6 +355,12 @@ def print_table(results, out=None):
 def run_bench(args):
     tpu = has_tpu()
     args.cpu = not tpu
+    if tpu and "sp-xla" in args.modes:
+        # XLA's collective-matmul decomposition for shard_map all_gather/psum_scatter + dot. It is a
+        # process-wide libtpu flag (the ports own their jit): TP (all-reduce) and our rings
+        # (collective-permutes) have no all-gather/reduce-scatter feeding a matmul, so only sp-xla changes.
+        flags = " ".join(f"--{k}={v}" for k, v in XLA_CM_FLAGS.items())
+        os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") + " " + flags).strip()
     if args.cpu:
         from difflet_tpu.mesh import use_cpu_devices
 
@@ -393,7 +399,8 @@ def run_bench(args):
     print_table(results)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(kind="bench", platform="cpu" if args.cpu else "tpu", results=results), f, indent=1,
+            json.dump(dict(kind="bench", platform="cpu" if args.cpu else "tpu",
+                           libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS"), results=results), f, indent=1,
                       default=str)
     return 1 if failed else 0
 
