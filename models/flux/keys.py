@@ -1,0 +1,47 @@
+"""Checkpoint keys of the FLUX port: parameter path -> diffusers key and transform.
+
+Everything follows diffusers' names (`weights.default_key_map`): Linear
+`kernel` = torch `weight` transposed, `bias`, per-head RMSNorm `scale` = torch
+`weight`, stacked blocks `transformer_blocks.{i}.` / `single_transformer_blocks.{i}.`.
+
+With `config.split_rope` (the default), each head's channels of the q and k
+projections are permuted at load to split-halves order [0, 2, ..., 1, 3, ...]
+(`layout.heads_permutation`): the output columns and biases of
+`attn.to_q/to_k` (both block kinds) and `attn.add_q_proj/add_k_proj` (double
+blocks), and the per-head `norm_q/norm_k/norm_added_q/norm_added_k` weights
+(`layout.rope_permutation`). V, the outputs and everything else keep the
+checkpoint's order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from difflet_tpu import layout, weights
+
+from .config import FluxConfig
+
+_DOUBLE_QK = ("attn.to_q", "attn.to_k", "attn.add_q_proj", "attn.add_k_proj")
+_DOUBLE_NORMS = ("attn.norm_q", "attn.norm_k", "attn.norm_added_q", "attn.norm_added_k")
+_SINGLE_QK = ("attn.to_q", "attn.to_k")
+_SINGLE_NORMS = ("attn.norm_q", "attn.norm_k")
+
+
+def key_map(config: FluxConfig, model) -> dict[str, weights.Key]:
+    km = weights.default_key_map(model, stacked={"transformer_blocks": config.num_layers,
+                                                 "single_transformer_blocks": config.num_single_layers})
+    if not config.split_rope:
+        return km
+    heads, hd = config.num_attention_heads, config.attention_head_dim
+    qk_perm = tuple(int(i) for i in layout.heads_permutation(heads, hd))
+    norm_perm = tuple(int(i) for i in layout.rope_permutation(hd))
+    for prefix, qk, norms in (("transformer_blocks", _DOUBLE_QK, _DOUBLE_NORMS),
+                              ("single_transformer_blocks", _SINGLE_QK, _SINGLE_NORMS)):
+        for m in qk:
+            for leaf in ("kernel", "bias"):
+                path = f"{prefix}.{m}.{leaf}"
+                km[path] = dataclasses.replace(km[path], perm=qk_perm)
+        for m in norms:
+            path = f"{prefix}.{m}.scale"
+            km[path] = dataclasses.replace(km[path], perm=norm_perm)
+    return km
