@@ -138,6 +138,9 @@ def _trip_count(module, cond, body):
     bc = consts(body)
     counters = {ins.name for ins in module.computations.get(body, [])
                 if ins.op == "get-tuple-element" and re.search(r"index=%d\b" % idx, ins.text)}
+    for _ in range(3):  # the counter may reach its add through copies
+        counters |= {ins.name for ins in module.computations.get(body, [])
+                     if ins.op in ("copy", "bitcast") and counters & set(ins.operands)}
     steps = [bc[o] for ins in module.computations.get(body, []) if ins.op == "add"
              for o in ins.operands if o in bc and counters & set(ins.operands)]
     step = max(steps) if steps else 1
