@@ -21,6 +21,8 @@ Text K/V cache: `runner.encode_text(encoder_hidden_states, [image])` computes
 every block's cross-attention K/V once per prompt (sharded by heads);
 `runner(hidden_states, timestep, text_kv=cache)` then skips the text
 projection and the 2 * layers K/V projections in every denoise step.
+`Runner(..., cache_text=True)` does this by itself while the calls pass the
+same `encoder_hidden_states` object (a denoise loop).
 """
 
 from __future__ import annotations
@@ -135,8 +137,14 @@ class Runner:
     mode: "tp", "sp" or "sp-xla" to override the config's TP/SP choice.
     """
 
-    def __init__(self, model, mesh=None, config: Config | None = None, mode: str | None = None):
+    def __init__(self, model, mesh=None, config: Config | None = None, mode: str | None = None, *,
+                 cache_text: bool = False):
         self.model = model
+        # cache_text: reuse the text K/V while a call passes the very same
+        # encoder_hidden_states (and image) objects as the previous one, as a
+        # denoise loop does; arrays mutated in place are not detected.
+        self.cache_text = cache_text
+        self._text_cache = None
         self.cfg: WanConfig = model.config
         self.mesh = mesh
         self.config = Config.from_env() if config is None else config
@@ -337,6 +345,12 @@ class Runner:
         patches, t = self._prepare(shapes, hidden_states, timestep)
         cos, sin = self._rope(shapes)
         mask = self._mask(shapes)
+        if text_kv is None and self.cache_text:
+            hit = self._text_cache
+            if hit is None or hit[0] is not encoder_hidden_states or hit[1] is not encoder_hidden_states_image:
+                kv = self.encode_text(encoder_hidden_states, encoder_hidden_states_image)
+                hit = self._text_cache = (encoder_hidden_states, encoder_hidden_states_image, kv)
+            text_kv = hit[2]
         if text_kv is not None:
             step, state = self._step("cached", shapes, mask is not None)
             out = step(state, patches, t, text_kv, cos, sin, mask)

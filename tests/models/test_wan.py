@@ -255,6 +255,15 @@ def test_text_kv_cache():
     other = runner.encode_text(other_prompt, kwargs["encoder_hidden_states_image"])
     assert rel(runner(kwargs["hidden_states"], kwargs["timestep"], text_kv=other), ref) > 1e-3
 
+    auto = wan.Runner(load_f32("wan_i2v"), cache_text=True)  # a denoise loop passing the same prompt
+    for _ in range(2):
+        np.testing.assert_array_equal(auto(**kwargs), cached)
+    first = auto._text_cache[2]
+    auto(**kwargs)
+    assert auto._text_cache[2] is first
+    auto(**dict(kwargs, encoder_hidden_states=other_prompt))
+    assert auto._text_cache[2] is not first
+
     mesh = make_mesh(4)
     kwargs, ref = fixture("wan_t2v_pad")
     sp = wan.Runner(load_f32("wan_t2v_pad", 4), mesh, Config(), "sp")
