@@ -60,7 +60,9 @@ SHAPES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,kind,S,K,widths,N", SHAPES, ids=[s[0] for s in SHAPES])
-def test_kernel_compiles_for_v5e_within_its_vmem_limit(name, kind, S, K, widths, N):
+def test_kernel_compiles_for_v5e_within_its_vmem_limit(name, kind, S, K, widths, N, monkeypatch):
+    # libtpu holds a machine-wide lock file; let this compile run next to another deviceless process.
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     out = deviceless.run_python(CODE.format(kind=kind, S=S, K=K, widths=widths, N=N), timeout=900)
     print(name, out)
     assert out["reason"] is None, f"{name} is unsupported: {out['reason']}"
@@ -72,7 +74,8 @@ def test_kernel_compiles_for_v5e_within_its_vmem_limit(name, kind, S, K, widths,
 
 
 @pytest.mark.slow
-def test_unsupported_shape_compiles_as_the_ring():
+def test_unsupported_shape_compiles_as_the_ring(monkeypatch):
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # Wan's unpadded sequence (4680 rows): halves of 585 rows are not whole bf16 tiles.
     out = deviceless.run_python(CODE.format(kind="ag", S=4680, K=5120, widths=[1280], N=0), timeout=900)
     assert out["reason"] is not None and "multiple of 16 rows" in out["reason"], out["reason"]
