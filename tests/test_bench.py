@@ -156,3 +156,19 @@ def test_weights_and_embeddings_files(tmp_path):
     assert rc == 0
     rows = _check_rows(data, ["tp", "sp"])
     assert rows[0]["weights"].endswith("transformer") and rows[0]["embeddings"] == str(emb)
+
+
+@pytest.mark.slow
+def test_no_arguments_runs_every_landed_tiny_preset_in_tp_and_sp(tmp_path, monkeypatch, capsys):
+    import time
+
+    monkeypatch.delenv("DIFFLET_TPU_SP", raising=False)
+    monkeypatch.chdir(tmp_path)
+    t0 = time.perf_counter()
+    assert bench.main([]) == 0
+    print(f"no-argument run: {time.perf_counter() - t0:.1f} s")  # README's main command; < 2 min on 2 idle cores
+    out = capsys.readouterr().out
+    landed = _landed() or ["toy"]
+    for fam in landed:
+        for mode in ("tp", "sp"):
+            assert any(line.startswith(f"{fam}:tiny") and f" {mode} " in line for line in out.splitlines()), (fam, mode)
