@@ -19,6 +19,11 @@ import numpy as np
 
 IMPLS = ("xla", "splash")
 BLOCK = 128  # splash needs sequence lengths in whole blocks of 128
+# Long sequences are padded to whole 512-row blocks instead: the kernel keeps its
+# block-mask metadata (about 2 bytes per (q block, kv block) pair) in 1 MiB of SMEM,
+# and 128-row blocks at HunyuanVideo 720p (119056 tokens, 931 x 931 blocks) need 1.9 MB.
+LONG_BLOCK = 512
+LONG_PAIRS = 65536  # more 128-row block pairs than this: pad to LONG_BLOCK
 
 
 def attention(q, k, v, kv_mask=None, *, impl="xla", interpret=False):
@@ -79,8 +84,9 @@ def _splash(q, k, v, kv_mask, interpret):
 
     B, Sq, H, D = q.shape
     Skv = k.shape[1]
-    sq = -(-Sq // BLOCK) * BLOCK
-    skv = -(-Skv // BLOCK) * BLOCK
+    unit = LONG_BLOCK if -(-Sq // BLOCK) * -(-Skv // BLOCK) > LONG_PAIRS else BLOCK
+    sq = -(-Sq // unit) * unit
+    skv = -(-Skv // unit) * unit
     if kv_mask is None:
         kv_mask = jnp.ones((B, Skv), bool)
     kv_seg = jnp.pad(kv_mask.astype(jnp.int32), ((0, 0), (0, skv - Skv)))  # pad keys: segment 0
