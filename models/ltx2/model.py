@@ -154,7 +154,10 @@ class LTX2AdaLayerNormSingle(nnx.Module):
     """`emb = TimestepEmbedding(Timesteps(t))`; returns `(linear(silu(emb)), emb)`.
 
     `linear` is column-parallel: each rank computes its columns of the small
-    `(B*T, n*D)` output, then all of them are gathered.
+    `(B, T, n*D)` output, then all of them are gathered. Per-token timesteps
+    under SP hold this rank's rows only, so there the rows are gathered by the
+    ring (all rows, this rank's columns) and an all-to-all returns this
+    rank's rows with every column.
     """
 
     def __init__(self, embedding_dim, num_mod_params=6, *, dtype, rngs):
@@ -164,9 +167,14 @@ class LTX2AdaLayerNormSingle(nnx.Module):
 
     def __call__(self, par, timestep, batch_size, hidden_dtype):
         """timestep `(B,)` or `(B, T)` -> `((B, T, n*D), (B, T, D))`."""
-        embedded = self.emb(timestep.reshape(-1), hidden_dtype)
-        mod = par.gather_columns(self.linear(jax.nn.silu(embedded)))
-        return mod.reshape(batch_size, -1, mod.shape[-1]), embedded.reshape(batch_size, -1, embedded.shape[-1])
+        tokens = timestep.reshape(batch_size, -1).shape[1]
+        embedded = self.emb(timestep.reshape(-1), hidden_dtype).reshape(batch_size, tokens, -1)
+        if par.seq_sharded and tokens > 1:  # this rank's rows of per-token timesteps
+            (mod,) = nn.column(par, jax.nn.silu(embedded), [self.linear])
+            mod = jax.lax.all_to_all(mod, par.axis, split_axis=1, concat_axis=2, tiled=True)
+        else:
+            mod = par.gather_columns(self.linear(jax.nn.silu(embedded)))
+        return mod, embedded
 
 
 # --------------------------------------------------------------------------
@@ -192,9 +200,19 @@ def rms_norm_across_heads(par, x, weight, eps, dim):
     return nn.rms_norm(x, weight, eps, sum_sq=sum_sq, dim=dim)
 
 
-def _bias_attention(q, k, v, bias):
-    """SDPA with diffusers' additive key bias `(B, 1, Skv)` (text mask)."""
-    return jax.nn.dot_product_attention(q, k, v, bias=bias[:, None].astype(q.dtype), implementation="xla")
+def _attention(par, q, k, v, kv_mask=None, bias=None):
+    """SDPA over `[B, S, H, D]`: pad keys dropped (`kv_mask`) or diffusers'
+    additive key bias `(B, 1, Skv)` (text mask, XLA attention with a bias)."""
+    if q.dtype == jnp.float64:  # XLA's attention takes its softmax in float32; keep float64 tests float64
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+        if bias is not None:
+            s = s + bias[:, None]
+        if kv_mask is not None:
+            s = jnp.where(jnp.broadcast_to(kv_mask, (k.shape[0], k.shape[1]))[:, None, None], s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+    if bias is not None:
+        return jax.nn.dot_product_attention(q, k, v, bias=bias[:, None].astype(q.dtype), implementation="xla")
+    return attention(q, k, v, kv_mask, impl=par.attn_impl, interpret=par.interpret)
 
 
 class LTX2Attention(nnx.Module):
@@ -240,11 +258,7 @@ class LTX2Attention(nnx.Module):
 
         heads = qpar.local_heads(self.heads)
         split = lambda t: t.reshape(*t.shape[:2], heads, self.head_dim)
-        if attention_bias is not None:
-            out = _bias_attention(split(query), split(key), split(value), attention_bias)
-        else:
-            out = attention(split(query), split(key), split(value), kv_mask, impl=qpar.attn_impl,
-                            interpret=qpar.interpret)
+        out = _attention(qpar, split(query), split(key), split(value), kv_mask, attention_bias)
         out = out.reshape(*out.shape[:2], -1).astype(query.dtype)
         if perturbation is not None:
             out = torch_lerp(value, out, perturbation.astype(out.dtype))

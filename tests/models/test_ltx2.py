@@ -1,0 +1,451 @@
+"""LTX-2 port: parity with the diffusers fixtures (one device, TP, SP on 2 and 4
+CPU devices), its mechanisms against the plain model (float64), input errors,
+and a deviceless v5e:2x2 compile of the released config."""
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from difflet_tpu import deviceless, nn, runtime, weights
+from difflet_tpu.config import Config
+from difflet_tpu.mesh import make_mesh
+from difflet_tpu.models import ltx2
+from difflet_tpu.models.ltx2 import model as ltx2_model
+from difflet_tpu.models.ltx2 import rope as ltx2_rope
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
+CASES = ["ltx2", "ltx2_interleaved_rope", "ltx2_3", "ltx2_pad", "ltx2_batch2"]
+VARIANTS = ["ltx2", "ltx2_interleaved_rope", "ltx2_3"]  # split RoPE 2.0, interleaved 2.0, 2.3
+
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def fixture(case):
+    z = np.load(FIXTURES / case / "io.npz")
+    kw = {k[3:]: (z[k].item() if z[k].ndim == 0 else z[k]) for k in z.files if k.startswith("in.")}
+    return kw, z["out.sample"], z["out.audio_sample"]
+
+
+def load(case, tp=None, dtype=jnp.float32, split_rope=True):
+    mesh = None if tp is None else make_mesh(tp)
+    model = weights.load_transformer(FIXTURES / case / "transformer", dtype=dtype, mesh=mesh,
+                                     config=Config(split_rope=split_rope))
+    return model, mesh
+
+
+@functools.lru_cache(maxsize=None)
+def runner(case, tp=None, mode=None, **config):
+    """float32 runners, shared by the tests (compiled steps are cached on them)."""
+    model, mesh = load(case, tp)
+    return ltx2.Runner(model, mesh, Config(**config), mode=mode)
+
+
+_F64 = {}
+
+
+def f64(kw):
+    return {k: (np.asarray(v, np.float64) if isinstance(v, np.ndarray) and v.dtype == np.float32 else v)
+            for k, v in kw.items()}
+
+
+def runner_f64(case, tp=None, mode=None, split_rope=True, cache=True):
+    """A float64 runner (call inside `jax.enable_x64(True)`); cached unless `cache=False`."""
+    key = (case, tp, mode, split_rope)
+    if not cache or key not in _F64:
+        model, mesh = load(case, tp, jnp.float64, split_rope)
+        r = ltx2.Runner(model, mesh, Config(), mode=mode)
+        if not cache:
+            return r
+        _F64[key] = r
+    return _F64[key]
+
+
+def run_f64(case, tp=None, mode=None, kwargs=None, **runner_kw):
+    r = runner_kw.pop("runner", None) or runner_f64(case, tp, mode, **runner_kw)
+    s, a = r(**f64(fixture(case)[0] if kwargs is None else kwargs))
+    return np.asarray(s), np.asarray(a)
+
+
+def check_fixture(case, run):
+    kw, ref_s, ref_a = fixture(case)
+    s, a = run(**kw)
+    assert s.shape == ref_s.shape and a.shape == ref_a.shape
+    assert s.dtype == jnp.float32
+    assert rel(s, ref_s) <= 1e-5, rel(s, ref_s)
+    assert rel(a, ref_a) <= 1e-5, rel(a, ref_a)
+
+
+# --------------------------------------------------------------------------
+# parity with diffusers (float32)
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", CASES)
+def test_fixture_single_device(case):
+    check_fixture(case, runner(case))
+
+
+# Every variant under TP and SP, each mode on 2 and on 4 devices; padding (27 -> 28 / 32 rows) and batch 2
+# under SP; sp-xla once. (ltx2_pad under TP and SP on 4 devices: test_sp_matches_tp_with_padding.)
+PARALLEL = [("ltx2", 2, "tp"), ("ltx2", 4, "sp"), ("ltx2_interleaved_rope", 4, "tp"),
+            ("ltx2_interleaved_rope", 2, "sp"), ("ltx2_3", 2, "tp"), ("ltx2_3", 4, "sp"), ("ltx2_3", 2, "sp"),
+            ("ltx2_pad", 2, "sp"), ("ltx2_batch2", 4, "sp"), ("ltx2_batch2", 2, "sp-xla")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,tp,mode", PARALLEL)
+def test_fixture_parallel(case, tp, mode):
+    check_fixture(case, runner(case, tp, mode))
+
+
+@pytest.mark.slow
+def test_fixture_sp_pallas_kernels_interpreted():
+    """SP with the Pallas AG/RS kernels selected (interpret mode on CPU). The
+    tiny fixture widths (64) are not multiples of 128, so the kernels'
+    unsupported_reason rejects them and the JAX rings run (one notice each)."""
+    r = runner("ltx2_pad", 4, "sp", sp_kernel="pallas", sp_rs_kernel="pallas")
+    assert (r.par.ag_impl, r.par.rs_impl, r.par.interpret) == ("pallas", "pallas", True)
+    assert r.row_multiple() == 2 * 4 * 8  # whole f32 sublane tiles per half, so a kernel could run
+    check_fixture("ltx2_pad", r)
+
+
+@pytest.mark.slow
+def test_sp_matches_tp_with_padding():
+    """SP against TP in float32 on 4 devices, 27 video tokens -> 32 (pad keys masked)."""
+    kw = fixture("ltx2_pad")[0]
+    check_fixture("ltx2_pad", runner("ltx2_pad", 4, "tp"))
+    s_tp, a_tp = runner("ltx2_pad", 4, "tp")(**kw)
+    sp = runner("ltx2_pad", 4, "sp")
+    inputs, _, _, nv = sp.prepare(kw)
+    assert inputs["hidden_states"].shape[1] == 32 and nv == 27
+    check_fixture("ltx2_pad", sp)
+    s_sp, a_sp = sp(**kw)
+    assert rel(s_sp, s_tp) <= 1e-5 and rel(a_sp, a_tp) <= 1e-5
+
+
+# --------------------------------------------------------------------------
+# mechanisms against the plain model, float64
+# --------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sp_pad_keys_never_change_the_output():
+    """ltx2_pad under SP on 4 devices (27 -> 32 rows) equals one device in
+    float64; garbage in the pad rows changes nothing; without the pad-key mask
+    the result differs (the mechanism matters)."""
+    with jax.enable_x64(True):
+        ref_s, ref_a = run_f64("ltx2_pad")
+        r = runner_f64("ltx2_pad", 4, "sp")
+        inputs, specs, statics, nv = r.prepare(f64(fixture("ltx2_pad")[0]))
+        assert "video_kv_mask" in inputs and inputs["hidden_states"].shape[1] == 32
+
+        def run(inp):
+            sp = {k: specs[k] for k in inp}
+            step, state = r._step(sp, statics)
+            s, a = step(state, r._place(inp, sp))
+            return np.asarray(s)[:, :nv], np.asarray(a)
+
+        s, a = run(inputs)
+        assert rel(s, ref_s) < 1e-12 and rel(a, ref_a) < 1e-12
+        garbage = dict(inputs, hidden_states=np.array(inputs["hidden_states"]))
+        garbage["hidden_states"][:, nv:] = 1e3 * np.random.default_rng(0).standard_normal(
+            garbage["hidden_states"][:, nv:].shape)
+        s2, a2 = run(garbage)
+        assert np.array_equal(s2, s) and np.array_equal(a2, a)
+        # the mechanism removed: pad keys attended to
+        s3, a3 = run({k: v for k, v in garbage.items() if k != "video_kv_mask"})
+        assert rel(s3, ref_s) > 1e-3 and rel(a3, ref_a) > 1e-3
+
+
+def test_sp_refuses_input_it_cannot_split():
+    model, mesh = load("ltx2_pad", 4)
+    r = ltx2.Runner(model, mesh, Config(), mode="sp", pad=False)
+    with pytest.raises(ValueError, match=r"27 video tokens cannot be split over tp=4.*multiple of 2\*P = 8"):
+        r(**fixture("ltx2_pad")[0])
+
+
+@pytest.mark.slow
+def test_across_heads_qk_norm_reduced_over_ranks(monkeypatch):
+    """TP on 4 devices equals one device (float64); with the per-token sum of
+    squares left local (no reduction over `tp`) it does not."""
+    with jax.enable_x64(True):
+        ref_s, ref_a = run_f64("ltx2_pad")
+        s, a = run_f64("ltx2_pad", 4, "tp")
+        assert rel(s, ref_s) < 1e-12 and rel(a, ref_a) < 1e-12
+
+        def local_only(par, x, weight, eps, dim):
+            xf = x.astype(jnp.float64)
+            return nn.rms_norm(x, weight, eps, sum_sq=jnp.sum(xf * xf, -1, keepdims=True), dim=dim)
+
+        monkeypatch.setattr(ltx2_model, "rms_norm_across_heads", local_only)
+        s, a = run_f64("ltx2_pad", runner=runner_f64("ltx2_pad", 4, "tp", cache=False))
+        assert rel(s, ref_s) > 1e-3
+
+
+@pytest.mark.slow
+def test_split_rope_permutation_of_interleaved_checkpoint():
+    """The interleaved checkpoint with q/k permuted to split halves at load
+    equals the plain interleaved model (float64); running the permuted weights
+    with interleaved tables (the layout record lost) does not."""
+    with jax.enable_x64(True):
+        plain_s, plain_a = run_f64("ltx2_interleaved_rope", split_rope=False)
+        s, a = run_f64("ltx2_interleaved_rope", split_rope=True)
+        assert rel(s, plain_s) < 1e-12 and rel(a, plain_a) < 1e-12
+        r = runner_f64("ltx2_interleaved_rope", split_rope=True, cache=False)
+        assert r.model.config.split_rope
+        r.model.config = dataclasses.replace(r.model.config, split_rope=False)
+        r.cfg = r.model.config
+        s, a = run_f64("ltx2_interleaved_rope", runner=r)
+        assert rel(s, plain_s) > 1e-3
+
+
+def test_split_rope_config_and_key_map():
+    cfg = json.loads((FIXTURES / "ltx2_interleaved_rope" / "transformer" / "config.json").read_text())
+    assert ltx2.config_from_diffusers(cfg, split_rope=True).split_rope
+    assert not ltx2.config_from_diffusers(cfg, split_rope=False).split_rope
+    released = ltx2.config_from_diffusers(ltx2.PRESETS["ltx-2.0"], split_rope=True)
+    assert released.rope_type == "split" and not released.split_rope  # natively split: never permuted
+    c = ltx2.config_from_diffusers(cfg, split_rope=True)
+    model = nnx.eval_shape(lambda: ltx2.build(c, rngs=nnx.Rngs(0)))
+    km = ltx2.key_map(c, model)
+    assert km["transformer_blocks.attn1.to_q.kernel"].perm[:4] == (0, 2, 4, 6)
+    assert km["transformer_blocks.video_to_audio_attn.norm_k.scale"].perm is not None
+    assert km["transformer_blocks.attn2.to_q.kernel"].perm is None  # no RoPE in text cross-attention
+    assert km["transformer_blocks.attn1.to_v.kernel"].perm is None
+
+
+def test_rope_angles_formed_in_float32_as_diffusers():
+    """Angles reach ~1.6e4 rad: float64 pow -> float32 cast -> float32 multiply,
+    as diffusers. Forming them in float64 moves cos/sin by ~1e-3."""
+    c = ltx2.config_from_diffusers(ltx2.PRESETS["ltx-2.0"])
+    coords = ltx2_rope.video_coords(1, 7, 15, 22, 24.0, patch_size=1, patch_size_t=1,
+                                    scale_factors=c.vae_scale_factors, causal_offset=1)
+    assert coords.shape == (1, 3, 2310, 2)
+    np.testing.assert_allclose(coords[0, 0, [0, 330], :], [[0, 1 / 24], [1 / 24, 0.375]], rtol=1e-6)
+    a = ltx2_rope.angles(coords, dim=4096, max_positions=(20, 2048, 2048), theta=1e4, double_precision=True)
+    assert a.dtype == np.float32 and a.shape == (1, 2310, 682 * 3) and np.abs(a).max() > 1.5e4
+    # the float64-angle variant
+    mid = (coords[..., 0].astype(np.float64) + coords[..., 1]) / 2
+    grid = np.stack([mid[:, i] / m for i, m in enumerate((20, 2048, 2048))], -1)
+    freqs = np.power(1e4, ltx2_rope.torch_linspace(0, 1, 682)) * np.pi / 2
+    a64 = np.swapaxes((grid[..., None] * 2 - 1) * freqs, -1, -2).reshape(1, 2310, -1)
+    assert np.abs(np.cos(a) - np.cos(a64)).max() > 1e-4
+    audio = ltx2_rope.audio_coords(1, 3, patch_size_t=1, scale_factor=4, causal_offset=1, hop_length=160,
+                                   sampling_rate=16000)
+    np.testing.assert_allclose(audio[0, 0], [[0, .01], [.01, .05], [.05, .09]], atol=1e-7)
+
+
+def test_rope_in_float64_breaks_parity(monkeypatch):
+    """The float32 angle order is what the fixture needs: float64 angles fail it."""
+    def angles64(coords, *, dim, max_positions, theta, double_precision):
+        coords = np.asarray(coords, np.float64)
+        mid = (coords[..., 0] + coords[..., 1]) / 2
+        grid = np.stack([mid[:, i] / max_positions[i] for i in range(coords.shape[1])], -1)
+        freqs = np.power(theta, ltx2_rope.torch_linspace(0, 1, dim // (2 * coords.shape[1]))) * np.pi / 2
+        a = (grid[..., None] * 2 - 1) * freqs
+        return np.swapaxes(a, -1, -2).reshape(a.shape[0], a.shape[1], -1)
+
+    kw, ref_s, _ = fixture("ltx2")
+    monkeypatch.setattr(ltx2_rope, "angles", angles64)
+    model, _ = load("ltx2")
+    s, _ = ltx2.Runner(model, None, Config())(**kw)
+    assert rel(s, ref_s) > 1e-5
+
+
+@pytest.mark.slow
+def test_text_mask_is_additive():
+    """diffusers' mask is a -10000 bias: masked text never matters (float64),
+    and an all-zero mask row equals no mask (a boolean mask would not)."""
+    with jax.enable_x64(True):
+        kw = fixture("ltx2_batch2")[0]
+        s, a = run_f64("ltx2_batch2", kwargs=kw)
+        noisy = dict(kw)
+        for name, mask_name in (("encoder_hidden_states", "encoder_attention_mask"),
+                                ("audio_encoder_hidden_states", "audio_encoder_attention_mask")):
+            x = np.array(kw[name])
+            m = kw[mask_name] == 0
+            x[m] = 100 * np.random.default_rng(1).standard_normal(x[m].shape)
+            noisy[name] = x
+        s2, a2 = run_f64("ltx2_batch2", kwargs=noisy)
+        assert rel(s2, s) < 1e-13 and rel(a2, a) < 1e-13
+        s3, _ = run_f64("ltx2_batch2", kwargs={k: v for k, v in noisy.items() if "mask" not in k})
+        assert rel(s3, s) > 1e-3  # the mask matters
+        zero = dict(kw, encoder_attention_mask=np.zeros_like(kw["encoder_attention_mask"]),
+                    audio_encoder_attention_mask=np.zeros_like(kw["audio_encoder_attention_mask"]))
+        s4, a4 = run_f64("ltx2_batch2", kwargs=zero)
+        s5, a5 = run_f64("ltx2_batch2", kwargs={k: v for k, v in kw.items() if "mask" not in k})
+        assert np.isfinite(s4).all() and rel(s4, s5) < 1e-9 and rel(a4, a5) < 1e-9
+
+
+@pytest.mark.slow
+def test_per_token_timestep_sharded_like_the_rows():
+    """A (B, N) video timestep (LTX-2 I2V) under SP (4 devices, padded) equals
+    one device (float64), and a constant one equals the (B,) timestep."""
+    with jax.enable_x64(True):
+        kw = dict(fixture("ltx2_pad")[0])
+        n = kw["hidden_states"].shape[1]
+        kw["audio_timestep"] = kw["timestep"]
+        const = dict(kw, timestep=np.full((1, n), kw["timestep"][0], np.float64))
+        s0, a0 = run_f64("ltx2_pad", kwargs=kw)
+        s1, a1 = run_f64("ltx2_pad", kwargs=const)
+        assert rel(s1, s0) < 1e-12 and rel(a1, a0) < 1e-12
+        per = dict(kw, timestep=np.linspace(0, 1000, n)[None])
+        s2, a2 = run_f64("ltx2_pad", kwargs=per)
+        assert rel(s2, s0) > 1e-3
+        s3, a3 = run_f64("ltx2_pad", 4, "sp", kwargs=per)  # (1, 27) -> (1, 32), 8 rows per rank
+        assert rel(s3, s2) < 1e-12 and rel(a3, a2) < 1e-12
+
+
+@pytest.mark.slow
+def test_stg_perturbed_attention():
+    """LTX-2.3 STG (LTX2PerturbedAttnProcessor): weight 1 = plain attention
+    exactly; weight 0 = values only, in the listed blocks; SP equals one device."""
+    with jax.enable_x64(True):
+        kw = fixture("ltx2_3")[0]
+        plain_s, plain_a = run_f64("ltx2_3", kwargs=kw)
+        ones = dict(kw, spatio_temporal_guidance_blocks=[0, 1], perturbation_mask=np.ones(1))
+        s, a = run_f64("ltx2_3", kwargs=ones)
+        assert np.array_equal(s, plain_s) and np.array_equal(a, plain_a)
+        stg = dict(kw, spatio_temporal_guidance_blocks=[1])
+        s, a = run_f64("ltx2_3", kwargs=stg)
+        assert rel(s, plain_s) > 1e-3
+        s2, a2 = run_f64("ltx2_3", 4, "sp", kwargs=stg)
+        assert rel(s2, s) < 1e-12 and rel(a2, a) < 1e-12
+
+
+# --------------------------------------------------------------------------
+# errors before compilation, config, plan, presets
+# --------------------------------------------------------------------------
+
+def test_bad_inputs_are_refused():
+    r = runner("ltx2")
+    kw = fixture("ltx2")[0]
+    bad = [
+        (dict(hidden_states=kw["hidden_states"][..., :8]), r"hidden_states: shape \(1, 24, 8\) does not match"),
+        (dict(audio_hidden_states=kw["audio_hidden_states"][:, :4]), r"audio_num_frames=5 gives 5 audio tokens"),
+        (dict(encoder_hidden_states=kw["encoder_hidden_states"][..., :5]), "encoder_hidden_states"),
+        (dict(num_frames=3), r"3x3x4 gives 36 video tokens, hidden_states has 24"),
+        (dict(timestep=np.ones(3, np.float32)), r"timestep: shape \(3,\) is not \(B,\)"),
+        (dict(encoder_attention_mask=np.ones((1, 7))), "encoder_attention_mask"),
+        (dict(video_self_attention_mask=np.ones((1, 24, 24))), "not supported"),
+    ]
+    for change, match in bad:
+        with pytest.raises((ValueError, NotImplementedError), match=match):
+            r(**dict(kw, **change))
+    with pytest.raises(TypeError, match="unexpected"):
+        r(**dict(kw, bogus=1))
+    with pytest.raises(ValueError, match="sigma is required"):
+        runner("ltx2_3")(**{k: v for k, v in fixture("ltx2_3")[0].items() if k != "sigma"})
+
+
+def test_heads_must_divide_over_tp():
+    model, _ = load("ltx2")
+    with pytest.raises(ValueError, match="num_attention_heads=4 does not divide over tp=3"):
+        ltx2.Runner(model, make_mesh(3), Config(), mode="tp")
+
+
+def test_config_from_diffusers_errors():
+    base = ltx2.PRESETS["tiny"]
+    for key, value, match in (("qk_norm", "rms_norm", "qk_norm"), ("rope_type", "xyz", "rope_type"),
+                              ("activation_fn", "swiglu", "activation_fn"), ("bogus", 1, "bogus"),
+                              ("audio_cross_attention_dim", 64, "audio_cross_attention_dim")):
+        with pytest.raises(ValueError, match=match):
+            ltx2.config_from_diffusers(dict(base, **{key: value}))
+
+
+def test_presets_and_param_counts():
+    """Released configs build (abstractly) with the brief's parameter counts."""
+    counts = {"ltx-2.0": 18_876_174_592, "ltx-2.3": 18_988_838_144, "tiny": 352_672}
+    for name, want in counts.items():
+        c = ltx2.config_from_diffusers(ltx2.PRESETS[name])
+        model = nnx.eval_shape(lambda: ltx2.build(c, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+        got = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        assert got == want, (name, got)
+    tiny = json.loads((FIXTURES / "ltx2" / "transformer" / "config.json").read_text())
+    assert ltx2.config_from_diffusers(tiny) == ltx2.config_from_diffusers(ltx2.PRESETS["tiny"])
+
+
+def test_plan_shards_the_big_linears():
+    c = ltx2.config_from_diffusers(ltx2.PRESETS["tiny"])
+    from difflet_tpu.parallel import param_specs
+    from jax.sharding import PartitionSpec as P
+
+    specs = param_specs(nnx.state(nnx.eval_shape(lambda: ltx2.build(c, rngs=nnx.Rngs(0)))), ltx2.PLAN)
+    blocks = specs["transformer_blocks"]
+    get = lambda s: s.get_value()
+    assert get(blocks["attn1"]["to_q"]["kernel"]) == P(None, None, "tp")
+    assert get(blocks["video_to_audio_attn"]["to_out"]["0"]["kernel"]) == P(None, "tp", None)
+    assert get(blocks["audio_ff"]["net"]["2"]["kernel"]) == P(None, "tp", None)
+    assert get(blocks["attn1"]["norm_q"]["scale"]) == P(None, "tp")
+    assert get(specs["time_embed"]["linear"]["kernel"]) == P(None, "tp")
+    assert get(specs["av_cross_attn_audio_v2a_gate"]["linear"]["bias"]) == P("tp")
+    assert get(specs["time_embed"]["emb"]["timestep_embedder"]["linear_2"]["kernel"]) == P()
+    assert get(blocks["scale_shift_table"]) == P()
+    assert get(specs["proj_out"]["kernel"]) == P()
+
+
+def test_example_inputs_and_flops_at_the_benchmark_shape():
+    c = ltx2.config_from_diffusers(ltx2.PRESETS["ltx-2.0"])
+    ex = ltx2.example_inputs(c, height=480, width=704, frames=49)
+    assert ex["hidden_states"].shape == (1, 2310, 128)
+    assert ex["audio_hidden_states"].shape == (1, 51, 128)
+    assert ex["encoder_hidden_states"].shape == (1, 1024, 3840)
+    assert (ex["num_frames"], ex["height"], ex["width"], ex["audio_num_frames"]) == (7, 15, 22, 51)
+    assert abs(ltx2.flops(c, ex) / 1e12 - 70.29) < 0.05  # porting-brief section 8
+
+
+# --------------------------------------------------------------------------
+# deviceless compile of the released config (v5e:2x2, bf16, TP and SP)
+# --------------------------------------------------------------------------
+
+DEVICELESS = """
+import json, time
+import jax, jax.numpy as jnp
+from flax import nnx
+from difflet_tpu import deviceless, runtime
+from difflet_tpu.config import Config
+from difflet_tpu.models import ltx2
+
+mesh = deviceless.topology_mesh("v5e:2x2")
+cfg = ltx2.config_from_diffusers(ltx2.PRESETS["ltx-2.0"])
+model = runtime.abstract_model(lambda: ltx2.build(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), mesh, ltx2.PLAN)
+ex = ltx2.example_inputs(cfg, height=480, width=704, frames=49)
+abstract = {k: (jax.ShapeDtypeStruct(v.shape, jnp.bfloat16 if k.endswith("hidden_states") else v.dtype)
+                if getattr(v, "ndim", 0) else v) for k, v in ex.items()}
+out = dict(video_tokens=ex["hidden_states"].shape[1], audio_tokens=ex["audio_hidden_states"].shape[1])
+for mode in ("tp", "sp"):
+    t = time.time()
+    runner = ltx2.Runner(model, mesh, Config(), mode=mode)
+    compiled = runner.trace(**abstract).lower().compile()
+    out[mode] = dict(deviceless.memory_report(compiled), compile_s=round(time.time() - t, 1),
+                     padded_rows=runner.prepare(abstract)[0]["hidden_states"].shape[1])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_deviceless_v5e_2x2_compile_released_config(monkeypatch):
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other engineers' deviceless compiles
+    out = deviceless.run_python(DEVICELESS, timeout=1800)
+    assert (out["video_tokens"], out["audio_tokens"]) == (2310, 51)
+    assert out["sp"]["padded_rows"] == 2312 and out["tp"]["padded_rows"] == 2310
+    for mode in ("tp", "sp"):
+        m = out[mode]
+        hbm = m["arguments"] + m["temporaries"]
+        print(f"LTX-2.0 480x704x49 bf16 v5e:2x2 {mode}: arguments {m['arguments'] / 2**30:.2f} GiB + "
+              f"temporaries {m['temporaries'] / 2**30:.2f} GiB = {hbm / 2**30:.2f} GiB per chip "
+              f"(compile {m['compile_s']} s)")
+        assert hbm < 16 * 2**30
