@@ -51,6 +51,9 @@ def tpu_env(topology: str = "v5e:2x2", base=None) -> dict:
     env["TPU_WORKER_HOSTNAMES"] = "localhost"
     env.pop("JAX_PLATFORMS", None)
     env.pop("XLA_FLAGS", None)
+    # libtpu takes a machine-wide lock; deviceless compiles never touch a chip,
+    # so two of them (a test and a bench, say) may run side by side.
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     env.setdefault("TPU_STDERR_LOG_LEVEL", "3")
     env.setdefault("TPU_MIN_LOG_LEVEL", "3")
     return env
