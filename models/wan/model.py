@@ -20,6 +20,7 @@ rows; S = every row; D = heads * head_dim; P = tp size):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -29,7 +30,7 @@ from jax import lax
 
 from difflet_tpu import layout, nn, weights
 from difflet_tpu.attention import attention
-from difflet_tpu.parallel import COLUMN, ROW, SHARDED
+from difflet_tpu.parallel import COLUMN, ROW, SHARDED, path_names
 
 from difflet_tpu.models.wan.config import WanConfig
 
@@ -443,8 +444,6 @@ def key_map(config: WanConfig, model) -> dict[str, weights.Key]:
     self-attention's q/k rows, biases and across-heads norm weights are
     permuted per head to split-halves order (the norm's sum of squares is
     invariant to a channel permutation applied to it and its weight)."""
-    import dataclasses
-
     km = weights.default_key_map(model, stacked={"blocks": config.num_layers})
     km["patch_embedding.kernel"] = weights.Key("patch_embedding.weight", "conv_as_linear")
     dtypes = _param_dtypes(model)
@@ -460,8 +459,6 @@ def key_map(config: WanConfig, model) -> dict[str, weights.Key]:
 
 
 def _param_dtypes(model) -> dict[str, jnp.dtype]:
-    from difflet_tpu.parallel import path_names
-
     state = nnx.state(model, nnx.Param)
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:

@@ -44,8 +44,7 @@ from difflet_tpu.config import Config
 from difflet_tpu.mesh import TP
 from difflet_tpu.parallel import Parallel, check_divisible
 
-from difflet_tpu.models.wan.config import (EXPERT_BOUNDARY, NUM_TRAIN_TIMESTEPS, TEXT_LEN_I2V,
-                                           WanConfig)
+from difflet_tpu.models.wan.config import NUM_TRAIN_TIMESTEPS, TEXT_LEN_I2V, WanConfig
 from difflet_tpu.models.wan.model import PLAN
 
 SP_TILE_ROWS = 16  # a bf16 sublane tile: each ring half is a whole number of these

@@ -6,7 +6,6 @@ v5e:2x2 compile of Wan2.1-14B at the benchmark shape."""
 import dataclasses
 import functools
 import json
-import os
 import pathlib
 import shutil
 
@@ -428,9 +427,11 @@ model = runtime.abstract_model(lambda: wan.build(cfg, dtype=jnp.bfloat16, rngs=n
 inputs = wan.example_inputs(cfg, frames=9)
 ab = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32 if k == "timestep" else jnp.bfloat16) for k, v in inputs.items()}
 out = {}
+# SP with the JAX ring: Wan's default Pallas all-gather kernel adds ~45 s of Mosaic
+# compile (its Wan-shape compiles are in tests/kernels); HBM is the same (docs/models/wan.md).
 for mode in ("tp", "sp"):
     t = time.time()
-    runner = wan.Runner(model, mesh, Config(), mode)
+    runner = wan.Runner(model, mesh, Config(sp_kernel="jax"), mode)
     compiled = runner.trace(**ab).lower().compile()
     out[mode] = dict(memory_report=deviceless.memory_report(compiled), rows=runner.shapes(**ab).rows,
                      ag=runner.par.ag_impl, seconds=time.time() - t)
@@ -452,4 +453,4 @@ def test_deviceless_v5e_compile_wan21_14b(monkeypatch):
               f"= {hbm / gib:.2f} GiB per chip (compiled in {out[mode]['seconds']:.0f} s)")
         assert hbm < 16 * gib
     assert out["tp"]["rows"] == 4680 and out["sp"]["rows"] == 4736
-    assert out["sp"]["ag"] == "pallas"
+    assert out["sp"]["ag"] == "jax"
