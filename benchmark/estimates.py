@@ -102,15 +102,29 @@ def fit(res):
         if r is None:
             continue
         b = r.get("breakdown_raw", r["breakdown"])
-        rows.append((E.Estimate(total=b["step_ms"] / 1e3, nonmatmul=b["nonmatmul_ms"] / 1e3), tp_ms / 1e3))
+        rows.append((E.Estimate(total=b["step_ms"] / 1e3, invalid=b.get("invalid_unscaled_ms", b["nonmatmul_ms"]) / 1e3),
+                     tp_ms / 1e3))
     return (E.fit_nonmatmul_scale(rows) if rows else 1.0), rows
 
 
-def calibrated_ms(r, k):
-    """Step estimate with non-matmul fusions scaled by k (exposed waits held fixed: an approximation
-    for SP, where shorter compute can expose more transfer; `run` with the factor set recompiles exactly)."""
+_EXACT: dict = {}
+
+
+def calibrated_ms(r, k, name=None):
+    """Step estimate with non-matmul fusions scaled by k: re-simulated from the dumped HLO when it
+    is there (exact, exposed waits included); otherwise exposed waits held fixed (an approximation
+    for SP, where shorter compute can expose more transfer)."""
     b = r.get("breakdown_raw", r["breakdown"])
-    return b["step_ms"] - (1 - k) * b["nonmatmul_ms"]
+    if name is not None:
+        key = (name, r["mode"], k)
+        h = pathlib.Path(HLO_DIR) / name / f"{r['family']}-{r['preset']}-{r['mode']}.hlo.txt"
+        if key not in _EXACT and h.exists():
+            from difflet_tpu import estimate as E
+
+            _EXACT[key] = E.summarize(E.estimate(h.read_text(), "v5e", E.Calibration(nonmatmul=k)))
+        if key in _EXACT:
+            return _EXACT[key]["step_ms"]
+    return b["step_ms"] - (1 - k) * b.get("invalid_unscaled_ms", b["nonmatmul_ms"])
 
 
 def table(args):
@@ -126,13 +140,13 @@ def table(args):
     for fam in ("wan", "flux", "hunyuan_video", "ltx2", "wan_81", "hunyuan_video_720p"):
         modes = res.get(fam, {})
         ref = E.REFERENCE_PR.get(fam)
-        tp_cal = calibrated_ms(modes["tp"], k) if "tp" in modes else None
+        tp_cal = calibrated_ms(modes["tp"], k, fam) if "tp" in modes else None
         for mode in ("tp", "sp", "sp-pallas", "sp-xla"):
             r = modes.get(mode)
             if r is None:
                 continue
             b = r.get("breakdown_raw", r["breakdown"])
-            cal = calibrated_ms(r, k)
+            cal = calibrated_ms(r, k, fam)
             meas = None
             if ref:
                 meas = {"tp": ref[1], "sp": ref[2], "sp-pallas": ref[3]}.get(mode)
@@ -152,10 +166,13 @@ def table(args):
         sps = [m for m in ("sp", "sp-pallas") if m in modes]
         if not sps:
             continue
-        best = min(sps, key=lambda m: calibrated_ms(modes[m], k))
+        best = min(sps, key=lambda m: calibrated_ms(modes[m], k, fam))
         r = modes[best]
         b = r.get("breakdown_raw", r["breakdown"])
-        cal = calibrated_ms(r, k)
+        cal = calibrated_ms(r, k, fam)
+        key = (fam, best, k)
+        if key in _EXACT:
+            b = dict(_EXACT[key], nonmatmul_ms=_EXACT[key]["nonmatmul_ms"] / k)
         compute = b["matmul_ms"] + b["pallas_ms"]
         lines.append(f"| {r['model']} | {best} | {cal:.1f} | {r['ideal_ms']:.1f} | {cal - r['ideal_ms']:.1f} | "
                      f"{compute - r['ideal_ms']:.1f} | {k * b['nonmatmul_ms'] + b['other_ms']:.1f} | "

@@ -319,6 +319,7 @@ class Estimate:
     sync_collective: float = 0.0  # compute stream blocked in synchronous collectives
     exposed_transfer: float = 0.0  # compute stream waiting at -done of async collectives
     exposed_dma: float = 0.0     # compute stream waiting at -done of local async copies
+    invalid: float = 0.0         # unscaled time of ops the compiler prices with COST_MODEL_TYPE_INVALID
     collectives: dict = dataclasses.field(default_factory=dict)
     pallas_kernels: dict = dataclasses.field(default_factory=dict)  # name -> seconds
     warnings: list = dataclasses.field(default_factory=list)
@@ -363,6 +364,7 @@ class Simulator:
             if o.op == "fusion" and self.fusion_has_matmul(o):
                 return "matmul", s
             if o.cost_type == "COST_MODEL_TYPE_INVALID":
+                self.est.invalid += s  # before scaling: what the calibration factor multiplies
                 s *= self.cal.nonmatmul
             return ("nonmatmul" if o.op == "fusion" else "other"), s
         if is_pallas(o):
@@ -706,18 +708,19 @@ def schedule_overlap(hlo_text: str) -> dict:
 
 
 def fit_nonmatmul_scale(rows: Iterable[tuple[Estimate, float]], chip: Chip | None = None) -> float:
-    """The one factor `k` on non-matmul fusion time that makes
-    `total - (1 - k) * nonmatmul` match measured step times (least squares
-    over `(estimate at k=1, measured seconds)` rows), clipped to [0.2, 1.5].
+    """The one factor `k` on the time of ops the compiler prices with its
+    non-matmul cost model (`Estimate.invalid`) that makes `total - (1 - k) *
+    invalid` match measured step times (least squares over `(estimate at
+    k=1, measured seconds)` rows), clipped to [0.2, 1.5].
 
     Exposed waits can change when non-matmul time shrinks; the fit treats
     them as fixed, which is exact for TP (synchronous all-reduces) — the rows
     it is meant to be fit on.
     """
     rows = list(rows)
-    # measured = (total - nonmatmul) + k * nonmatmul
-    num = sum(e.nonmatmul * (meas - (e.total - e.nonmatmul)) for e, meas in rows)
-    den = sum(e.nonmatmul ** 2 for e, _ in rows)
+    # measured = (total - invalid) + k * invalid
+    num = sum(e.invalid * (meas - (e.total - e.invalid)) for e, meas in rows)
+    den = sum(e.invalid ** 2 for e, _ in rows)
     if den == 0:
         return 1.0
     return float(min(1.5, max(0.2, num / den)))
@@ -730,6 +733,7 @@ def summarize(est: Estimate) -> dict:
         step_ms=ms(est.total), matmul_ms=ms(est.matmul), nonmatmul_ms=ms(est.nonmatmul),
         pallas_ms=ms(est.pallas), other_ms=ms(est.other), sync_collective_ms=ms(est.sync_collective),
         exposed_transfer_ms=ms(est.exposed_transfer), exposed_dma_ms=ms(est.exposed_dma),
+        invalid_unscaled_ms=ms(est.invalid),
         pallas_kernels_ms={k: ms(v) for k, v in sorted(est.pallas_kernels.items())},
         collectives={k: dict(count=v.count, bytes_per_chip=int(v.bytes), overlapped=v.overlapped,
                              sync=v.sync, transfer_ms=ms(v.seconds))

@@ -143,7 +143,7 @@ def test_pallas_kernel_roofline_and_multiline_attributes():
 def test_fit_recovers_a_known_nonmatmul_scale():
     rows = []
     for nonmm, rest in [(0.05, 0.2), (0.08, 0.1), (0.02, 0.3)]:
-        e = E.Estimate(total=nonmm + rest, nonmatmul=nonmm)
+        e = E.Estimate(total=nonmm + rest, nonmatmul=nonmm, invalid=nonmm)
         rows.append((e, rest + 0.63 * nonmm))
     assert E.fit_nonmatmul_scale(rows) == pytest.approx(0.63)
 
