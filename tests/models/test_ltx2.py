@@ -102,7 +102,7 @@ def test_fixture_single_device(case):
 # Every variant under TP and SP, each mode on 2 and on 4 devices; padding (27 -> 28 / 32 rows) and batch 2
 # under SP; sp-xla once. (ltx2_pad under TP and SP on 4 devices: test_sp_matches_tp_with_padding.)
 PARALLEL = [("ltx2", 2, "tp"), ("ltx2", 4, "sp"), ("ltx2_interleaved_rope", 4, "tp"),
-            ("ltx2_interleaved_rope", 2, "sp"), ("ltx2_3", 2, "tp"), ("ltx2_3", 4, "sp"), ("ltx2_3", 2, "sp"),
+            ("ltx2_interleaved_rope", 2, "sp"), ("ltx2_3", 2, "tp"), ("ltx2_3", 4, "sp"),
             ("ltx2_pad", 2, "sp"), ("ltx2_batch2", 4, "sp"), ("ltx2_batch2", 2, "sp-xla")]
 
 
@@ -113,14 +113,37 @@ def test_fixture_parallel(case, tp, mode):
 
 
 @pytest.mark.slow
-def test_fixture_sp_pallas_kernels_interpreted():
+def test_fixture_sp_pallas_kernels_interpreted(caplog):
     """SP with the Pallas AG/RS kernels selected (interpret mode on CPU). The
     tiny fixture widths (64) are not multiples of 128, so the kernels'
     unsupported_reason rejects them and the JAX rings run (one notice each)."""
-    r = runner("ltx2_pad", 4, "sp", sp_kernel="pallas", sp_rs_kernel="pallas")
+    r = runner("ltx2_pad", 2, "sp", sp_kernel="pallas", sp_rs_kernel="pallas")
     assert (r.par.ag_impl, r.par.rs_impl, r.par.interpret) == ("pallas", "pallas", True)
-    assert r.row_multiple() == 2 * 4 * 8  # whole f32 sublane tiles per half, so a kernel could run
-    check_fixture("ltx2_pad", r)
+    assert r.row_multiple() == 2 * 2 * 8  # whole f32 sublane tiles per half, so a kernel could run
+    assert r.prepare(fixture("ltx2_pad")[0])[0]["hidden_states"].shape[1] == 32
+    with caplog.at_level("WARNING", logger="difflet_tpu.collective_matmul"):
+        check_fixture("ltx2_pad", r)
+    assert any("not a multiple of 128" in rec.getMessage() for rec in caplog.records)
+
+
+@pytest.mark.slow
+def test_sp_pallas_kernels_run_in_the_model(caplog):
+    """The Pallas AG and RS kernels themselves (interpret mode), inside the
+    model: a random 1-layer config whose widths are multiples of 128 (D = 256,
+    heads 4 x 64, FFN 1024), 48 video rows padded to 64 on 2 devices; SP equals
+    one device and no collective matmul falls back to the ring."""
+    cfg = ltx2.config_from_diffusers(dict(
+        ltx2.PRESETS["tiny"], num_attention_heads=4, attention_head_dim=64, cross_attention_dim=256,
+        audio_num_attention_heads=4, audio_attention_head_dim=64, audio_cross_attention_dim=256, num_layers=1))
+    kw = ltx2.example_inputs(cfg, height=128, width=128, frames=17, text_tokens=8)
+    ref_s, ref_a = ltx2.Runner(ltx2.build(cfg, rngs=nnx.Rngs(0)), None, Config())(**kw)
+    r = ltx2.Runner(ltx2.build(cfg, rngs=nnx.Rngs(0)), make_mesh(2), Config(sp_kernel="pallas", sp_rs_kernel="pallas"),
+                    mode="sp")
+    assert kw["hidden_states"].shape[1] == 48 and r.prepare(kw)[0]["hidden_states"].shape[1] == 64
+    with caplog.at_level("WARNING", logger="difflet_tpu.collective_matmul"):
+        s, a = r(**kw)
+    assert not [rec for rec in caplog.records if "unsupported" in rec.getMessage()]
+    assert rel(s, ref_s) <= 1e-5 and rel(a, ref_a) <= 1e-5
 
 
 @pytest.mark.slow
