@@ -250,6 +250,20 @@ def test_split_rope_config_and_key_map():
     assert km["transformer_blocks.attn1.to_v.kernel"].perm is None
 
 
+def test_orbax_cache_keeps_the_split_rope_layout(tmp_path):
+    """A cached (converted) copy is restored as converted and never permuted twice:
+    the cache key carries config.split_rope."""
+    src = FIXTURES / "ltx2_interleaved_rope" / "transformer"
+    load_ = lambda split: weights.load_transformer(src, dtype=jnp.float32, cache_dir=tmp_path,
+                                                   config=Config(split_rope=split))
+    first, again, plain = load_(True), load_(True), load_(False)
+    assert again.config.split_rope and not plain.config.split_rope
+    q = lambda m: np.asarray(m.transformer_blocks.attn1.to_q.kernel[...])
+    np.testing.assert_array_equal(q(again), q(first))
+    h = ltx2.PRESETS["tiny"]["attention_head_dim"]
+    np.testing.assert_array_equal(q(first)[..., :h // 2], q(plain)[..., 0:h:2])  # head 0, split order
+
+
 def test_rope_angles_formed_in_float32_as_diffusers():
     """Angles reach ~1.6e4 rad: float64 pow -> float32 cast -> float32 multiply,
     as diffusers. Forming them in float64 moves cos/sin by ~1e-3."""
