@@ -113,11 +113,12 @@ def timestep_proj(timesteps, dtype, num_channels: int = 256, max_period: float =
 
     As diffusers: the timestep (or guidance) is first cast to the model dtype and
     multiplied by 1000 in that dtype (so in bf16 it is rounded before the x1000),
-    then the sinusoid runs in float32. torch's float32 exp / sin / cos are
-    (almost always) correctly rounded; XLA's are not (sin/cos of arguments up to
-    1e3..1e4 rad differ by up to ~3e-5, which moved the tiny fixtures' outputs by
-    ~1e-5 relative), so each transcendental runs in float64 and is rounded to
-    float32, and the products stay float32 as torch's.
+    then the sinusoid runs in float32. torch's float32 exp / sin / cos (CPU) are
+    correctly rounded for all but a few inputs (exp: 2 of the 128 frequencies);
+    XLA's differ more (15 of the 128 exp values by an ulp; sin/cos by up to 2.6e-5
+    at 750 rad), which moved the fixtures' outputs by ~1e-5 relative. So each
+    transcendental runs in float64 and is rounded to float32, and the products stay
+    float32 as torch's. The result is a (B, 256) input of the compiled step.
     """
     t = np.asarray(timesteps)
     t = (t.astype(dtype) * np.asarray(1000, dtype)).astype(np.float32)
@@ -202,12 +203,20 @@ def apply_rotary_emb(x, cos, sin, split: bool):
     """diffusers' `apply_rotary_emb(use_real=True, sequence_dim=1)`: x `[B, S, H, D]`,
     cos/sin `[S, D]`; computed in float32 (at least) and cast back.
 
-    `split`: x and the tables are in split-halves order (a slice and a concat);
-    otherwise interleaved pairs (2i, 2i+1), as diffusers.
+    `split`: x and the tables are in split-halves order (the tables' two halves are
+    equal, each channel pair (2i, 2i+1) having become (i, D/2 + i)), so the rotation
+    is `[x1 c - x2 s, x2 c + x1 s]` on the halves: the same products and sums as
+    diffusers' pairwise form, one elementwise pass (no rotated copy of x).
+    Otherwise interleaved pairs (2i, 2i+1), as diffusers.
     """
     xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    out = layout.apply_rope_split(xf, c, s) if split else layout.apply_rope_interleaved(xf, c, s)
+    if split:
+        half = x.shape[-1] // 2
+        c, s = cos[None, :, None, :half], sin[None, :, None, :half]
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    else:
+        out = layout.apply_rope_interleaved(xf, cos[None, :, None, :], sin[None, :, None, :])
     return out.astype(x.dtype)
 
 
