@@ -1,10 +1,11 @@
 """Running the FLUX port: diffusers' forward kwargs in, diffusers' sample out.
 
 `Runner(model, mesh, config, mode)(**kwargs)` validates the kwargs against the
-model's config (errors before anything compiles), casts nothing it does not
-have to, pads each stream eagerly under SP, builds the RoPE tables on the host
-(float64, as diffusers, permuted to split-halves order when the checkpoint was
-loaded that way; cached while the ids stay the same), calls the compiled step
+model's config (errors before anything compiles), pads each stream eagerly under
+SP, builds on the host what diffusers computes from scalars and ids -- the
+timestep / guidance sinusoids (cast to the model dtype before the x1000) and the
+RoPE tables (float64, permuted to split-halves order when the checkpoint was
+loaded that way; cached while the ids stay the same) -- calls the compiled step
 (one `jit` of one `shard_map`) and cuts the pad off the output, eagerly.
 """
 
