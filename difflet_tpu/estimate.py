@@ -97,8 +97,12 @@ class Calibration:
     source: str = "uncalibrated"
 
 
-# The fitted factor per chip (see docs/benchmarks.md for the fit and its residuals).
-CALIBRATION: dict = {}
+# The fitted factor per chip (see docs/benchmarks.md for the fit and its residuals):
+# `python benchmark/estimates.py table` fits it on the reference PR's four TP rows.
+CALIBRATION: dict = {
+    "v5e": Calibration(nonmatmul=0.739, source="least squares on the reference PR's v5e-4 TP rows "
+                       "(Wan, FLUX, HunyuanVideo, LTX-2), ports as of 2026-11 (benchmark/results)"),
+}
 
 # Measured v5e-4 step times of the reference PR (ms per denoise step, batch 1):
 # family -> (shape, TP, SP with JAX rings, SP with the PR's defaults). HunyuanVideo's
