@@ -367,7 +367,9 @@ def _expect(name, x, shape):
 
 def _timestep(name, t, batch, tokens):
     """(B,) [or (B, tokens) per token]; scalars and (B, 1) are accepted as diffusers flattens them."""
-    shape = tuple(t.shape) if hasattr(t, "shape") else ()
+    if not _abstract(t) and not hasattr(t, "reshape"):  # a Python number
+        t = np.asarray(t, np.float32)
+    shape = tuple(t.shape)
     size = math.prod(shape)
     if size == batch:
         return t.reshape(batch) if not _abstract(t) else jax.ShapeDtypeStruct((batch,), t.dtype)
