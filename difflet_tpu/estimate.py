@@ -101,7 +101,7 @@ class Calibration:
 # `python benchmark/estimates.py table` fits it on the reference PR's four TP rows.
 CALIBRATION: dict = {
     "v5e": Calibration(nonmatmul=0.739, source="least squares on the reference PR's v5e-4 TP rows "
-                       "(Wan, FLUX, HunyuanVideo, LTX-2), ports as of 2026-11 (benchmark/results)"),
+                       "(Wan, FLUX, HunyuanVideo, LTX-2), the ports compiled in benchmark/results"),
 }
 
 # Measured v5e-4 step times of the reference PR (ms per denoise step, batch 1):
