@@ -33,6 +33,9 @@ CASES = {
                "tp,sp-pallas"),
     "hunyuan_video_720p": ("hunyuan_video:hunyuan-video", ["--height", "720", "--width", "1280", "--frames", "129"],
                            "sp-pallas"),
+    # the loop's actual step with classifier-free guidance: one batch-2 call
+    "wan_cfg": ("wan:Wan2.1-T2V-14B", ["--height", "480", "--width", "832", "--frames", "9"], "tp,sp-pallas"),
+    "ltx2_cfg": ("ltx2:ltx-2.0", ["--height", "480", "--width", "704", "--frames", "49"], "tp,sp-pallas"),
 }
 
 
@@ -137,7 +140,7 @@ def table(args):
            "cal. vs PR | x TP (cal.) | HBM GiB/chip | exposed transfer ms | non-matmul ms (cal.) | matmul ms | "
            "attention ms |")
     lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
-    for fam in ("wan", "flux", "hunyuan_video", "ltx2", "wan_81", "hunyuan_video_720p"):
+    for fam in ("wan", "flux", "hunyuan_video", "ltx2", "wan_81", "hunyuan_video_720p", "wan_cfg", "ltx2_cfg"):
         modes = res.get(fam, {})
         ref = E.REFERENCE_PR.get(fam)
         tp_cal = calibrated_ms(modes["tp"], k, fam) if "tp" in modes else None
@@ -151,6 +154,8 @@ def table(args):
             if ref:
                 meas = {"tp": ref[1], "sp": ref[2], "sp-pallas": ref[3]}.get(mode)
             shape = "x".join(str(r["shape"][x]) for x in ("height", "width", "frames") if x in r["shape"])
+            if r.get("batch", 1) > 1:
+                shape += f", CFG batch {r['batch']}"
             lines.append(
                 f"| {r['model']} ({shape}) | {mode} | {b['step_ms']:.1f} | {cal:.1f} | {r['ideal_ms']:.1f} | "
                 f"{'' if meas is None else meas} | {'' if meas is None else f'{100 * (cal / meas - 1):+.1f}%'} | "
