@@ -15,7 +15,8 @@ constants).
 Modes: tp, sp (JAX rings or Pallas kernels per the config / model default),
 sp-xla (plain all_gather / psum_scatter with XLA's collective-matmul
 decomposition switched on), all. Default: DIFFLET_TPU_SP (1 -> sp, 0 -> tp),
-unset -> tp and sp.
+unset -> tp and sp. Under --compile-only: tp, sp (the JAX rings), sp-pallas
+(the Pallas all-gather kernel), sp-xla; default and `all` = all four.
 """
 
 from __future__ import annotations
@@ -139,7 +140,6 @@ def validate(args, ap):
     if args.compile_only:
         if args.mode is None or "all" in args.mode.split(","):
             args.modes = list(COMPILE_VARIANTS)
-        args.modes = [m for m in args.modes]
     elif "sp-pallas" in args.modes:
         ap.error("--mode sp-pallas is a --compile-only variant; on a device set DIFFLET_TPU_SP_KERNEL=pallas")
 
