@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from difflet_tpu import layout, nn
-from difflet_tpu.attention import attention
+from difflet_tpu.attention import attention, reference_attention
 
 from .config import HunyuanVideoConfig
 
@@ -150,8 +150,8 @@ def modulate_rows(v, first, tr_v=None):
 
 
 def apply_rope(x, cos, sin, split: bool):
-    """diffusers `apply_rotary_emb` in float32 on `[B, S, H, hd]`; tables `[S, hd]`."""
-    xf = x.astype(F32)
+    """diffusers `apply_rotary_emb` in float32 (or wider) on `[B, S, H, hd]`; tables `[S, hd]`."""
+    xf = x.astype(jnp.promote_types(x.dtype, F32))
     c, s = cos[:, None, :], sin[:, None, :]
     out = layout.apply_rope_split(xf, c, s) if split else layout.apply_rope_interleaved(xf, c, s)
     return out.astype(x.dtype)
@@ -183,6 +183,10 @@ class Context:
 
 
 def _attend(par, q, k, v, kv_mask):
+    if q.dtype == jnp.float64:
+        # XLA's attention (jax.nn.dot_product_attention) takes its softmax in float32;
+        # float64 tests of the mechanisms need it in float64.
+        return reference_attention(q, k, v, kv_mask)
     return attention(q, k, v, kv_mask, impl=par.attn_impl, interpret=par.interpret)
 
 
@@ -565,6 +569,26 @@ class Geometry:
         return self.n_img_pad + self.n_txt_pad
 
 
+def joint_key_mask(encoder_attention_mask, geom: Geometry):
+    """`[B, N]` keys of the joint `[image | image pad | text | text pad]` sequence to attend to.
+
+    As diffusers: `position < N_img + sum(text_mask)`, i.e. built from the count
+    of valid text tokens (right padding assumed; holes in the mask are not
+    honoured here, only in the refiner). The image rows padded in for SP and the
+    text rows padded in (beyond the count) are never keys.
+    """
+    count = encoder_attention_mask.astype(jnp.int32).sum(axis=1)
+    pos = jnp.arange(geom.n_joint)[None, :]
+    return (pos < geom.n_img) | ((pos >= geom.n_img_pad) & (pos < geom.n_img_pad + count[:, None]))
+
+
+def single_chunk_rows(par, n_joint: int):
+    """This rank's contiguous rows of the joint sequence for the single blocks under SP:
+    `[r * n/P, (r+1) * n/P)` with r = `par.rank()`, a runtime value (every rank one program)."""
+    rows = n_joint // par.size
+    return par.rank() * rows + jnp.arange(rows)
+
+
 class HunyuanVideoTransformer3DModel(nnx.Module):
     def __init__(self, c: HunyuanVideoConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = c
@@ -615,9 +639,7 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
         encoder_hidden_states = par.shard_rows(encoder_hidden_states)
 
         # 3. Joint key mask from the count of valid text tokens (assumes right padding, as diffusers)
-        count = encoder_attention_mask.astype(jnp.int32).sum(axis=1)
-        pos = jnp.arange(geom.n_joint)[None, :]
-        key_mask = (pos < geom.n_img) | ((pos >= geom.n_img_pad) & (pos < geom.n_img_pad + count[:, None]))
+        key_mask = joint_key_mask(encoder_attention_mask, geom)
 
         # first-frame rows (token_replace), from each rank's offset at run time
         first_img = first_joint = None
@@ -644,8 +666,7 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
             # all 40 single blocks on a contiguous chunk of [image | text]; the first one
             # cuts it with a gather by a per-rank row index (a runtime value)
             joint = jnp.concatenate([par.gather_rows(hidden_states), par.gather_rows(encoder_hidden_states)], 1)
-            rows = geom.n_joint // P
-            x = jnp.take(joint, par.rank() * rows + jnp.arange(rows), axis=1)
+            x = jnp.take(joint, single_chunk_rows(par, geom.n_joint), axis=1)
         else:
             x = jnp.concatenate([par.gather_rows(hidden_states), par.gather_rows(encoder_hidden_states)], 1)
         x = nn.scan_blocks(self.single_transformer_blocks, x, lambda blk, h: blk(ctx, h))

@@ -124,16 +124,25 @@ class Runner:
         n_img = fp * hp * wp
         n_img_pad, n_txt_pad = n_img, n_txt
         if self.par.seq_sharded:
-            mult = 2 * self.par.size
+            mult = self.row_multiple()
             if self.pad:
                 n_img_pad, n_txt_pad = layout.padded_length(n_img, mult), layout.padded_length(n_txt, mult)
             else:
                 for name, n in (("image tokens", n_img), ("text tokens", n_txt)):
                     if n % mult:
-                        raise ValueError(f"SP cannot split {n} {name} over tp={self.par.size}: "
-                                         f"{cm.split_rule(self.par.size)} (or run with pad=True)")
+                        raise ValueError(f"SP cannot split {n} {name} over tp={self.par.size} (multiple of "
+                                         f"{mult} needed): {cm.split_rule(self.par.size)} (or run with pad=True)")
         return Geometry(frames=fp, height=hp, width=wp, n_img=n_img, n_img_pad=n_img_pad, n_txt_pad=n_txt_pad,
                         single_sp=bool(self.config.sp_single))
+
+    def row_multiple(self) -> int:
+        """Under SP each token stream is padded to a multiple of this: 2P (each rank's shard
+        splits in two ring halves), times a sublane tile when a Pallas kernel is selected
+        (its halves must be whole (8 | 16, 128) tiles; 8 rows for float32, 16 for bfloat16)."""
+        mult = 2 * self.par.size
+        if "pallas" in (self.par.ag_impl, self.par.rs_impl):
+            mult *= 8 * (4 // self.dtype.itemsize)
+        return mult
 
     # ---- eager input preparation -------------------------------------------
 
@@ -248,8 +257,8 @@ def flops(config: HunyuanVideoConfig, inputs: dict) -> float:
     """Analytic forward FLOPs (porting brief section 8: a Linear over n tokens costs
     2*n*d_in*d_out, attention 4*S_q*S_k*D), embedders and modulation included."""
     c = config
-    B, _, F, H, W = np.shape(inputs["hidden_states"])
-    Nt = np.shape(inputs["encoder_hidden_states"])[1]
+    B, _, F, H, W = tuple(inputs["hidden_states"].shape)
+    Nt = tuple(inputs["encoder_hidden_states"].shape)[1]
     Ni = (F // c.patch_size_t) * (H // c.patch_size) * (W // c.patch_size)
     N, D, Fm, Dt = Ni + Nt, c.inner_dim, c.mlp_dim, c.text_embed_dim
     lin = lambda n, i, o: 2.0 * B * n * i * o
