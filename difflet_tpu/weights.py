@@ -17,7 +17,9 @@ NNX state path) -> `Key`. `default_key_map` derives the usual rules
 `weight`; stacked blocks `name.{i}.`); ports override what differs.
 Permutations (split-halves RoPE) are applied here, once, on the host; the
 model records them in its config, so a cached (orbax) copy is not permuted
-twice. With `cache_dir`, the converted parameters are saved with orbax
+twice. A packed torch Linear (one weight over concatenated inputs) can feed
+several Flax kernels: `Key(in_range=(a, b))` takes input features [a, b).
+With `cache_dir`, the converted parameters are saved with orbax
 and later restored straight onto the mesh (`difflet_tpu.checkpoint`).
 See docs/loading.md.
 """
@@ -58,6 +60,11 @@ class Key:
     perm: a permutation of the parameter's last axis (split-halves RoPE).
     layers: how many stacked layers the template expands to.
     dtype: keep this dtype (e.g. "float32") whatever the load dtype.
+    in_range: (a, b), "linear" only: the parameter is torch input features
+      [a, b) (axis 1 of `[out, in]`), so one packed torch Linear (e.g. over
+      `cat([attn, mlp])`) can feed separate kernels, each row-parallel on its
+      own. A sharded read reads only its rows, offset by a. The Keys sharing a
+      template must cover its input features exactly once (`validate`).
     """
 
     template: str
@@ -65,6 +72,7 @@ class Key:
     perm: tuple | None = None
     layers: int | None = None
     dtype: str | None = None
+    in_range: tuple[int, int] | None = None
 
     def keys(self) -> list[str]:
         if self.layers is None:
@@ -119,6 +127,8 @@ def torch_shape(key: Key, flax_shape: tuple) -> tuple | None:
     """The checkpoint tensor shape a parameter expects (per layer); None = only check the size."""
     shape = flax_shape[1:] if key.layers is not None else flax_shape
     if key.transform == "linear":
+        if key.in_range is not None:  # at least b inputs; `validate` checks the coverage
+            return None
         return (shape[1], shape[0])
     if key.transform == "conv_as_linear":
         return None
@@ -217,7 +227,10 @@ def _read_one(ckpt, key, name, shape, index):
     else:
         src_last, take = last, None
     if key.transform == "linear":
-        w = ckpt.read(name, (src_last, index[0])).T  # torch [out, in]
+        rows = index[0]
+        if key.in_range is not None:  # this slice's input features within the packed ones
+            rows = slice(rows.start + key.in_range[0], rows.stop + key.in_range[0])
+        w = ckpt.read(name, (src_last, rows)).T  # torch [out, in]
     else:
         w = ckpt.read(name, (*index[:-1], src_last))
     return w if take is None else np.take(w, take, axis=-1)
@@ -227,9 +240,29 @@ def _permute_last(a, perm):
     return a if perm is None else np.take(a, np.asarray(perm), axis=-1)
 
 
+def _range_problem(key: Key, per_layer: tuple) -> str | None:
+    """What is wrong with a Key's in_range by itself (None: nothing)."""
+    if key.transform != "linear":
+        return f"in_range {key.in_range} applies only to transform 'linear', not {key.transform!r}"
+    r = key.in_range
+    if (not isinstance(r, tuple) or len(r) != 2 or not all(isinstance(v, (int, np.integer)) for v in r)
+            or not 0 <= r[0] < r[1]):
+        return f"in_range {r!r} is not a tuple (a, b) with 0 <= a < b"
+    if len(per_layer) != 2 or r[1] - r[0] != per_layer[0]:
+        return (f"in_range {tuple(int(v) for v in r)} selects {r[1] - r[0]} input features, "
+                f"the kernel {per_layer} has {per_layer[0] if per_layer else '?'}")
+    return None
+
+
 def validate(ckpt: Checkpoint, key_map: dict[str, Key], shapes: dict[str, tuple], where: str):
-    """Missing, unexpected and mis-shaped keys, all at once (one WeightsError listing every problem)."""
-    problems, expected = [], set()
+    """Missing, unexpected and mis-shaped keys, all at once (one WeightsError listing every problem).
+
+    A checkpoint key may feed several parameters (Keys with `in_range`, slices of
+    one packed Linear): it is expected once, must have each kernel's output
+    features, and the ranges must cover its input features exactly once.
+    """
+    problems, expected, missing = [], set(), set()
+    ranged: dict[str, list] = {}  # checkpoint key -> [(in_range, path, out features)]
     for path in sorted(set(key_map) - set(shapes)):
         problems.append(f"key map entry {path} names no parameter of the model")
     for path, key in key_map.items():
@@ -238,15 +271,30 @@ def validate(ckpt: Checkpoint, key_map: dict[str, Key], shapes: dict[str, tuple]
         if key.transform not in TRANSFORMS:
             problems.append(f"{path}: unknown transform {key.transform!r}")
             continue
-        want = torch_shape(key, shapes[path])
         per_layer = shapes[path][1:] if key.layers is not None else shapes[path]
+        if key.in_range is not None:
+            bad = _range_problem(key, per_layer)
+            if bad is not None:
+                problems.append(f"{path}: {bad}")
+                continue
+        want = torch_shape(key, shapes[path])
         for name in key.keys():
             expected.add(name)
             if name not in ckpt.where:
-                problems.append(f"missing key {name} (for {path})")
+                if name not in missing:
+                    missing.add(name)
+                    problems.append(f"missing key {name} (for {path})")
                 continue
             got = ckpt.shape(name)
-            if want is not None and got != want:
+            if key.in_range is not None:
+                a, b = (int(v) for v in key.in_range)
+                if len(got) != 2 or got[0] != per_layer[1] or got[1] < b:
+                    problems.append(f"wrong shape for {name} in {ckpt.where[name]}: checkpoint {got}, "
+                                    f"expected ({per_layer[1]}, >= {b}) (for {path} {shapes[path]}, "
+                                    f"input features [{a}, {b}))")
+                else:
+                    ranged.setdefault(name, []).append(((a, b), path, got[1]))
+            elif want is not None and got != want:
                 problems.append(f"wrong shape for {name} in {ckpt.where[name]}: checkpoint {got}, "
                                 f"expected {want} (for {path} {shapes[path]})")
             elif want is None and (int(np.prod(got)) != int(np.prod(per_layer))
@@ -254,10 +302,46 @@ def validate(ckpt: Checkpoint, key_map: dict[str, Key], shapes: dict[str, tuple]
                 problems.append(f"wrong shape for {name} in {ckpt.where[name]}: checkpoint {got}, expected "
                                 f"[{per_layer[-1]}, ...] with {int(np.prod(per_layer))} elements "
                                 f"(for {path} {shapes[path]})")
+    problems += _coverage_problems(ranged, key_map, ckpt)
     unexpected = sorted(set(ckpt.keys()) - expected)
     problems += [f"unexpected key {k} in {ckpt.where[k]}" for k in unexpected]
     if problems:
         raise WeightsError(f"{where}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+
+
+def _coverage_problems(ranged, key_map, ckpt) -> list[str]:
+    """The in_range slices of each packed checkpoint key must tile its input features:
+    no overlap, no gap, and no other Key reading it whole. Reported once per template
+    (the first layer's key stands for the stack)."""
+    problems, seen = [], set()
+    whole = {}
+    for path, key in key_map.items():
+        if key.in_range is None:
+            for name in key.keys():
+                whole.setdefault(name, path)
+    for name, parts in ranged.items():
+        paths = tuple(sorted(p for _, p, _ in parts))
+        if paths in seen:
+            continue
+        seen.add(paths)
+        n_in = parts[0][2]
+        if name in whole:
+            problems.append(f"{name} in {ckpt.where[name]}: read whole by {whole[name]} and in part by "
+                            f"{', '.join(paths)}")
+            continue
+        at = 0
+        for (a, b), path, _ in sorted(parts):
+            if a < at:
+                problems.append(f"{name} in {ckpt.where[name]}: input features [{a}, {min(at, b)}) read by "
+                                f"more than one key ({path} in_range ({a}, {b}))")
+            elif a > at:
+                problems.append(f"{name} in {ckpt.where[name]}: input features [{at}, {a}) read by no key "
+                                f"(in_range of {', '.join(paths)})")
+            at = max(at, b)
+        if at < n_in:
+            problems.append(f"{name} in {ckpt.where[name]}: input features [{at}, {n_in}) of {n_in} read by "
+                            f"no key (in_range of {', '.join(paths)})")
+    return problems
 
 
 def target_dtype(key: Key, leaf_dtype, dtype):

@@ -459,3 +459,183 @@ def test_top_level_entry_point():
     import difflet_tpu
 
     assert difflet_tpu.load_transformer is weights.load_transformer
+
+
+# --------------------------------------------------------------------------
+# A packed torch Linear feeding two kernels (Key.in_range)
+# --------------------------------------------------------------------------
+# torch `proj.weight` [16, 32] over cat([a (8), b (24)]) -> Flax `proj.a` [8, 16] (no
+# bias) and `proj.b` [24, 16] (the bias), both row-parallel: rank r needs input
+# features [2r, 2r+2) and [8 + 6r, 8 + 6r + 6), not one contiguous slice.
+
+A_IN, B_IN, OUT, PACKED_LAYERS = 8, 24, 16, 2
+
+
+class PackedProj(nnx.Module):
+    def __init__(self, rngs):
+        from difflet_tpu import nn
+
+        self.a = nn.Linear(A_IN, OUT, bias=False, rngs=rngs)
+        self.b = nn.Linear(B_IN, OUT, rngs=rngs)
+
+    def __call__(self, par, xa, xb):
+        return par.row([(xa, self.a.kernel[...]), (xb, self.b.kernel[...])], self.b.bias[...])
+
+
+class PackedToy(nnx.Module):
+    def __init__(self, rngs):
+        from difflet_tpu import nn
+
+        self.head = PackedProj(rngs)
+        self.blocks = nn.stacked(PackedProj, PACKED_LAYERS, rngs)
+
+
+PACKED_PLAN = {"head.a": "row", "head.b": "row", "blocks.a": "row", "blocks.b": "row"}
+
+
+def packed_tensors(seed=0, n_in=A_IN + B_IN, out=OUT):
+    rng = np.random.default_rng(seed)
+    t = {"head.weight": rng.standard_normal((out, n_in), dtype=np.float32),
+         "head.bias": rng.standard_normal((out,), dtype=np.float32)}
+    for i in range(PACKED_LAYERS):
+        t[f"blocks.{i}.weight"] = rng.standard_normal((out, n_in), dtype=np.float32)
+        t[f"blocks.{i}.bias"] = rng.standard_normal((out,), dtype=np.float32)
+    return t
+
+
+def packed_key_map(a_range=(0, A_IN), b_range=(A_IN, A_IN + B_IN)):
+    km = {}
+    for prefix, layers in (("head", None), ("blocks", PACKED_LAYERS)):
+        t = prefix + (".{i}" if layers else "")
+        km[f"{prefix}.a.kernel"] = Key(f"{t}.weight", "linear", layers=layers, in_range=a_range)
+        km[f"{prefix}.b.kernel"] = Key(f"{t}.weight", "linear", layers=layers, in_range=b_range)
+        km[f"{prefix}.b.bias"] = Key(f"{t}.bias", layers=layers)
+    return km
+
+
+def packed_abstract():
+    return nnx.eval_shape(lambda: PackedToy(nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize("tp", [None, 2, 4])
+def test_packed_linear_into_two_kernels(tmp_path, monkeypatch, tp):
+    """Each kernel is its input range of the torch weight, transposed; on a mesh each
+    device reads only its rows of each range (one read of its a rows, one of its b
+    rows), every byte once overall, and the packed key is expected (not unexpected)."""
+    tensors = packed_tensors()
+    tmp_path.mkdir(exist_ok=True)
+    save_file(tensors, str(tmp_path / weights.SINGLE_FILE))
+    reads = []
+    orig = weights.Checkpoint.read
+
+    def recording(self, key, index=None):
+        out = orig(self, key, index)
+        reads.append((key, None if index is None else tuple((s.start, s.stop) for s in index), out.shape))
+        return out
+
+    monkeypatch.setattr(weights.Checkpoint, "read", recording)
+    mesh = None if tp is None else make_mesh(tp)
+    model = weights.load_params(packed_abstract(), weights.Checkpoint(tmp_path), packed_key_map(),
+                                dtype=jnp.float32, mesh=mesh, plan=PACKED_PLAN)
+    got = flat_params(model)
+    stack = lambda name: np.stack([tensors[f"blocks.{i}.{name}"] for i in range(PACKED_LAYERS)])
+    want = {"head.a.kernel": tensors["head.weight"][:, :A_IN].T, "head.b.kernel": tensors["head.weight"][:, A_IN:].T,
+            "head.b.bias": tensors["head.bias"],
+            "blocks.a.kernel": stack("weight")[:, :, :A_IN].transpose(0, 2, 1),
+            "blocks.b.kernel": stack("weight")[:, :, A_IN:].transpose(0, 2, 1), "blocks.b.bias": stack("bias")}
+    assert sorted(got) == sorted(want)
+    for path, w in want.items():
+        np.testing.assert_array_equal(np.asarray(got[path]), w, err_msg=path)
+        if mesh is not None and path.endswith("kernel"):
+            spec = P(TP, None) if path.startswith("head") else P(None, TP, None)
+            assert got[path].sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), w.ndim), path
+    # The rows each read covers: a's rows [r*2, r*2+2), b's rows 8 + [r*6, r*6+6), out features all.
+    n = tp or 1
+    for key in ["head.weight"] + [f"blocks.{i}.weight" for i in range(PACKED_LAYERS)]:
+        rows = sorted(idx[1] for k, idx, _ in reads if k == key)
+        a, b = A_IN // n, B_IN // n
+        assert rows == sorted([(r * a, (r + 1) * a) for r in range(n)]
+                              + [(A_IN + r * b, A_IN + (r + 1) * b) for r in range(n)]), (key, rows)
+        assert all(idx[0] == (0, OUT) for k, idx, _ in reads if k == key)
+    assert sum(int(np.prod(s)) * 4 for _, _, s in reads) == sum(t.nbytes for t in tensors.values())
+
+
+def test_packed_linear_forward_matches_torch(tmp_path):
+    """x_a @ a + x_b @ b + bias == cat([x_a, x_b]) @ W.T + bias, one device and the two
+    pairs summed in one all-reduce (TP) / reduce-scatter (SP) on 4 devices."""
+    tensors = packed_tensors()
+    save_file(tensors, str(tmp_path / weights.SINGLE_FILE))
+    rng = np.random.default_rng(1)
+    xa = rng.standard_normal((1, 8, A_IN), dtype=np.float32)
+    xb = rng.standard_normal((1, 8, B_IN), dtype=np.float32)
+    ref = np.concatenate([xa, xb], -1) @ tensors["head.weight"].T + tensors["head.bias"]
+    plain = weights.load_params(packed_abstract(), weights.Checkpoint(tmp_path), packed_key_map(),
+                                dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(plain.head(Parallel(), xa, xb)), ref, rtol=1e-5, atol=1e-5)
+    mesh = make_mesh(4)
+    model = weights.load_params(packed_abstract(), weights.Checkpoint(tmp_path), packed_key_map(),
+                                dtype=jnp.float32, mesh=mesh, plan=PACKED_PLAN)
+    graphdef, state = nnx.split(model.head)
+    specs = jax.tree.map(lambda x: x.sharding.spec, state)
+    for mode, out_spec in (("tp", P()), ("sp", P(None, TP))):
+        par = Parallel(mode=mode, size=4)
+
+        def f(s, xa, xb, par=par):
+            return nnx.merge(graphdef, s)(par, xa, xb)
+
+        fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(specs, P(None, None, TP), P(None, None, TP)),
+                                   out_specs=out_spec, check_vma=False))
+        np.testing.assert_allclose(np.asarray(fn(state, xa, xb)), ref, rtol=1e-5, atol=1e-5, err_msg=mode)
+
+
+@pytest.mark.parametrize("change,tensors_kw,messages", [
+    (dict(a_range=(0, 10)), {}, ["head.a.kernel: in_range (0, 10) selects 10 input features, the kernel (8, 16)"]),
+    (dict(b_range=(4, 28)), {}, ["head.weight", "input features [4, 8) read by more than one key",
+                                 "input features [28, 32) of 32 read by no key"]),
+    (dict(b_range=(9, 33)), {}, ["wrong shape for head.weight", "checkpoint (16, 32), expected (16, >= 33)",
+                                 "input features [8, 32) of 32 read by no key"]),
+    ({}, dict(n_in=40), ["head.weight", "input features [32, 40) of 40 read by no key",
+                         "blocks.0.weight", "input features [32, 40) of 40 read by no key"]),
+    ({}, dict(out=12), ["wrong shape for head.weight", "checkpoint (12, 32), expected (16, >= 8)",
+                        "expected (16, >= 32)", "wrong shape for head.bias"]),
+    (dict(a_range=(3, 1)), {}, ["in_range (3, 1) is not a tuple (a, b) with 0 <= a < b"]),
+])
+def test_packed_linear_wrong_ranges_reported(tmp_path, change, tensors_kw, messages):
+    save_file(packed_tensors(**tensors_kw), str(tmp_path / weights.SINGLE_FILE))
+    with pytest.raises(WeightsError) as e:
+        weights.validate(weights.Checkpoint(tmp_path), packed_key_map(**change),
+                         weights.param_paths(packed_abstract()), "here")
+    msg = str(e.value)
+    for m in messages:
+        assert m in msg, (m, msg)
+    assert "unexpected key" not in msg, msg
+
+
+def test_packed_linear_other_problems(tmp_path):
+    """A missing packed key is reported once; in_range on a non-linear Key, and a Key
+    reading the packed weight whole next to ranged ones, are refused."""
+    tensors = packed_tensors()
+    del tensors["head.weight"]
+    save_file(tensors, str(tmp_path / weights.SINGLE_FILE))
+    shapes = weights.param_paths(packed_abstract())
+    with pytest.raises(WeightsError) as e:
+        weights.validate(weights.Checkpoint(tmp_path), packed_key_map(), shapes, "here")
+    assert str(e.value).count("missing key head.weight") == 1 and "1 problem(s)" in str(e.value), str(e.value)
+
+    save_file(packed_tensors(), str(tmp_path / weights.SINGLE_FILE))
+    km = packed_key_map()
+    km["head.b.bias"] = Key("head.bias", in_range=(0, 16))
+    with pytest.raises(WeightsError, match=r"head.b.bias: in_range \(0, 16\) applies only to transform 'linear'"):
+        weights.validate(weights.Checkpoint(tmp_path), km, shapes, "here")
+
+
+@pytest.mark.xfail(strict=True, reason="difflet_tpu/checkpoint.py key_map_digest hashes the Key fields by "
+                   "name and does not include in_range yet (outside this change; add `k.in_range` to its row)")
+def test_key_map_digest_sees_in_range():
+    """The orbax cache (difflet_tpu.checkpoint) is keyed by a hash of the key map: a
+    different in_range must be a different conversion."""
+    from difflet_tpu import checkpoint
+
+    base = packed_key_map()
+    assert checkpoint.key_map_digest(base) == checkpoint.key_map_digest(packed_key_map())
+    assert checkpoint.key_map_digest(base) != checkpoint.key_map_digest(packed_key_map(a_range=(1, 9)))
