@@ -8,9 +8,7 @@ The port contract (docs/porting.md): `config_from_diffusers`, `PRESETS`,
 from .config import CLASS_NAME, PRESETS, FluxConfig, config_from_diffusers
 from .keys import key_map
 from .runner import Runner, example_inputs, flops
-from .transformer_flux import (PLAN, FluxTransformer2DModel, build, pack_single_proj_out, proj_out_row_order,
-                               rope_tables, single_block_row_order)
+from .transformer_flux import PLAN, FluxTransformer2DModel, build, rope_tables, single_block_row_order
 
 __all__ = ["CLASS_NAME", "PRESETS", "FluxConfig", "config_from_diffusers", "key_map", "Runner", "example_inputs",
-           "flops", "PLAN", "FluxTransformer2DModel", "build", "pack_single_proj_out", "proj_out_row_order",
-           "rope_tables", "single_block_row_order"]
+           "flops", "PLAN", "FluxTransformer2DModel", "build", "rope_tables", "single_block_row_order"]

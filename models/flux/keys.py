@@ -11,6 +11,12 @@ projections are permuted at load to split-halves order [0, 2, ..., 1, 3, ...]
 blocks), and the per-head `norm_q/norm_k/norm_added_q/norm_added_k` weights
 (`layout.rope_permutation`). V, the outputs and everything else keep the
 checkpoint's order.
+
+The single blocks' `proj_out` is one torch Linear over cat([attn (D), mlp (4D)])
+(`single_transformer_blocks.{i}.proj_out.weight` [D, 5D]); the port holds it as
+two row-parallel kernels, `proj_out.attn` = input features [0, D) and
+`proj_out.mlp` = [D, 5D) (`Key(in_range=...)`), the bias with `proj_out.mlp`.
+The loader reads each device's rows of each range only; nothing depends on P.
 """
 
 from __future__ import annotations
@@ -30,6 +36,13 @@ _SINGLE_NORMS = ("attn.norm_q", "attn.norm_k")
 def key_map(config: FluxConfig, model) -> dict[str, weights.Key]:
     km = weights.default_key_map(model, stacked={"transformer_blocks": config.num_layers,
                                                  "single_transformer_blocks": config.num_single_layers})
+    D, M, L = config.inner_dim, config.mlp_hidden_dim, config.num_single_layers
+    packed = "single_transformer_blocks.{i}.proj_out"
+    km["single_transformer_blocks.proj_out.attn.kernel"] = weights.Key(f"{packed}.weight", "linear", layers=L,
+                                                                       in_range=(0, D))
+    km["single_transformer_blocks.proj_out.mlp.kernel"] = weights.Key(f"{packed}.weight", "linear", layers=L,
+                                                                      in_range=(D, D + M))
+    km["single_transformer_blocks.proj_out.mlp.bias"] = weights.Key(f"{packed}.bias", layers=L)
     if not config.split_rope:
         return km
     heads, hd = config.num_attention_heads, config.attention_head_dim

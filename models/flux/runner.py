@@ -27,7 +27,7 @@ from difflet_tpu.mesh import TP
 from difflet_tpu.parallel import Parallel, check_divisible
 
 from .config import FluxConfig
-from .transformer_flux import PLAN, pack_single_proj_out, rope_tables, timestep_proj
+from .transformer_flux import PLAN, rope_tables, timestep_proj
 
 # FLUX's all-gather-matmul implementation under SP on TPU when Config.sp_kernel
 # is unset: the Pallas kernel (the reference PR measured 156.5 -> 140.6 ms a step
@@ -75,8 +75,9 @@ class Runner:
         collective-matmul modes, or a lower CPU optimisation level in tests);
         the compiled executables are then cached per input signature.
 
-    Note: the single blocks' proj_out rows are repacked in place for this mesh's
-    P (`pack_single_proj_out`); a later Runner with another P repacks them again.
+    The Runner never changes the model's parameters (it only places them with
+    `PLAN` if they are not yet on `mesh`), so one loaded model serves Runners of
+    any P, and its parameters can be saved (orbax) at any time.
     """
 
     def __init__(self, model, mesh=None, config: Config | None = None, mode: str | None = None, *,
@@ -96,7 +97,6 @@ class Runner:
             check_divisible(PLAN, nnx.state(model, nnx.Param), self.ranks)
             if not any(_is_abstract(x) for x in jax.tree_util.tree_leaves(nnx.state(model))):
                 runtime.place(model, mesh, PLAN)  # a no-op for a model loaded onto this mesh
-        pack_single_proj_out(model, mesh)
         self._steps = {}
         for masked, fn in ((False, _step), (True, _step_masked)):
             rows = P(None, TP) if self.par.seq_sharded else P()

@@ -27,8 +27,12 @@ an RS ring out. Single block under SP: this rank's rows are [txt_r | img_r]
 together, so the gathered rows are in the order [txt_0, img_0, txt_1, img_1,
 ...]; the cos/sin rows and the key mask are permuted to that order once per
 forward (`single_block_row_order`; RoPE is per token, so no other change).
-proj_out's two row-parallel halves (attention part, MLP part) are summed in
-one reduce-scatter, with no concatenation.
+proj_out is diffusers' one Linear over cat([attn (D), mlp (4D)]), held as two
+row-parallel kernels `proj_out.attn` and `proj_out.mlp` (the loader slices the
+packed weight's input features, `Key(in_range=...)`, keys.py), so rank r's
+rows of each are exactly the inputs it holds (its heads, its MLP columns); the
+two products are summed in one reduce-scatter (SP) / all-reduce (TP), with no
+concatenation and nothing that depends on P in the parameters.
 """
 
 from __future__ import annotations
@@ -39,11 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 
 from difflet_tpu import layout, nn
 from difflet_tpu.attention import attention
-from difflet_tpu.mesh import TP
 from difflet_tpu.parallel import COLUMN, ROW
 
 from .config import EPS, FluxConfig, ROPE_THETA
@@ -63,9 +65,10 @@ from .config import EPS, FluxConfig, ROPE_THETA
 # transformer_blocks.norm1(_context).linear         column      adaLN (D -> 6D): gather_columns of (B, 6D)
 # single_transformer_blocks.attn.to_q/to_k/to_v     column      SP: one AG ring with proj_mlp
 # single_transformer_blocks.proj_mlp                column
-# single_transformer_blocks.proj_out                row         packed: rows repacked per P so each rank
-#                                                               holds [attn rows | MLP rows] (see
-#                                                               pack_single_proj_out); two pairs, one RS
+# single_transformer_blocks.proj_out.attn           row         diffusers' proj_out over cat([attn, mlp]):
+# single_transformer_blocks.proj_out.mlp            row         input features [0, D) / [D, 5D) of one
+#                                                               checkpoint weight (keys.py, in_range);
+#                                                               two pairs, one RS / psum, bias once
 # single_transformer_blocks.norm.linear             column      adaLN (D -> 3D)
 # norm_out.linear                                   column      AdaLayerNormContinuous (D -> 2D)
 # attn.norm_q/norm_k/norm_added_q/norm_added_k      replicated  per-head RMSNorm ([head_dim], every head)
@@ -97,7 +100,8 @@ PLAN = {
     "single_transformer_blocks.attn.to_k": COLUMN,
     "single_transformer_blocks.attn.to_v": COLUMN,
     "single_transformer_blocks.proj_mlp": COLUMN,
-    "single_transformer_blocks.proj_out": ROW,
+    "single_transformer_blocks.proj_out.attn": ROW,
+    "single_transformer_blocks.proj_out.mlp": ROW,
     "single_transformer_blocks.norm.linear": COLUMN,
     "norm_out.linear": COLUMN,
 }
@@ -361,13 +365,30 @@ def _clip_fp16(x):
 # Blocks
 # --------------------------------------------------------------------------
 
+class PackedProjOut(nnx.Module):
+    """diffusers' single-block `proj_out = Linear(D + 4D -> D)` over cat([attn, mlp]),
+    as two kernels over its two input ranges: `attn` ([D, D], no bias) and `mlp`
+    ([4D, D], with proj_out's bias). Both are row-parallel, so each rank holds the
+    rows of the inputs it computed; `__call__` sums the two products in one
+    reduce-scatter (SP) or all-reduce (TP) and adds the bias once."""
+
+    def __init__(self, attn_dim: int, mlp_dim: int, out_dim: int, *, dtype, rngs):
+        self.attn = nn.Linear(attn_dim, out_dim, bias=False, dtype=dtype, rngs=rngs)
+        self.mlp = nn.Linear(mlp_dim, out_dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, par, attn_output, mlp_hidden_states):
+        return par.row([(attn_output, self.attn.kernel[...]), (mlp_hidden_states, self.mlp.kernel[...])],
+                       self.mlp.bias[...])
+
+
 class FluxSingleTransformerBlock(nnx.Module):
     def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_hidden_dim: int,
                  *, dtype, rngs):
         self.mlp_hidden_dim = mlp_hidden_dim
         self.norm = AdaLayerNormZeroSingle(dim, dtype=dtype, rngs=rngs)
         self.proj_mlp = nn.Linear(dim, mlp_hidden_dim, dtype=dtype, rngs=rngs)
-        self.proj_out = nn.Linear(dim + mlp_hidden_dim, dim, dtype=dtype, rngs=rngs)
+        self.proj_out = PackedProjOut(num_attention_heads * attention_head_dim, mlp_hidden_dim, dim, dtype=dtype,
+                                      rngs=rngs)
         self.attn = FluxAttention(dim, num_attention_heads, attention_head_dim, pre_only=True, dtype=dtype,
                                   rngs=rngs)
 
@@ -384,12 +405,8 @@ class FluxSingleTransformerBlock(nnx.Module):
         q = nn.rms_norm(attn._heads(q), attn.norm_q.scale[...], EPS)
         k = nn.rms_norm(attn._heads(k), attn.norm_k.scale[...], EPS)
         attn_output = attn.attend(par, q, k, attn._heads(v), rope, kv_mask)
-        # proj_out(cat([attn_output, mlp_hidden_states])) as two row-parallel halves
-        # summed in one reduce-scatter. This rank's kernel rows are
-        # [attention rows | MLP rows] (pack_single_proj_out).
-        w = self.proj_out.kernel[...]
-        d_attn = attn_output.shape[-1]
-        out = par.row([(attn_output, w[:d_attn]), (mlp_hidden_states, w[d_attn:])], self.proj_out.bias[...])
+        # proj_out(cat([attn_output, mlp_hidden_states])): two row-parallel pairs, one collective.
+        out = self.proj_out(par, attn_output, mlp_hidden_states)
         return _clip_fp16(residual + gate[:, None] * out)
 
 
@@ -450,9 +467,6 @@ class FluxTransformer2DModel(nnx.Module):
             c.num_single_layers, rngs)
         self.norm_out = AdaLayerNormContinuous(D, D, dtype=dtype, rngs=rngs)
         self.proj_out = nn.Linear(D, c.out_features, dtype=dtype, rngs=rngs)
-        # Rows of single_transformer_blocks.proj_out are in the packed order for
-        # this many ranks (1: the checkpoint's order). See pack_single_proj_out.
-        self.proj_out_packing = 1
 
     @property
     def dtype(self):
@@ -507,64 +521,3 @@ class FluxTransformer2DModel(nnx.Module):
 def build(config: FluxConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> FluxTransformer2DModel:
     """The model with random parameters (load a checkpoint with difflet_tpu.weights.load_transformer)."""
     return FluxTransformer2DModel(config, dtype=dtype, rngs=rngs)
-
-
-# --------------------------------------------------------------------------
-# The single blocks' packed proj_out
-# --------------------------------------------------------------------------
-
-def proj_out_row_order(dim: int, mlp_hidden_dim: int, ranks: int) -> np.ndarray:
-    """Checkpoint rows of proj_out's kernel ([attn (D) | mlp (4D)] input features) in
-    the order whose contiguous 1/P shards are [attn_r | mlp_r]: rank r's attention
-    channels (its heads) then its MLP columns, the inputs it holds."""
-    a, m = dim // ranks, mlp_hidden_dim // ranks
-    return np.concatenate([np.concatenate([np.arange(r * a, (r + 1) * a), dim + np.arange(r * m, (r + 1) * m)])
-                           for r in range(ranks)])
-
-
-def pack_single_proj_out(model: FluxTransformer2DModel, mesh=None) -> None:
-    """Reorders the rows of every single block's proj_out kernel, in place, so that
-    each rank's row-parallel shard is [its attention rows | its MLP rows].
-
-    diffusers' proj_out takes cat([attn (D), mlp (4D)]); both inputs are
-    column-sharded (rank r holds heads r and MLP columns r), so its rank-r rows
-    are two separate ranges of the checkpoint (diffusers' PackedRowwiseParallel).
-    The loader places contiguous 1/P row shards, so after loading (order for 1
-    rank) the rows are permuted once for the mesh's P, on the devices: per layer,
-    an all-gather of that layer's rows and a take of this rank's (the rank comes
-    from `axis_index`). `model.proj_out_packing` records the current order, so a
-    second Runner on the same model re-packs only if its P differs. Abstract
-    models (ShapeDtypeStructs) only record the order.
-    """
-    ranks = 1 if mesh is None else int(mesh.shape[TP])
-    current = getattr(model, "proj_out_packing", 1)
-    if current == ranks:
-        return
-    c = model.config
-    kernel = model.single_transformer_blocks.proj_out.kernel
-    value = kernel.get_value()
-    if not isinstance(value, jax.ShapeDtypeStruct):
-        D, M = c.inner_dim, c.mlp_hidden_dim
-        now = proj_out_row_order(D, M, current)            # row i holds checkpoint row now[i]
-        want = proj_out_row_order(D, M, ranks)
-        where = np.argsort(now)                            # checkpoint row j is at where[j]
-        index = where[want]                                # new row i = current row index[i]
-        if mesh is None:
-            new = jax.jit(lambda k: jnp.take(k, index, axis=1))(value)
-        else:
-            from jax.sharding import NamedSharding, PartitionSpec as P
-
-            table = jnp.asarray(index.reshape(ranks, -1), jnp.int32)
-
-            def repack(k_local, tbl):
-                def one(layer):  # [5D/P, D] -> all rows of this layer, then this rank's
-                    full = lax.all_gather(layer, TP, axis=0, tiled=True)
-                    return jnp.take(full, tbl[lax.axis_index(TP)], axis=0)
-                return lax.map(one, k_local)
-
-            spec = P(None, TP, None)
-            fn = jax.jit(jax.shard_map(repack, mesh=mesh, in_specs=(spec, P()), out_specs=spec,
-                                       check_vma=False))
-            new = fn(jax.device_put(value, NamedSharding(mesh, spec)), table)
-        kernel.set_value(new)
-    model.proj_out_packing = ranks

@@ -25,7 +25,6 @@ from difflet_tpu import deviceless, weights
 from difflet_tpu.config import Config
 from difflet_tpu.mesh import TP, make_mesh
 from difflet_tpu.models import flux
-from difflet_tpu.models.flux import runner as flux_runner
 from difflet_tpu.models.flux import transformer_flux as tf
 from difflet_tpu.parallel import Parallel
 
@@ -271,32 +270,80 @@ def test_split_rope_permutes_q_k_and_their_norms():
     assert all(k.perm is None for k in plain.values())
 
 
-def test_packed_proj_out_float64(plain64, monkeypatch):
-    """TP (P=4) with the single blocks' proj_out rows repacked to [attn_r | mlp_r] per rank
-    matches the plain model; without the repack (checkpoint row order) it differs."""
-    order = flux.proj_out_row_order(64, 256, 4)
-    assert list(order[:16]) == list(range(16)) and list(order[16:80]) == list(range(64, 128))
-    out, _ = run64("flux", 4, "tp")
+def test_proj_out_key_map_slices_the_packed_weight():
+    """proj_out.attn / proj_out.mlp are input features [0, D) / [D, 5D) of the one
+    diffusers weight, the bias with the MLP part; both row-parallel in PLAN."""
+    c = flux.config_from_diffusers(flux.PRESETS["tiny"])
+    abstract = nnx.eval_shape(lambda: flux.build(c, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    km = flux.key_map(c, abstract)
+    attn, mlp = km["single_transformer_blocks.proj_out.attn.kernel"], km["single_transformer_blocks.proj_out.mlp.kernel"]
+    assert attn.template == mlp.template == "single_transformer_blocks.{i}.proj_out.weight"
+    assert (attn.in_range, mlp.in_range) == ((0, 64), (64, 320))
+    assert km["single_transformer_blocks.proj_out.mlp.bias"].template == "single_transformer_blocks.{i}.proj_out.bias"
+    assert "single_transformer_blocks.proj_out.attn.bias" not in km
+    assert flux.PLAN["single_transformer_blocks.proj_out.attn"] == flux.PLAN["single_transformer_blocks.proj_out.mlp"] \
+        == "row"
+
+
+def _contiguous_proj_out_rows(model, ranks):
+    """Mechanism removed: each rank gets a contiguous 1/P of proj_out's 5D checkpoint rows
+    (as one plain row-parallel Linear over cat([attn, mlp]) would), split into its attn
+    and mlp shards -- instead of the rows of the inputs it holds."""
+    blocks = model.single_transformer_blocks.proj_out
+    a_var, m_var = blocks.attn.kernel, blocks.mlp.kernel
+    a, m = np.asarray(a_var.get_value()), np.asarray(m_var.get_value())
+    full = np.concatenate([a, m], axis=1)                      # [L, 5D, D], checkpoint row order
+    rows, a_rows = full.shape[1] // ranks, a.shape[1] // ranks
+    chunks = [full[:, r * rows:(r + 1) * rows] for r in range(ranks)]
+    bad_a = np.concatenate([ch[:, :a_rows] for ch in chunks], axis=1)
+    bad_m = np.concatenate([ch[:, a_rows:] for ch in chunks], axis=1)
+    assert not np.array_equal(bad_a, a)
+    a_var.set_value(jax.device_put(bad_a, a_var.get_value().sharding))
+    m_var.set_value(jax.device_put(bad_m, m_var.get_value().sharding))
+
+
+def test_packed_proj_out_float64(plain64):
+    """TP (P=4): each rank's proj_out.attn / proj_out.mlp rows are the inputs it holds
+    (its heads, its MLP columns), summed in one all-reduce: matches the plain model.
+    With contiguous 1/P row shards of the packed weight (mechanism removed) it differs."""
+    out, r = run64("flux", 4, "tp")
     assert rel(out, plain64["flux"]) <= TOL64
-    monkeypatch.setattr(flux_runner, "pack_single_proj_out", lambda model, mesh: None)
-    bad, _ = run64("flux", 4, "tp")
+    with jax.enable_x64(True):
+        _contiguous_proj_out_rows(r.model, 4)
+        bad = np.asarray(runner(r.model, r.mesh, "tp")(**f64_kwargs("flux")))
     assert rel(bad, plain64["flux"]) > 1e-4
 
 
-def test_proj_out_repack_between_meshes():
-    """The repack records its order: a Runner with another P (here one device, then P=2,
-    then P=4, then one device) re-packs from the current order, never twice."""
-    model, _ = load("flux")
-    kernel = np.asarray(model.single_transformer_blocks.proj_out.kernel.get_value())
+def test_runner_leaves_params_alone_cache_restores_on_other_mesh(tmp_path, monkeypatch):
+    """Nothing P-dependent is baked into the parameters: a model loaded on 4 devices and
+    run by a 4-device SP Runner keeps its loaded values; saved then (the orbax cache of
+    load_transformer) and restored onto 2 devices without reading the safetensors, it
+    matches diffusers under SP and TP on 2 devices."""
+    from difflet_tpu import checkpoint
+
+    path = FIXTURES / "flux" / "transformer"
+    mesh4 = make_mesh(4)
+    model = weights.load_transformer(path, dtype=jnp.float32, mesh=mesh4, config=Config())
+    loaded = {p: np.asarray(v) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     kwargs, ref = fixture("flux")
-    for tp in (2, 4, None):
-        mesh = None if tp is None else make_mesh(tp)
-        r = runner(model, mesh, "tp" if tp else None)
-        assert model.proj_out_packing == (tp or 1)
-        now = np.asarray(model.single_transformer_blocks.proj_out.kernel.get_value())
-        np.testing.assert_array_equal(now, kernel[:, flux.proj_out_row_order(64, 256, tp or 1)])
-        if tp == 4:
-            assert rel(r(**kwargs), ref) <= TOL
+    assert rel(runner(model, mesh4, "sp")(**kwargs), ref) <= TOL
+    after = {p: np.asarray(v) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    assert sorted(after) == sorted(loaded)
+    for p in loaded:
+        np.testing.assert_array_equal(after[p], loaded[p], err_msg=str(p))
+    port = weights.port_for("FluxTransformer2DModel")
+    assert checkpoint.save(tmp_path, path, port, model.config, model, dtype=jnp.float32) is not None
+
+    def no_read(*a, **k):
+        raise AssertionError("read the safetensors instead of restoring the cache")
+
+    monkeypatch.setattr(weights.Checkpoint, "read", no_read)
+    mesh2 = make_mesh(2)
+    restored = weights.load_transformer(path, dtype=jnp.float32, mesh=mesh2, config=Config(), cache_dir=tmp_path)
+    kernel = restored.single_transformer_blocks.proj_out.mlp.kernel.get_value()
+    assert kernel.sharding.mesh.shape[TP] == 2
+    for mode in ("sp", "tp"):
+        assert rel(runner(restored, mesh2, mode)(**kwargs), ref) <= TOL, mode
 
 
 def test_timestep_cast_to_model_dtype_before_x1000():
