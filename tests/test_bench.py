@@ -172,3 +172,26 @@ def test_no_arguments_runs_every_landed_tiny_preset_in_tp_and_sp(tmp_path, monke
     for fam in landed:
         for mode in ("tp", "sp"):
             assert any(line.startswith(f"{fam}:tiny") and f" {mode} " in line for line in out.splitlines()), (fam, mode)
+
+
+def test_profile_and_dump_hlo_write_their_directories(tmp_path):
+    prof, hlo = tmp_path / "prof", tmp_path / "hlo"
+    rc, data = _run(tmp_path, "--model", "toy:tiny", "--mode", "tp", "--steps", "2", "--profile", str(prof),
+                    "--dump-hlo", str(hlo))
+    assert rc == 0
+    row = data["results"][0]
+    assert os.path.isdir(row["profile"]) and any(files for _, _, files in os.walk(row["profile"]))
+    text = open(row["hlo"]).read()
+    assert "HloModule" in text and "ENTRY" in text
+
+
+def test_compare_and_sha256():
+    import numpy as np
+
+    a = {"hidden_states": np.linspace(-1, 1, 100, dtype=np.float32)}
+    b = {"hidden_states": a["hidden_states"] + 1e-3}
+    c = bench.compare(b, a)
+    assert c["rel_l2"] == pytest.approx(1e-3 / np.sqrt(np.mean(a["hidden_states"] ** 2)), rel=1e-3)
+    assert c["psnr_db"] == pytest.approx(10 * np.log10(4 / 1e-6), rel=1e-3)  # range 2, mse 1e-6
+    assert bench.compare(a, a)["psnr_db"] == float("inf")
+    assert bench.sha256(a) == bench.sha256({"hidden_states": a["hidden_states"].copy()}) != bench.sha256(b)
