@@ -116,15 +116,8 @@ def _json_default(o):
 def key_map_digest(key_map: dict) -> str:
     """A hash of everything a key map does to the checkpoint values."""
     # Every field of Key, so a field added later is hashed too.
-    rows = [[path, {f: _jsonable(v) for f, v in dataclasses.asdict(k).items()}]
-            for path, k in sorted(key_map.items())]
+    rows = [[path, _jsonable(k)] for path, k in sorted(key_map.items())]
     return _sha256(json.dumps(rows, sort_keys=True).encode())
-
-
-def _jsonable(v):
-    if isinstance(v, (tuple, list)):
-        return [_jsonable(x) for x in v]
-    return int(v) if hasattr(v, "__index__") and not isinstance(v, bool) else v
 
 
 def _dtype_name(dtype) -> str | None:
