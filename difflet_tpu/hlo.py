@@ -87,7 +87,7 @@ def parse(text: str) -> Module:
                 if m.group(1):
                     entry = current
             continue
-        if line.startswith("}"):
+        if line.rstrip() == "}":  # a kernel's backend_config can continue on a line starting "}}"
             current = None
             continue
         m = _INSTR.match(line)
