@@ -138,6 +138,49 @@ def test_pallas_kernels_fall_back_at_fixture_sizes(caplog):
     assert not caplog.records or any("using the JAX ring" in m.getMessage() for m in caplog.records)
 
 
+@pytest.mark.slow
+def test_sp_pallas_kernels_run_in_the_model(caplog, monkeypatch):
+    """The Pallas AG and RS kernels themselves (TPU interpret mode), inside the model:
+    a random 1 double + 1 single block config whose widths the kernels take at P=2
+    (D = 256 = 4 heads x 64, so 128-wide q/k/v shards; MLP 1024 -> 512 a rank), 32
+    image + 24 text tokens (text padded to 32: 8-row halves a rank); SP on 2 devices
+    equals one device, every collective matmul ran a kernel and none fell back."""
+    from difflet_tpu import collective_matmul as cm
+    from difflet_tpu.kernels import all_gather_matmul as ag_kernel
+    from difflet_tpu.kernels import matmul_reduce_scatter as rs_kernel
+
+    c = flux.config_from_diffusers(dict(flux.PRESETS["tiny"], num_attention_heads=4, attention_head_dim=64,
+                                        axes_dims_rope=[16, 24, 24], num_layers=1, num_single_layers=1))
+    assert (c.inner_dim, c.mlp_hidden_dim) == (256, 1024)
+    model = flux.build(c, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    kwargs = flux.example_inputs(c, height=64, width=128, text_len=24)
+    assert (kwargs["hidden_states"].shape[1], kwargs["encoder_hidden_states"].shape[1]) == (32, 24)
+    ref = np.asarray(runner(model, None)(**kwargs))
+
+    calls = {"ag": 0, "rs": 0}
+
+    def counted(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(ag_kernel, "all_gather_matmul", counted("ag", ag_kernel.all_gather_matmul))
+    monkeypatch.setattr(rs_kernel, "matmul_reduce_scatter", counted("rs", rs_kernel.matmul_reduce_scatter))
+    cm._NOTICED.clear()
+    r = runner(model, make_mesh(2), "sp", Config(sp=True, sp_kernel="pallas", sp_rs_kernel="pallas"))
+    assert (r.par.ag_impl, r.par.rs_impl, r.par.interpret) == ("pallas", "pallas", True)
+    assert r.stream_multiple(jnp.float32) == 32
+    with caplog.at_level(logging.WARNING, logger="difflet_tpu.collective_matmul"):
+        out = np.asarray(r(**kwargs))
+    assert not [rec for rec in caplog.records if "unsupported" in rec.getMessage()], caplog.text
+    assert not cm._NOTICED, f"a kernel fell back to the ring: {cm._NOTICED}"
+    # double block: 2 AG (qkv, add_qkv) + 2 AG (ff, ff_context), 4 RS; single block: 1 AG, 1 RS
+    assert calls == {"ag": 5, "rs": 5}, calls
+    assert out.shape == ref.shape == (1, 32, 16) and np.linalg.norm(ref) > 0
+    assert rel(out, ref) <= TOL
+
+
 def test_schnell_variant_runs_without_guidance():
     """FLUX.1-schnell (no guidance embedder; no diffusers fixture): the fixture weights
     without guidance_embedder in a schnell-config model; one device and SP agree, and
