@@ -481,15 +481,23 @@ class _Packed(nnx.Module):
                                 / math.sqrt(in_features))
 
 
+class _RowKernel(nnx.Module):
+    def __init__(self, kernel):
+        self.kernel = nnx.Param(kernel)
+
+
 class PackedProjOut(nnx.Module):
     """The single blocks' `proj_out = Linear(D + F, D)` over `cat([attn (D), mlp (F)])`.
 
-    The weight is kept in torch layout `[D, D + F]` with its input features
-    regrouped once at load into per-head units `[head_u (hd) | mlp_u (F/H)]`
-    (`packed_order`), so a contiguous 1/P slice of the input axis is exactly a
-    rank's heads and its MLP columns, for every P that divides the heads. The
-    two halves are two (x, w) pairs of one row-parallel output: one psum or one
-    reduce-scatter, bias added once, no concatenation of the activations.
+    As loaded, the weight is kept in torch layout `[D, D + F]` (`packed.weight`)
+    with its input features regrouped once into per-head units
+    `[head_u (hd) | mlp_u (F/H)]` (`packed_order`), so a contiguous 1/P slice of
+    the input axis is exactly a rank's heads and its MLP columns, for every P
+    that divides the heads. `unpack_proj_out` (the Runner calls it once) splits
+    it into two row-parallel kernels, `attn.kernel [D, D]` and `mlp.kernel [F, D]`,
+    so no step slices the packed weight. The two halves are two (x, w) pairs of
+    one row-parallel output: one psum or one reduce-scatter, bias added once, no
+    concatenation of the activations.
     """
 
     def __init__(self, c: HunyuanVideoConfig, *, dtype, rngs):
@@ -497,14 +505,47 @@ class PackedProjOut(nnx.Module):
         self.head_dim, self.unit_mlp = c.attention_head_dim, c.mlp_dim // c.num_attention_heads
         self.packed = _Packed(D, D + c.mlp_dim, dtype=dtype, rngs=rngs)
         self.bias = nnx.Param(jnp.zeros((D,), dtype))
+        self.attn = nnx.data(None)  # _RowKernel [U*hd, D] after unpack_proj_out
+        self.mlp = nnx.data(None)   # _RowKernel [U*f, D]
+
+    def split(self, w):
+        """`[..., D, U*(hd + f)]` packed (torch layout) -> kernels `[..., U*hd, D]`, `[..., U*f, D]`."""
+        *lead, out, _ = w.shape
+        w = w.reshape(*lead, out, -1, self.head_dim + self.unit_mlp)
+        w_attn = jnp.swapaxes(w[..., :self.head_dim].reshape(*lead, out, -1), -1, -2)
+        w_mlp = jnp.swapaxes(w[..., self.head_dim:].reshape(*lead, out, -1), -1, -2)
+        return w_attn, w_mlp
 
     def __call__(self, par, attn, mlp):
-        w = self.packed.weight[...]                                   # [D, U*(hd + f)] this rank's units
-        out, hd, f = w.shape[0], self.head_dim, self.unit_mlp
-        w = w.reshape(out, -1, hd + f)
-        w_attn = w[:, :, :hd].reshape(out, -1).T                      # [U*hd, D]
-        w_mlp = w[:, :, hd:].reshape(out, -1).T                       # [U*f, D]
+        if self.packed is None:
+            w_attn, w_mlp = self.attn.kernel[...], self.mlp.kernel[...]
+        else:  # not unpacked: split this rank's units every call
+            w_attn, w_mlp = self.split(self.packed.weight[...])
         return par.row([(attn, w_attn), (mlp, w_mlp)], self.bias[...])
+
+
+def unpack_proj_out(model, mesh=None):
+    """Splits the single blocks' packed `proj_out` weight into its attention and MLP
+    row-parallel kernels once (in place; idempotent; abstract models stay abstract).
+
+    On a mesh each rank's slice is split locally (its units are its heads and MLP
+    columns) and the kernels are placed with the plan's ROW sharding."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    po = model.single_transformer_blocks.proj_out
+    if po.packed is None:
+        return model
+    w = po.packed.weight.get_value()  # an array, or a ShapeDtypeStruct (abstract model)
+    sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec(None, "tp", None))
+    if isinstance(w, jax.ShapeDtypeStruct):
+        shapes = jax.eval_shape(po.split, jax.ShapeDtypeStruct(w.shape, w.dtype))
+        w_attn, w_mlp = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in shapes)
+    else:
+        fn = jax.jit(po.split) if sharding is None else jax.jit(po.split, out_shardings=(sharding, sharding))
+        w_attn, w_mlp = fn(w)
+    po.attn, po.mlp = nnx.data(_RowKernel(w_attn)), nnx.data(_RowKernel(w_mlp))
+    po.packed = nnx.data(None)
+    return model
 
 
 def packed_order(c: HunyuanVideoConfig) -> np.ndarray:

@@ -9,7 +9,8 @@
 | single `proj_out.packed.weight` [D, D+F] (torch layout) | SHARDED    | input features, grouped per head unit   |
 |                                                         |            | `[head_u (hd) | mlp_u (F/H)]`, so each  |
 |                                                         |            | rank's slice is its heads + MLP columns;|
-|                                                         |            | the two halves feed one reduce-scatter  |
+|                                                         |            | split once by the Runner into           |
+| single `proj_out.attn`, `proj_out.mlp` kernels          | ROW        | two pairs of one reduce-scatter / psum  |
 | adaLN `norm1.linear`, `norm1_context.linear`,           | COLUMN     | (B, kD) output gathered with            |
 | single `norm.linear`, final `norm_out.linear`           |            | `par.gather_columns` (3.5 B params)     |
 | replicated                                              |            | per-head q/k RMSNorm weights, single    |
@@ -48,7 +49,9 @@ PLAN = {
     "single_transformer_blocks.attn.to_k": COLUMN,
     "single_transformer_blocks.attn.to_v": COLUMN,
     "single_transformer_blocks.proj_mlp": COLUMN,
-    "single_transformer_blocks.proj_out.packed": SHARDED,
+    "single_transformer_blocks.proj_out.packed": SHARDED,   # as loaded
+    "single_transformer_blocks.proj_out.attn": ROW,         # after unpack_proj_out (the Runner)
+    "single_transformer_blocks.proj_out.mlp": ROW,
     # final layer
     "norm_out.linear": COLUMN,
 }

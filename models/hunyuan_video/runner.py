@@ -25,7 +25,7 @@ from difflet_tpu.mesh import TP
 from difflet_tpu.parallel import Parallel
 
 from .config import HunyuanVideoConfig
-from .model import Geometry, patchify, unpatchify
+from .model import Geometry, patchify, unpack_proj_out, unpatchify
 from .plan import PLAN
 
 # This model's all-gather-matmul default on TPU under SP (the reference PR measured the
@@ -70,6 +70,7 @@ class Runner:
             leaves = jax.tree_util.tree_leaves(nnx.state(model))
             if leaves and not any(_is_abstract(x) for x in leaves):
                 runtime.place(model, mesh, PLAN)
+        unpack_proj_out(model, mesh if par.sharded else None)  # once, in place (see model.PackedProjOut)
         self._steps = {}
 
     # ---- checks ----------------------------------------------------------

@@ -272,6 +272,20 @@ def test_packed_proj_out_grouping_float64(f64_masks, monkeypatch):
     assert rel(out, plain) > 1e-3
 
 
+def test_unpacked_proj_out_equals_packed_float64(f64_masks, monkeypatch):
+    """The Runner splits the packed proj_out once (`unpack_proj_out`); the model left
+    packed (split at every call) gives the same output (float64)."""
+    from difflet_tpu.models.hunyuan_video import runner as hv_runner
+
+    _, kwargs, plain = f64_masks
+    monkeypatch.setattr(hv_runner, "unpack_proj_out", lambda model, mesh=None: model)
+    with jax.enable_x64(True):
+        packed = load("hunyuan_video_masks", dtype=jnp.float64)
+        out = run(packed, kwargs)
+    assert packed.single_transformer_blocks.proj_out.packed is not None
+    assert rel(out, plain) <= 1e-12
+
+
 def refiner_reference(mask, x, q_w, k_w, v_w, heads):
     """diffusers' refiner attention mask, literally: `[B, S, S]` = m[i] & m[j], column 0 True."""
     m = mask.astype(bool)
