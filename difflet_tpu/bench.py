@@ -53,7 +53,7 @@ COMPILE_VARIANTS = {  # compile-only: mode -> (parallel mode, Config overrides)
 
 
 class BenchError(Exception):
-    pass
+    """A bad flag or an impossible combination, reported before anything runs."""
 
 
 def has_tpu() -> bool:
@@ -212,6 +212,7 @@ def build_config(port, preset):
 
 
 def run_model(fam, preset, args, mesh, dtype, results, hlo_dir=None):
+    """Loads (or initialises) one model and times its denoise loop in each requested mode."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -353,6 +354,7 @@ def print_table(results, out=None):
 
 
 def run_bench(args):
+    """The denoise benchmark on the devices at hand (4 virtual CPU devices without a TPU)."""
     tpu = has_tpu()
     args.cpu = not tpu
     if tpu and "sp-xla" in args.modes:
@@ -458,6 +460,7 @@ def compile_one(port, fam, preset, cfg, shape, variant, mesh, chip, calibration,
 
 
 def run_compile_only(args):
+    """Deviceless compiles for `--topology`: HBM per chip, FLOPs, collectives, estimated step time."""
     from difflet_tpu import deviceless
 
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other deviceless compiles on this machine
@@ -535,6 +538,7 @@ def print_compile_table(results, topology, chip, calibration, out=None):
 
 
 def main(argv=None):
+    """`python -m difflet_tpu.bench` (see the module docstring and `--help`)."""
     ap = parser()
     args = ap.parse_args(argv)
     validate(args, ap)

@@ -140,6 +140,7 @@ def cache_key(src_path, port, port_config, *, dtype, key_map) -> dict | None:
 
 
 def key_digest(key: dict) -> str:
+    """The cache entry name for a cache key."""
     return _sha256(json.dumps(key, sort_keys=True).encode())[:32]
 
 

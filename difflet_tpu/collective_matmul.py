@@ -88,6 +88,7 @@ def _sum_dots(pairs):
 # --------------------------------------------------------------------------
 
 def split_rule(P: int) -> str:
+    """The sequence-length rule of the rings, for error messages."""
     return (f"the sequence must be a multiple of 2*P = {2 * P} rows, so each rank's shard "
             f"splits into two equal halves that travel in opposite directions; pad it eagerly "
             f"before the compiled step (difflet_tpu.layout.pad_tokens)")

@@ -28,6 +28,7 @@ CHIPS = {
 
 
 def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
+    """"v5e:2x2" -> ("v5e", (2, 2))."""
     m = re.fullmatch(r"(v\d+[a-z]*):(\d+(?:x\d+)*)", topology)
     if not m:
         raise ValueError(f"topology {topology!r} is not of the form v5e:2x2")
@@ -35,6 +36,7 @@ def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
 
 
 def accelerator_type(topology: str) -> str:
+    """The TPU_ACCELERATOR_TYPE libtpu expects for a topology ("v5e:2x2" -> "v5litepod-4")."""
     gen, dims = parse_topology(topology)
     if gen not in _GENERATION:
         raise ValueError(f"unknown TPU generation {gen!r}; known: {sorted(_GENERATION)}")
@@ -74,6 +76,7 @@ def setup_process(topology: str = "v5e:2x2") -> None:
 
 
 def topology_devices(topology: str = "v5e:2x2"):
+    """The (deviceless) devices of a TPU topology; call in a process set up by `setup_process`."""
     from jax.experimental import topologies
 
     return topologies.get_topology_desc(topology, "tpu").devices

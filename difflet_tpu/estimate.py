@@ -339,6 +339,9 @@ class Estimate:
 
 
 class Simulator:
+    """Walks a compiled schedule: compute advances by estimated cycles, async collectives
+    run as ICI transfers their -done waits for (see docs/benchmarks.md)."""
+
     def __init__(self, module: Module, chip: Chip, calibration: Calibration = Calibration(),
                  num_partitions: int = 1):
         self.m = module

@@ -70,11 +70,13 @@ class Module:
 
 
 def is_matmul_op(ins: Instr) -> bool:
+    """A dot, a convolution or a Pallas TPU kernel."""
     return ins.op in ("dot", "convolution") or (
         ins.op == "custom-call" and "tpu_custom_call" in ins.text)
 
 
 def parse(text: str) -> Module:
+    """The computations of a compiled module's text, instructions in schedule order."""
     comps: dict[str, list[Instr]] = {}
     entry = None
     current = None

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 # --------------------------------------------------------------------------
 
 def padded_length(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple`."""
     return -(-n // multiple) * multiple
 
 

@@ -95,6 +95,7 @@ def layer_norm(x, scale=None, bias=None, eps: float = 1e-6):
 
 
 def gelu_tanh(x):
+    """diffusers' "gelu-approximate" (tanh) GELU."""
     return jax.nn.gelu(x, approximate=True)
 
 

@@ -136,6 +136,7 @@ def resolve_model(name: str, ports: dict | None = None) -> tuple[str, str]:
 
 
 def model_names(ports: dict | None = None) -> list[str]:
+    """"family:preset" names of every landed port's presets."""
     ports = landed_ports() if ports is None else ports
     names = []
     for fam, (p, _) in ports.items():
@@ -241,6 +242,7 @@ _UPDATES = None
 
 
 def updates():
+    """The jitted Euler / CFG latent updates (built once)."""
     global _UPDATES
     if _UPDATES is None:
         _UPDATES = _euler_update()

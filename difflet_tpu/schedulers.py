@@ -124,20 +124,24 @@ def flow_match_euler(cfg: SchedulerConfig, num_steps: int, *, sigmas=None, mu: f
 
 
 def flux_schedule(num_steps: int, image_seq_len: int, cfg: SchedulerConfig = FLUX) -> Schedule:
+    """FluxPipeline's schedule: linear sigmas, shifted by mu from the image token count."""
     sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
     mu = calculate_shift(image_seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
     return flow_match_euler(cfg, num_steps, sigmas=sigmas, mu=mu)
 
 
 def wan_schedule(num_steps: int, flow_shift: float = 3.0) -> Schedule:
+    """WanPipeline's flow-matching schedule with a static `flow_shift`."""
     return flow_match_euler(wan(flow_shift), num_steps)
 
 
 def hunyuan_video_schedule(num_steps: int, cfg: SchedulerConfig = HUNYUAN_VIDEO) -> Schedule:
+    """HunyuanVideoPipeline's schedule: sigmas linspace(1, 0) with the scheduler's shift."""
     return flow_match_euler(cfg, num_steps, sigmas=np.linspace(1.0, 0.0, num_steps + 1)[:-1])
 
 
 def ltx2_schedule(num_steps: int, video_seq_len: int, cfg: SchedulerConfig = LTX2) -> Schedule:
+    """The LTX-2 pipeline's schedule: linear sigmas, shifted by mu from the video token count."""
     sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
     mu = calculate_shift(video_seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
     return flow_match_euler(cfg, num_steps, sigmas=sigmas, mu=mu)

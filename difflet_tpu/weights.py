@@ -380,6 +380,7 @@ def port_for(class_name: str):
 
 
 def read_config(path) -> dict:
+    """A diffusers transformer directory's config.json, checked for `_class_name`."""
     cfg_path = pathlib.Path(path) / "config.json"
     if not cfg_path.exists():
         raise WeightsError(f"{path}: no config.json (expected a diffusers transformer directory)")

@@ -34,6 +34,8 @@ _SINGLE_NORMS = ("attn.norm_q", "attn.norm_k")
 
 
 def key_map(config: FluxConfig, model) -> dict[str, weights.Key]:
+    """Parameter path -> diffusers key (split-halves RoPE permutation and the packed
+    single-block proj_out halves included)."""
     km = weights.default_key_map(model, stacked={"transformer_blocks": config.num_layers,
                                                  "single_transformer_blocks": config.num_single_layers})
     D, M, L = config.inner_dim, config.mlp_hidden_dim, config.num_single_layers

@@ -449,6 +449,8 @@ class FluxTransformerBlock(nnx.Module):
 # --------------------------------------------------------------------------
 
 class FluxTransformer2DModel(nnx.Module):
+    """diffusers' FluxTransformer2DModel in Flax NNX; run it through `Runner`."""
+
     def __init__(self, config: FluxConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         c = config
         self.config = c

@@ -493,6 +493,8 @@ def rope_groups(c: LTX2Config) -> dict[str, int | None]:
 
 
 class LTX2VideoTransformer3DModel(nnx.Module):
+    """diffusers' LTX2VideoTransformer3DModel in Flax NNX; run it through `Runner`."""
+
     def __init__(self, c: LTX2Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = c
         dim, adim = c.inner_dim, c.audio_inner_dim

@@ -136,6 +136,7 @@ def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) ->
 
 
 def preset(name: str, *, split_rope: bool = True) -> WanConfig:
+    """A released Wan config by name (see PRESETS)."""
     if name not in PRESETS:
         raise KeyError(f"unknown Wan preset {name!r}; known: {', '.join(PRESETS)}")
     return config_from_diffusers(PRESETS[name], split_rope=split_rope)

@@ -376,6 +376,8 @@ def _map(blocks, fn):
 # --------------------------------------------------------------------------
 
 class WanTransformer3DModel(nnx.Module):
+    """diffusers' WanTransformer3DModel in Flax NNX; run it through `Runner`."""
+
     def __init__(self, c: WanConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = c
         self.dtype = jnp.dtype(dtype)
