@@ -38,9 +38,7 @@ scales them (one factor, fit on the reference PR's TP rows only, see
 `fit_nonmatmul_scale`). Everything here is a model of the schedule, not a
 measurement.
 
-This parser is local on purpose: Pallas custom-calls print multi-line
-`frontend_attributes` whose continuation lines start with `}`, which
-difflet_tpu.hlo takes for the end of the computation.
+The compiled text is read with difflet_tpu.hlo (the one HLO parser).
 """
 
 from __future__ import annotations
@@ -120,142 +118,16 @@ REFERENCE_PR = {
 # Parsing
 # --------------------------------------------------------------------------
 
-_DTYPE_BYTES = {
-    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
-    "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
-    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "token": 0,
-}
-_ARRAY = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
-_COMP_HEAD = re.compile(r"^(ENTRY )?%?(?P<name>[\w.\-]+) \(.*\) -> .*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<type>.+?) (?P<op>[a-z][a-z0-9\-]*)\((?P<rest>.*)$")
-_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+(?:, ?%[\w.\-]+)*)\}?")
-_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
-_COST_TYPE = re.compile(r'"cost_model_type":"(\w+)"')
+from difflet_tpu.hlo import (Instr as Op, Module, array_bytes, array_shapes,  # noqa: E402,F401
+                             parse, type_bytes)
+
+# Attributes only the estimate reads.
 _PALLAS_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"(\d+)","bytes_accessed":"(\d+)"'
                           r'(?:,"remote_bytes_transferred":"(\d+)")?')
 _PAIRS = re.compile(r"source_target_pairs=\{([\d,{} ]*)\}")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]+)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
-_OPNAME = re.compile(r'op_name="([^"]*)"')
-_OPERAND = re.compile(r"%([\w.\-]+)")
-
-
-def array_shapes(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(dtype, dims) of every array in an HLO type string (tuples flattened)."""
-    out = []
-    for dt, dims in _ARRAY.findall(type_str):
-        out.append((dt, tuple(int(d) for d in dims.split(",") if d)))
-    return out
-
-
-def array_bytes(dtype: str, dims) -> float:
-    return _DTYPE_BYTES[dtype] * math.prod(dims)
-
-
-def type_bytes(type_str: str) -> float:
-    return sum(array_bytes(dt, d) for dt, d in array_shapes(type_str))
-
-
-@dataclasses.dataclass
-class Op:
-    name: str
-    op: str
-    type: str
-    text: str
-
-    @property
-    def calls(self) -> list[str]:
-        out = []
-        for group in _CALLS.findall(self.text):
-            out += [c.strip().lstrip("%") for c in group.split(",")]
-        return out
-
-    @property
-    def operands(self) -> list[str]:
-        args = self.text.split(self.op + "(", 1)[1]
-        depth, end = 1, 0
-        for end, ch in enumerate(args):
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0:
-                break
-        return _OPERAND.findall(args[:end])
-
-    @property
-    def cycles(self) -> int | None:
-        m = _CYCLES.search(self.text)
-        return int(m.group(1)) if m else None
-
-    @property
-    def cost_type(self) -> str | None:
-        m = _COST_TYPE.search(self.text)
-        return m.group(1) if m else None
-
-    @property
-    def op_name(self) -> str:
-        m = _OPNAME.search(self.text)
-        return m.group(1) if m else ""
-
-    @property
-    def out_bytes(self) -> float:
-        return type_bytes(self.type)
-
-
-@dataclasses.dataclass
-class Module:
-    computations: dict[str, list[Op]]
-    entry: str
-
-    def __post_init__(self):
-        self.index = {c: {o.name: o for o in ops} for c, ops in self.computations.items()}
-
-    @property
-    def schedule(self) -> list[Op]:
-        return self.computations[self.entry]
-
-    def lookup(self, comp: str, name: str) -> Op | None:
-        return self.index.get(comp, {}).get(name)
-
-    def contains(self, comp: str, pred, _seen=None) -> bool:
-        _seen = set() if _seen is None else _seen
-        if comp in _seen or comp not in self.computations:
-            return False
-        _seen.add(comp)
-        return any(pred(o) or any(self.contains(c, pred, _seen) for c in o.calls)
-                   for o in self.computations[comp])
-
-
-def parse(text: str) -> Module:
-    """Computations of an HLO module's text, instructions in schedule order.
-
-    Instructions may span lines (Pallas kernels print multi-line attributes);
-    a computation ends at a line that is exactly `}`.
-    """
-    comps: dict[str, list[Op]] = {}
-    entry = None
-    current = None
-    for line in text.splitlines():
-        if current is None:
-            m = _COMP_HEAD.match(line)
-            if m:
-                current = m.group("name")
-                comps[current] = []
-                if m.group(1):
-                    entry = current
-            continue
-        if line.strip() == "}" and not line.startswith(" "):
-            current = None
-            continue
-        m = _INSTR.match(line)
-        if m:
-            comps[current].append(Op(m.group("name"), m.group("op"), m.group("type"), line))
-        elif comps[current]:
-            comps[current][-1].text += "\n" + line
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return Module(comps, entry)
-
 
 # --------------------------------------------------------------------------
 # Classification

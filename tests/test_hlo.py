@@ -29,7 +29,7 @@ def test_schedule_survives_multiline_kernel_configs():
     m = hlo.parse(TEXT)
     ops = [i.op for i in m.schedule]
     assert ops[-1] == "add" and "custom-call" in ops  # nothing after the kernel was dropped
-    assert m.is_compute(m.schedule[ops.index("custom-call")])  # a Pallas kernel is compute
+    assert hlo.is_compute(m, m.schedule[ops.index("custom-call")])  # a Pallas kernel is compute
 
 
 def test_overlap_counts_matmuls_between_start_and_done():
