@@ -89,3 +89,28 @@ class ToyModel(nnx.Module):
         x = self.proj_in(hidden_states)
         x = nn.scan_blocks(self.blocks, x, lambda blk, h: blk(par, h, kv_mask))
         return self.proj_out(x)
+
+
+# --------------------------------------------------------------------------
+# Shared by the tests
+# --------------------------------------------------------------------------
+
+def rel_l2(a, b) -> float:
+    """Relative L2 error `||a - b|| / ||b||`, computed in float64."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def read_fixture_io(case_dir):
+    """A diffusers fixture's `io.npz` as (forward kwargs, outputs): `in.<kwarg>`
+    and `out.<field>` with the prefixes dropped; 0-d inputs as Python scalars."""
+    import pathlib
+
+    import numpy as np
+
+    z = np.load(pathlib.Path(case_dir) / "io.npz")
+    inputs = {k[3:]: (z[k].item() if z[k].ndim == 0 else z[k]) for k in z.files if k.startswith("in.")}
+    outputs = {k[4:]: z[k] for k in z.files if k.startswith("out.")}
+    return inputs, outputs

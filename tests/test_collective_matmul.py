@@ -8,11 +8,10 @@ from jax.sharding import PartitionSpec as P
 
 from difflet_tpu import collective_matmul as cm
 from difflet_tpu.mesh import TP, make_mesh
+from difflet_tpu.testing import rel_l2
 
 
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
+rel = rel_l2
 
 
 def run_ag(mesh, x, ws, batch, **kw):

@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from difflet_tpu.testing import read_fixture_io, rel_l2
 from difflet_tpu import deviceless, weights
 from difflet_tpu.config import Config
 from difflet_tpu.mesh import TP, make_mesh
@@ -39,16 +40,13 @@ TOL = 1e-5
 TOL64 = 1e-6
 
 
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+rel = rel_l2
 
 
 @functools.lru_cache(maxsize=None)
 def fixture(case):
-    z = np.load(FIXTURES / case / "io.npz")
-    kwargs = {k[3:]: z[k] for k in z.files if k.startswith("in.")}
-    return kwargs, z["out.sample"]
+    kwargs, out = read_fixture_io(FIXTURES / case)
+    return kwargs, out["sample"]
 
 
 def load(case, tp=None, *, split_rope=True, dtype=jnp.float32):

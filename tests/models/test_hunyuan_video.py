@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from difflet_tpu.testing import read_fixture_io, rel_l2
 from difflet_tpu import deviceless, weights
 from difflet_tpu.config import Config
 from difflet_tpu.mesh import make_mesh
@@ -36,17 +37,14 @@ TOL = 1e-5
 # Helpers
 # --------------------------------------------------------------------------
 
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+rel = rel_l2
 
 
 @functools.lru_cache(maxsize=None)
 def fixture(case):
     """(diffusers forward kwargs, expected sample) of a fixture case."""
-    z = np.load(FIXTURES / case / "io.npz")
-    kwargs = {k[3:]: z[k] for k in z.files if k.startswith("in.")}
-    return kwargs, z["out.sample"]
+    kwargs, out = read_fixture_io(FIXTURES / case)
+    return kwargs, out["sample"]
 
 
 def load(case, tp=None, *, split_rope=True, dtype=jnp.float32):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from difflet_tpu.testing import read_fixture_io, rel_l2
 from difflet_tpu import deviceless, nn, runtime, weights
 from difflet_tpu.config import Config
 from difflet_tpu.mesh import make_mesh
@@ -30,15 +31,12 @@ VARIANTS = ["ltx2", "ltx2_interleaved_rope", "ltx2_3"]  # split RoPE 2.0, interl
 # helpers
 # --------------------------------------------------------------------------
 
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+rel = rel_l2
 
 
 def fixture(case):
-    z = np.load(FIXTURES / case / "io.npz")
-    kw = {k[3:]: (z[k].item() if z[k].ndim == 0 else z[k]) for k in z.files if k.startswith("in.")}
-    return kw, z["out.sample"], z["out.audio_sample"]
+    kw, out = read_fixture_io(FIXTURES / case)
+    return kw, out["sample"], out["audio_sample"]
 
 
 def load(case, tp=None, dtype=jnp.float32, split_rope=True):

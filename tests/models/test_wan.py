@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
+from difflet_tpu.testing import read_fixture_io, rel_l2
 from difflet_tpu import collective_matmul as cm
 from difflet_tpu import deviceless, weights
 from difflet_tpu.config import Config
@@ -33,16 +34,13 @@ CASES = ["wan_t2v", "wan_ti2v", "wan_i2v", "wan_t2v_pad", "wan_t2v_batch2"]
 # Helpers
 # --------------------------------------------------------------------------
 
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+rel = rel_l2
 
 
 def fixture(case, dtype=np.float32):
     """(diffusers forward kwargs, expected sample) of a fixture case."""
-    z = np.load(FIXTURES / case / "io.npz")
-    kwargs = {k[3:]: z[k].astype(dtype) for k in z.files if k.startswith("in.")}
-    return kwargs, z["out.sample"]
+    kwargs, out = read_fixture_io(FIXTURES / case)
+    return {k: v.astype(dtype) for k, v in kwargs.items()}, out["sample"]
 
 
 def load(case, dtype=jnp.float32, mesh=None, split_rope=True):
