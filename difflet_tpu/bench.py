@@ -80,6 +80,9 @@ def parser():
     ap.add_argument("--json", help="write the results as JSON to this path")
     ap.add_argument("--profile", help="jax.profiler trace of the timed steps into DIR/<model>-<mode>")
     ap.add_argument("--dump-hlo", help="write each compiled step's HLO text into DIR")
+    ap.add_argument("--compile-cache", metavar="DIR",
+                    help="JAX's persistent compilation cache in DIR (created if missing): a second run loads "
+                    "the compiled steps instead of compiling (default: DIFFLET_TPU_COMPILE_CACHE, else off)")
     ap.add_argument("--compile-only", action="store_true", help="deviceless compile + estimate for --topology")
     ap.add_argument("--topology", help="TPU topology for --compile-only, e.g. v5e:2x2, v5e:2x4, v6e:2x2")
     ap.add_argument("--calibrated", choices=("yes", "no"), default="yes",
@@ -125,6 +128,9 @@ def validate(args, ap):
         for flag in ("weights", "embeddings", "profile"):
             if getattr(args, flag):
                 ap.error(f"--{flag} cannot be combined with --compile-only (nothing runs)")
+        if args.compile_cache:  # jax 0.12 writes entries but cannot load them without a TPU client
+            ap.error("--compile-cache cannot be combined with --compile-only (a deviceless compile "
+                     "cannot load cached executables)")
     elif args.topology:
         ap.error("--topology only applies to --compile-only")
     if args.weights and not os.path.isdir(args.weights):
@@ -219,6 +225,7 @@ def run_model(fam, preset, args, mesh, dtype, results, hlo_dir=None):
     from flax import nnx
 
     from difflet_tpu import pipeline as PL
+    from difflet_tpu import runtime
     from difflet_tpu.config import Config
 
     family = PL.FAMILIES[fam]
@@ -266,6 +273,7 @@ def run_model(fam, preset, args, mesh, dtype, results, hlo_dir=None):
         row = dict(base, mode=mode)
         label = f"{fam}:{preset} {mode}"
         t0 = time.perf_counter()
+        stats0 = runtime.compile_stats()
         models = []
         for e in range(n_experts):
             if args.weights:
@@ -297,6 +305,8 @@ def run_model(fam, preset, args, mesh, dtype, results, hlo_dir=None):
         row["peak_memory_bytes"] = peak_memory(mesh)
         row["sha256"] = sha256(final)
         row["profile"] = prof
+        # every XLA compile of this row (cache loads included) and the compile cache's answers
+        row["xla_compile"] = runtime.stats_since(stats0)
         if hlo_dir:
             row["hlo"] = dump_hlo(hlo_dir, f"{fam}-{preset}-{mode}", runners[0], den, mode)
         finals[mode] = final
@@ -371,8 +381,16 @@ def run_bench(args):
     import jax.numpy as jnp
 
     from difflet_tpu import pipeline as PL
+    from difflet_tpu import runtime
+    from difflet_tpu.config import Config
     from difflet_tpu.mesh import make_mesh
 
+    cache_dir = args.compile_cache or Config.from_env().compile_cache
+    if cache_dir:  # before the first compile; a bad directory fails here
+        cache_dir = runtime.enable_compile_cache(cache_dir)
+        # the flag wins over the environment for every Config made later (the Runners)
+        os.environ["DIFFLET_TPU_COMPILE_CACHE"] = cache_dir
+    cache_before = runtime.cache_entries(cache_dir) if cache_dir else None
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype or ("float32" if args.cpu else "bfloat16")]
     ports = PL.landed_ports()
     if args.model:
@@ -401,9 +419,11 @@ def run_bench(args):
     print_table(results)
     if args.json:
         with open(args.json, "w") as f:
+            cache = None if not cache_dir else dict(
+                dir=cache_dir, entries_before=cache_before, entries_after=runtime.cache_entries(cache_dir))
             json.dump(dict(kind="bench", platform="cpu" if args.cpu else "tpu",
-                           libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS"), results=results), f, indent=1,
-                      default=str)
+                           libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS"), compile_cache=cache,
+                           results=results), f, indent=1, default=str)
     return 1 if failed else 0
 
 
@@ -422,7 +442,8 @@ def compile_one(port, fam, preset, cfg, shape, variant, mesh, chip, calibration,
     from difflet_tpu.config import Config
 
     pmode, overrides = COMPILE_VARIANTS[variant]
-    config = Config.from_env(**overrides)
+    # no compile cache: a deviceless compile writes entries it can never load
+    config = Config.from_env(compile_cache=None, **overrides)
     P = mesh.devices.size
     inputs = port.example_inputs(cfg, **shape, batch=batch, seed=0, dtype=jnp.bfloat16)
     analytic = float(port.flops(cfg, inputs))

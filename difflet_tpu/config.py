@@ -41,6 +41,11 @@ class Config:
     wan_sp_pad: pad Wan's patch sequence so each ring half is whole tiles (`DIFFLET_TPU_WAN_SP_PAD`).
     split_rope: split-halves RoPE by a one-time q/k weight permutation for
         checkpoints with interleaved RoPE (`DIFFLET_TPU_SPLIT_ROPE`).
+    compile_cache: a directory for JAX's persistent compilation cache, so a
+        later process loads the compiled steps instead of recompiling; None
+        turns it off (`DIFFLET_TPU_COMPILE_CACHE`). The Runner and the bench
+        enable it with `runtime.enable_compile_cache`, which creates the
+        directory and checks that it is writable.
     """
 
     sp: bool = False
@@ -50,6 +55,7 @@ class Config:
     sp_single: bool = True
     wan_sp_pad: bool = True
     split_rope: bool = True
+    compile_cache: str | None = None
 
     def __post_init__(self):
         for name in ("sp", "sp_single", "wan_sp_pad", "split_rope"):
@@ -61,6 +67,8 @@ class Config:
             raise ConfigError(f"Config.sp_rs_kernel must be one of {KERNEL_VALUES}, got {self.sp_rs_kernel!r}")
         if self.sp_ag_assemble not in ASSEMBLE_VALUES:
             raise ConfigError(f"Config.sp_ag_assemble must be one of {ASSEMBLE_VALUES}, got {self.sp_ag_assemble!r}")
+        if self.compile_cache is not None:
+            _check_cache_path("Config.compile_cache", self.compile_cache)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Config":
@@ -107,6 +115,20 @@ def _parse_choice(choices):
     return parse
 
 
+def _check_cache_path(name: str, value) -> None:
+    # the directory itself is created and tested by runtime.enable_compile_cache
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{name}={value!r} is not allowed; use one of: a directory path, or unset it")
+    if "://" in value:
+        raise ConfigError(f"{name}={value!r} is not allowed; use one of: a local directory path "
+                          f"(remote caches are not supported)")
+
+
+def _parse_path(var: str, value: str) -> str:
+    _check_cache_path(var, value)
+    return value.strip()
+
+
 # Variable -> (Config field, parser). The one list of toggles.
 ENV_VARS = {
     "DIFFLET_TPU_SP": ("sp", _parse_bool),
@@ -116,6 +138,7 @@ ENV_VARS = {
     "DIFFLET_TPU_SP_SINGLE": ("sp_single", _parse_bool),
     "DIFFLET_TPU_WAN_SP_PAD": ("wan_sp_pad", _parse_bool),
     "DIFFLET_TPU_SPLIT_ROPE": ("split_rope", _parse_bool),
+    "DIFFLET_TPU_COMPILE_CACHE": ("compile_cache", _parse_path),
 }
 
 

@@ -8,6 +8,10 @@ once for every mode; `compile_step` wraps it:
   sharded by the model's parallel plan, inputs by the caller's specs.
 
 Padding, slicing and permutations happen before this, eagerly.
+
+`enable_compile_cache(dir)` turns on JAX's persistent compilation cache so a
+later process loads the compiled steps; `compile_stats()` counts compiles and
+the cache's hits and misses (jax.monitoring events).
 """
 
 from __future__ import annotations
@@ -62,3 +66,111 @@ def abstract_model(build, mesh=None, plan=None):
                           state, specs)
     nnx.update(model, placed)
     return model
+
+
+# --------------------------------------------------------------------------
+# Persistent compilation cache
+# --------------------------------------------------------------------------
+
+# jax.monitoring events (jax 0.12: jax/_src/compiler.py, compilation_cache.py,
+# dispatch.py). A "miss" is recorded when an entry is written; with the
+# thresholds below every miss is written.
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # every XLA compile or cache load
+CACHE_REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+CACHE_MISS_EVENT = "/jax/compilation_cache/cache_misses"
+CACHE_ENTRY_SUFFIX = "-cache"  # jax's LRUCache file names: <key>-cache (+ <key>-atime)
+
+
+class CompileCacheError(ValueError):
+    """The compile cache directory cannot be used (named, with the reason)."""
+
+
+def enable_compile_cache(path: str) -> str:
+    """Turns on JAX's persistent compilation cache in `path` for this process.
+
+    Every compiled program is written (no minimum compile time or size, so
+    CPU compiles of tiny presets are cached too) and a later process with the
+    same programs, devices, flags and jax/libtpu versions loads them instead
+    of compiling. Call it before the first compile. The directory is created
+    if missing and must be a writable local directory; anything else is a
+    `CompileCacheError` here, before any work. Returns the absolute path.
+    See https://docs.jax.dev/en/latest/persistent_compilation_cache.html.
+    """
+    import os
+    import tempfile
+
+    if not isinstance(path, str) or not path.strip():
+        raise CompileCacheError(f"compile cache directory must be a non-empty path, got {path!r}")
+    if "://" in path:
+        # jax can write to gs:// through etils, but we only validate local paths
+        raise CompileCacheError(f"compile cache {path!r}: only local directories are supported")
+    full = os.path.abspath(os.path.expanduser(path))
+    try:
+        os.makedirs(full, exist_ok=True)
+    except OSError as e:
+        raise CompileCacheError(f"compile cache {path!r}: cannot create the directory ({e.strerror})") from e
+    try:  # a real write: os.access misjudges read-only mounts and root
+        with tempfile.NamedTemporaryFile(dir=full, prefix=".difflet-write-test-"):
+            pass
+    except OSError as e:
+        raise CompileCacheError(f"compile cache {path!r}: directory is not writable ({e.strerror})") from e
+
+    previous = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", full)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    if previous is not None and os.path.abspath(previous) != full:
+        # jax opens its cache once per process; a new directory needs a reset
+        from jax.experimental.compilation_cache import compilation_cache
+
+        compilation_cache.reset_cache()
+    compile_stats()  # install the listeners before the first compile
+    return full
+
+
+def cache_entries(path: str) -> int:
+    """Number of compiled programs stored in a compile cache directory."""
+    import os
+
+    if not os.path.isdir(path):
+        return 0
+    return sum(1 for name in os.listdir(path) if name.endswith(CACHE_ENTRY_SUFFIX))
+
+
+_STATS = {"compiles": 0, "compile_s": 0.0, "cache_requests": 0, "cache_hits": 0, "cache_misses": 0}
+_LISTENING = False
+
+
+def _on_event(event, **kw):
+    key = {CACHE_REQUEST_EVENT: "cache_requests", CACHE_HIT_EVENT: "cache_hits",
+           CACHE_MISS_EVENT: "cache_misses"}.get(event)
+    if key:
+        _STATS[key] += 1
+
+
+def _on_duration(event, duration, **kw):
+    if event == COMPILE_EVENT:
+        _STATS["compiles"] += 1
+        _STATS["compile_s"] += duration
+
+
+def compile_stats() -> dict:
+    """Process-wide counters since the first call: XLA compiles (cache loads
+    included) and their seconds, compile-cache requests, hits and misses.
+    Take the difference of two snapshots for one piece of work."""
+    global _LISTENING
+    if not _LISTENING:
+        jax.monitoring.register_event_listener(_on_event)
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        _LISTENING = True
+    return dict(_STATS)
+
+
+def stats_since(before: dict) -> dict:
+    """`compile_stats()` now minus `before`."""
+    now = compile_stats()
+    out = {k: now[k] - before[k] for k in now}
+    out["compile_s"] = round(out["compile_s"], 3)
+    return out

@@ -12,6 +12,7 @@ GOOD = {
     "DIFFLET_TPU_SP_SINGLE": [("0", False), ("1", True)],
     "DIFFLET_TPU_WAN_SP_PAD": [("0", False), ("1", True)],
     "DIFFLET_TPU_SPLIT_ROPE": [("0", False), ("1", True)],
+    "DIFFLET_TPU_COMPILE_CACHE": [("/tmp/jax-cache", "/tmp/jax-cache"), (" cache ", "cache")],
 }
 BAD = {
     "DIFFLET_TPU_SP": ["2", "yes", "true", ""],
@@ -21,6 +22,7 @@ BAD = {
     "DIFFLET_TPU_SP_SINGLE": ["on"],
     "DIFFLET_TPU_WAN_SP_PAD": ["-1"],
     "DIFFLET_TPU_SPLIT_ROPE": ["off"],
+    "DIFFLET_TPU_COMPILE_CACHE": ["", " ", "gs://bucket/cache"],
 }
 
 
