@@ -140,8 +140,3 @@ ENV_VARS = {
     "DIFFLET_TPU_SPLIT_ROPE": ("split_rope", _parse_bool),
     "DIFFLET_TPU_COMPILE_CACHE": ("compile_cache", _parse_path),
 }
-
-
-def load(**overrides) -> Config:
-    """`Config.from_env(**overrides)`: the environment with explicit overrides."""
-    return Config.from_env(**overrides)
