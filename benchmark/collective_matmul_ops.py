@@ -92,8 +92,8 @@ def roofline_us(name, chip):
     else:
         hbm = 2 * (S * sum(widths) + P_RING * sum(widths) * N + S // P_RING * N)
         ici = (P_RING - 1) * h * N * 2
-    return dict(mxu=flops(name) / chip["bf16_flops"] * 1e6, hbm=hbm / chip["hbm_bw"] * 1e6,
-                ici=ici / chip["ici_bw"] * 1e6)
+    return dict(mxu=flops(name) / chip.bf16_flops * 1e6, hbm=hbm / chip.hbm_bw * 1e6,
+                ici=ici / chip.ici_link_bw * 1e6)
 
 
 def compile_variant(f, abstract, variant):
@@ -203,10 +203,12 @@ def kernel_plan(name):
 
 def compile_only(args):
     from difflet_tpu import deviceless
+    from difflet_tpu.estimate import CHIPS
     from difflet_tpu.kernels import _common
 
     mesh = deviceless.topology_mesh(args.topology)
-    clock = deviceless.CHIPS.get(deviceless.parse_topology(args.topology)[0], {}).get("clock_hz", 1.5e9)
+    chip = CHIPS.get(deviceless.parse_topology(args.topology)[0])  # None: no roofline for this generation
+    clock = chip.clock_hz if chip else 1.5e9
     print(f"# deviceless compile for {args.topology}, tp={P_RING}, bf16; "
           f"estimated_cycles summed over XLA ops, us at {clock / 1e9:.2f} GHz")
     print(f"# (serial sum of per-op estimates: ignores overlap and collective transfer time; a Pallas kernel "
@@ -249,7 +251,6 @@ def compile_only(args):
                 else:
                     print("           kernel VMEM plan:")
                     print("         " + plan.describe().replace("\n", "\n         "))
-                    chip = deviceless.CHIPS.get(deviceless.parse_topology(args.topology)[0])
                     if chip:
                         r = roofline_us(name, chip)
                         rec["roofline_us"] = r

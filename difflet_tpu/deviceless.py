@@ -20,12 +20,6 @@ import sys
 # topology name -> TPU_ACCELERATOR_TYPE libtpu expects
 _GENERATION = {"v5e": "v5litepod-{n}", "v6e": "v6e-{n}", "v5p": "v5p-{n2}", "v4": "v4-{n2}"}
 
-# per-chip facts used by reports (public specs, see docs/benchmarks.md)
-CHIPS = {
-    "v5e": dict(hbm_bytes=16 * 2**30, bf16_flops=197e12, hbm_bw=819e9, ici_bw=45e9, clock_hz=1.5e9),
-    "v6e": dict(hbm_bytes=32 * 2**30, bf16_flops=918e12, hbm_bw=1640e9, ici_bw=90e9, clock_hz=1.75e9),
-}
-
 
 def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
     """"v5e:2x2" -> ("v5e", (2, 2))."""
