@@ -301,9 +301,3 @@ def all_gather_matmul(x, weights, *, axis_name="tp", interpret=False,
         name="all_gather_matmul",
     )(tables, x3, *weights)
     return [o.reshape(*lead, S, o.shape[-1]) for o in outs]
-
-
-def reference(x, weights, *, axis_name="tp"):
-    """Plain JAX: `lax.all_gather` on the row axis, then one dot per weight."""
-    xg = lax.all_gather(x, axis_name, axis=x.ndim - 2, tiled=True)
-    return [jnp.dot(xg, w, preferred_element_type=jnp.float32).astype(x.dtype) for w in weights]

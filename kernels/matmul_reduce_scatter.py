@@ -321,13 +321,3 @@ def matmul_reduce_scatter(pairs, *, axis_name="tp", interpret=False,
         name="matmul_reduce_scatter",
     )(tables, *x3, *ws)
     return out.reshape(*lead, s, N)
-
-
-def reference(pairs, *, axis_name="tp"):
-    """Plain JAX: the f32 sum of the dots, then `lax.psum_scatter` on the row axis."""
-    y = None
-    for x, w in pairs:
-        p = jnp.dot(x, w, preferred_element_type=jnp.float32)
-        y = p if y is None else y + p
-    out = lax.psum_scatter(y, axis_name, scatter_dimension=y.ndim - 2, tiled=True)
-    return out.astype(pairs[0][0].dtype)

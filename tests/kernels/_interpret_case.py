@@ -108,8 +108,8 @@ def run(spec):
             o = np.asarray(o.astype(jnp.float32))
             errs.append(float(np.abs(o - ref).max() / max(1.0, np.abs(ref).max())))
         result["rel_err"] = errs
-        if kind == "ag":  # the module's pure-JAX reference, against numpy too
-            r = jax.jit(jax.shard_map(lambda x, *w: agk.reference(x, list(w)), mesh=mesh,
+        if kind == "ag":  # the one plain reference (collective_matmul's, the sp-xla path), against numpy too
+            r = jax.jit(jax.shard_map(lambda x, *w: cm.all_gather_matmul_reference(x, list(w)), mesh=mesh,
                                       in_specs=(P(*lead, "tp", None),) + (P(None, "tp"),) * nw,
                                       out_specs=[P(*lead, None, "tp")] * nw))(*args)
             result["ref_err"] = [float(np.abs(np.asarray(o.astype(jnp.float32)) - x @ w).max()
@@ -133,8 +133,9 @@ def run(spec):
         ref = sum(a @ w for a, w in zip(xs, ws))
         o = np.asarray(out.astype(jnp.float32))
         result["rel_err"] = [float(np.abs(o - ref).max() / max(1.0, np.abs(ref).max()))]
-        if kind == "rs":
-            r = jax.jit(jax.shard_map(lambda *a: rsk.reference(list(zip(a[:n], a[n:]))), mesh=mesh,
+        if kind == "rs":  # the one plain reference, as above
+            r = jax.jit(jax.shard_map(lambda *a: cm.matmul_reduce_scatter_reference(list(zip(a[:n], a[n:]))),
+                                      mesh=mesh,
                                       in_specs=(P(*lead, None, "tp"),) * n + (P("tp", None),) * n,
                                       out_specs=P(*lead, "tp", None)))(*args)
             result["ref_err"] = [float(np.abs(np.asarray(r.astype(jnp.float32)) - ref).max()
