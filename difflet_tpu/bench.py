@@ -35,7 +35,7 @@ XLA_CM_FLAGS = {
     "xla_tpu_all_gather_collective_matmul_mode": "POST_SPMD",
     "xla_tpu_reduce_scatter_collective_matmul_mode": "POST_SPMD",
 }
-# shapes that fit each family's tiny preset (the porting-brief fixture grids)
+# shapes that fit each family's tiny preset (the grids of tests/fixtures, see its README)
 TINY_SHAPES = {
     "flux": dict(height=64, width=96, frames=1),
     "wan": dict(height=64, width=96, frames=9),
