@@ -38,7 +38,12 @@ class Config:
         (one gather over the arrived chunks) or "dus" (dynamic_update_slice
         into a buffer) (`DIFFLET_TPU_SP_AG_ASSEMBLE`).
     sp_single: HunyuanVideo's single-stream blocks under SP too (`DIFFLET_TPU_SP_SINGLE`).
-    wan_sp_pad: pad Wan's patch sequence so each ring half is whole tiles (`DIFFLET_TPU_WAN_SP_PAD`).
+    sp_pad: under SP, pad token streams that do not split into whole ring halves
+        (pad keys masked); False refuses them with the rule (`DIFFLET_TPU_SP_PAD`).
+        The Runner's `pad=` argument overrides it.
+    check_vma: `shard_map`'s varying-manual-axes check, so an output declared
+        replicated that differs by rank fails to trace (`DIFFLET_TPU_CHECK_VMA`;
+        the test suite turns it on).
     split_rope: split-halves RoPE by a one-time q/k weight permutation for
         checkpoints with interleaved RoPE (`DIFFLET_TPU_SPLIT_ROPE`).
     compile_cache: a directory for JAX's persistent compilation cache, so a
@@ -53,12 +58,13 @@ class Config:
     sp_rs_kernel: str = "jax"
     sp_ag_assemble: str = "concat"
     sp_single: bool = True
-    wan_sp_pad: bool = True
+    sp_pad: bool = True
+    check_vma: bool = False
     split_rope: bool = True
     compile_cache: str | None = None
 
     def __post_init__(self):
-        for name in ("sp", "sp_single", "wan_sp_pad", "split_rope"):
+        for name in ("sp", "sp_single", "sp_pad", "check_vma", "split_rope"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         if self.sp_kernel is not None and self.sp_kernel not in KERNEL_VALUES:
@@ -136,7 +142,8 @@ ENV_VARS = {
     "DIFFLET_TPU_SP_RS_KERNEL": ("sp_rs_kernel", _parse_choice(KERNEL_VALUES)),
     "DIFFLET_TPU_SP_AG_ASSEMBLE": ("sp_ag_assemble", _parse_choice(ASSEMBLE_VALUES)),
     "DIFFLET_TPU_SP_SINGLE": ("sp_single", _parse_bool),
-    "DIFFLET_TPU_WAN_SP_PAD": ("wan_sp_pad", _parse_bool),
+    "DIFFLET_TPU_SP_PAD": ("sp_pad", _parse_bool),
+    "DIFFLET_TPU_CHECK_VMA": ("check_vma", _parse_bool),
     "DIFFLET_TPU_SPLIT_ROPE": ("split_rope", _parse_bool),
     "DIFFLET_TPU_COMPILE_CACHE": ("compile_cache", _parse_path),
 }

@@ -1,11 +1,63 @@
 """Flax ports of diffusers DiTs, installed as `difflet_tpu.models` (never top-level `models`).
 
-REGISTRY maps a diffusers `_class_name` to its port module. Each port module
-provides: `config_from_diffusers(cfg, *, split_rope=True)`, `PRESETS`,
-`build(config, *, dtype, rngs)`, `PLAN`, `key_map(config, model)` and a
-`Runner` (see docs/porting.md).
+Each port is one folder with the same files (docs/porting.md): `config.py`,
+`model.py`, `keys.py`, `rope.py`, `port.py`, and an `__init__.py` that
+declares its `SPEC` (`difflet_tpu.port.PortSpec`). The registry below is the
+one list of ports; everything else is read from their specs.
 """
 
+from __future__ import annotations
+
+import importlib
+
+PORTS = ("flux", "wan", "hunyuan_video", "ltx2")
+
+
+def spec(name: str):
+    """The `PortSpec` of port `name` ("flux", "wan", ...)."""
+    if name not in PORTS:
+        raise ValueError(f"unknown model port {name!r}; ports: {', '.join(PORTS)}")
+    return importlib.import_module(f"difflet_tpu.models.{name}").SPEC
+
+
+def specs() -> dict:
+    """Every port's spec, by name."""
+    return {name: spec(name) for name in PORTS}
+
+
+def spec_for_class(class_name: str):
+    """The spec of the port that loads diffusers class `class_name`."""
+    for s in specs().values():
+        if class_name in s.class_names:
+            return s
+    known = sorted(c for s in specs().values() for c in s.class_names)
+    raise ValueError(f"no port for diffusers class {class_name!r}; ported: {', '.join(known)}")
+
+
+def spec_for_model(model):
+    """The spec of the port whose model class `model` is (or a registered test port's)."""
+    import sys
+
+    loaded = [getattr(sys.modules.get(f"difflet_tpu.models.{n}"), "SPEC", None) for n in PORTS]
+    for s in (*[s for s in loaded if s is not None], *_EXTRA):
+        if isinstance(model, s.model_class):
+            return s
+    raise TypeError(f"{type(model).__name__} is not a model of any port ({', '.join(PORTS)})")
+
+
+_EXTRA = []
+
+
+def register(port_spec):
+    """Registers an out-of-tree spec for `spec_for_model` (e.g. the toy port of
+    difflet_tpu.testing); in-tree ports are listed in PORTS."""
+    if port_spec not in _EXTRA:
+        _EXTRA.append(port_spec)
+    return port_spec
+
+
+# diffusers `_class_name` -> port module, for the loader (transitional literal
+# while ports move to specs).
 REGISTRY = {
     "FluxTransformer2DModel": "difflet_tpu.models.flux",
     "WanTransformer3DModel": "difflet_tpu.models.wan",

@@ -10,7 +10,8 @@ GOOD = {
     "DIFFLET_TPU_SP_RS_KERNEL": [("jax", "jax"), ("pallas", "pallas")],
     "DIFFLET_TPU_SP_AG_ASSEMBLE": [("concat", "concat"), ("dus", "dus")],
     "DIFFLET_TPU_SP_SINGLE": [("0", False), ("1", True)],
-    "DIFFLET_TPU_WAN_SP_PAD": [("0", False), ("1", True)],
+    "DIFFLET_TPU_SP_PAD": [("0", False), ("1", True)],
+    "DIFFLET_TPU_CHECK_VMA": [("0", False), ("1", True)],
     "DIFFLET_TPU_SPLIT_ROPE": [("0", False), ("1", True)],
     "DIFFLET_TPU_COMPILE_CACHE": [("/tmp/jax-cache", "/tmp/jax-cache"), (" cache ", "cache")],
 }
@@ -20,7 +21,8 @@ BAD = {
     "DIFFLET_TPU_SP_RS_KERNEL": ["xla", "0"],
     "DIFFLET_TPU_SP_AG_ASSEMBLE": ["stack", ""],
     "DIFFLET_TPU_SP_SINGLE": ["on"],
-    "DIFFLET_TPU_WAN_SP_PAD": ["-1"],
+    "DIFFLET_TPU_SP_PAD": ["-1"],
+    "DIFFLET_TPU_CHECK_VMA": ["yes"],
     "DIFFLET_TPU_SPLIT_ROPE": ["off"],
     "DIFFLET_TPU_COMPILE_CACHE": ["", " ", "gs://bucket/cache"],
 }
@@ -32,8 +34,8 @@ def test_every_variable_is_covered():
 
 def test_defaults():
     c = Config.from_env({})
-    assert (c.sp, c.sp_kernel, c.sp_rs_kernel, c.sp_ag_assemble, c.sp_single, c.wan_sp_pad, c.split_rope) == (
-        False, None, "jax", "concat", True, True, True)
+    assert (c.sp, c.sp_kernel, c.sp_rs_kernel, c.sp_ag_assemble, c.sp_single, c.sp_pad, c.check_vma, c.split_rope) == (
+        False, None, "jax", "concat", True, True, False, True)
 
 
 @pytest.mark.parametrize("var", sorted(GOOD))

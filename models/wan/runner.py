@@ -8,7 +8,7 @@ one `shard_map`), everything rank-independent happens eagerly:
 * validation against the config, before anything compiles;
 * patchify (the Conv3d patch embedding's input as rows of (c, pt, ph, pw)
   features, tokens in (f, h, w) order);
-* under SP, row padding (`Config.wan_sp_pad`, default on): the sequence is
+* under SP, row padding (`Config.sp_pad`, default on): the sequence is
   padded so each ring half is whole 16-row tiles (4680 -> 4736 at P=4), each
   rank receives its rows; pad keys are dropped in self-attention, pad rows get
   the identity rotation, the output is gathered and cut back. With padding
@@ -275,12 +275,12 @@ class Runner:
         """Rows of the compiled sequence: N, or N padded for the SP rings."""
         if not self.par.seq_sharded:
             return N
-        if self.config.wan_sp_pad:
+        if self.config.sp_pad:
             return layout.padded_length(N, 2 * self.size * SP_TILE_ROWS)
         if N % (2 * self.size):
             raise ValueError(f"sequence parallelism over tp={self.size}: {N} patch tokens do not split; "
-                             f"{cm.split_rule(self.size)} (or enable DIFFLET_TPU_WAN_SP_PAD=1, "
-                             f"Config(wan_sp_pad=True), which pads it)")
+                             f"{cm.split_rule(self.size)} (or enable DIFFLET_TPU_SP_PAD=1, "
+                             f"Config(sp_pad=True), which pads it)")
         return N
 
     # ---- eager preparation -----------------------------------------------

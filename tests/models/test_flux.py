@@ -128,7 +128,7 @@ def test_pallas_kernels_fall_back_at_fixture_sizes(caplog):
     model, mesh = _model(4, True)
     r = runner(model, mesh, "sp", conf)
     assert (r.par.ag_impl, r.par.rs_impl) == ("pallas", "pallas")
-    assert r.stream_multiple(jnp.float32) == 64
+    assert r.row_multiple() == 64
     kwargs, ref = fixture("flux")
     with caplog.at_level(logging.WARNING, logger="difflet_tpu.collective_matmul"):
         out = r(**kwargs)
@@ -168,7 +168,7 @@ def test_sp_pallas_kernels_run_in_the_model(caplog, monkeypatch):
     cm._NOTICED.clear()
     r = runner(model, make_mesh(2), "sp", Config(sp=True, sp_kernel="pallas", sp_rs_kernel="pallas"))
     assert (r.par.ag_impl, r.par.rs_impl, r.par.interpret) == ("pallas", "pallas", True)
-    assert r.stream_multiple(jnp.float32) == 32
+    assert r.row_multiple() == 32
     with caplog.at_level(logging.WARNING, logger="difflet_tpu.collective_matmul"):
         out = np.asarray(r(**kwargs))
     assert not [rec for rec in caplog.records if "unsupported" in rec.getMessage()], caplog.text
@@ -238,7 +238,7 @@ def test_sp_pad_key_mask_float64(plain64):
 def test_sp_refuses_unsplittable_streams_without_padding():
     model, mesh = _model(4, True)
     kwargs, _ = fixture("flux_pad")
-    with pytest.raises(ValueError, match=r"image stream of 15 tokens over tp=4.*multiple of 2\*P = 8"):
+    with pytest.raises(ValueError, match=r"cannot split 15 image tokens over tp=4.*multiple of 2\*P = 8"):
         runner(model, mesh, "sp", pad=False)(**kwargs)
     # an evenly splitting input runs without padding
     kwargs, ref = fixture("flux")

@@ -367,7 +367,7 @@ def test_sp_errors_before_compilation():
         runner(**kwargs)
     c = hv.config_from_diffusers(dict(hv.PRESETS["tiny"], num_attention_heads=3, attention_head_dim=16))
     abstract = nnx.eval_shape(lambda: hv.build(c, rngs=nnx.Rngs(0)))
-    with pytest.raises(ValueError, match="3 attention heads do not divide over tp=2"):
+    with pytest.raises(ValueError, match="3 heads do not divide over tp=2"):
         hv.Runner(abstract, make_mesh(2), Config(), mode="sp")
 
 

@@ -388,7 +388,7 @@ def test_bad_inputs_are_refused():
 
 def test_heads_must_divide_over_tp():
     model, _ = load("ltx2")
-    with pytest.raises(ValueError, match="num_attention_heads=4 does not divide over tp=3"):
+    with pytest.raises(ValueError, match="num_attention_heads=4: 4 heads do not divide over tp=3"):
         ltx2.Runner(model, make_mesh(3), Config(), mode="tp")
 
 

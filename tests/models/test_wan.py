@@ -142,15 +142,15 @@ def test_sp_row_padding_float64():
 
 
 def test_sp_without_row_padding():
-    """DIFFLET_TPU_WAN_SP_PAD=0: a sequence that splits runs unpadded; one that does not is refused."""
+    """DIFFLET_TPU_SP_PAD=0: a sequence that splits runs unpadded; one that does not is refused."""
     mesh = make_mesh(4)
     kwargs, ref = fixture("wan_t2v")  # 72 tokens = 8 * 9
-    runner = wan.Runner(load_f32("wan_t2v", 4), mesh, Config(wan_sp_pad=False), "sp")
+    runner = wan.Runner(load_f32("wan_t2v", 4), mesh, Config(sp_pad=False), "sp")
     assert runner.shapes(**kwargs).rows == 72
     assert rel(runner(**kwargs), ref) <= 1e-5
     kwargs, _ = fixture("wan_t2v_pad")  # 45 tokens
-    runner = wan.Runner(load_f32("wan_t2v_pad", 4), mesh, Config(wan_sp_pad=False), "sp")
-    with pytest.raises(ValueError, match=r"45 patch tokens do not split.*multiple of 2\*P = 8.*WAN_SP_PAD"):
+    runner = wan.Runner(load_f32("wan_t2v_pad", 4), mesh, Config(sp_pad=False), "sp")
+    with pytest.raises(ValueError, match=r"45 patch tokens do not split.*multiple of 2\*P = 8.*SP_PAD"):
         runner(**kwargs)
 
 

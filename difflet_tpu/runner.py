@@ -1,0 +1,234 @@
+"""One Runner for every port: diffusers' forward kwargs in, diffusers' sample out.
+
+`Runner(model, mesh=None, config=None, mode=None)(**kwargs)`:
+
+1. validates (the port's `prepare`, before anything compiles);
+2. pads eagerly by one rule (`row_multiple`), so every rank runs one program;
+3. builds the step inputs on the host (patches, RoPE tables: `constant`
+   caches those per geometry) and places them with their PartitionSpecs;
+4. calls the compiled step: one `jax.jit` of one `jax.shard_map` over the
+   `tp` axis (plain `jax.jit` on one device), compiled once per static
+   geometry, with the Runner's `compiler_options`;
+5. finishes eagerly (cut the pad off, unpatchify).
+
+`Runner.trace(**abstract_kwargs)` runs the same path with ShapeDtypeStructs,
+for deviceless compiles: `runner.trace(**kw).lower().compile()`.
+
+The Runner never changes the model it is given: parameters are placed on the
+mesh as a new state (a no-op for a model loaded onto this mesh), so one model
+serves Runners of any mode and can be saved at any time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from difflet_tpu import checks, collective_matmul as cm, layout
+from difflet_tpu.config import Config
+from difflet_tpu.kernels import _common as kernel_rules
+from difflet_tpu.mesh import TP
+from difflet_tpu.parallel import Parallel, check_divisible, param_specs
+
+
+def _is_abstract(x) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def model_dtype(model):
+    """The compute dtype of a model: the dtype of its largest parameter."""
+    leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
+    if not leaves:
+        raise ValueError("the model has no parameters")
+    return jnp.dtype(max(leaves, key=lambda x: int(np.prod(x.shape))).dtype)
+
+
+class Runner:
+    """Runs a port's model on one device (`mesh=None`), under TP or under SP.
+
+    Args:
+      model: a port model (built, loaded, or `runtime.abstract_model(...)` for
+        `trace` only). Its port is found from its class.
+      mesh: a `tp` mesh (`difflet_tpu.make_mesh`), or None for one device.
+      config: `difflet_tpu.Config` (default: the environment): `sp` picks SP over
+        TP; the ring kernels; `compile_cache`.
+      mode: overrides the config's choice: "tp", "sp" or "sp-xla".
+      pad: under SP, pad token streams to `row_multiple()` (pad keys masked;
+        default `Config.sp_pad`, on);
+        False refuses inputs SP cannot split, with the rule in the error.
+      compiler_options: XLA options for every compile of the step (e.g. TPU
+        collective-matmul flags for sp-xla).
+      check_finite: after each call, raise `checks.NonFiniteError` if the
+        output has a NaN or inf (one device-side reduction; for serving loops).
+      **options: the port's own options (its `PortSpec.options`, e.g. Wan's
+        `cache_text`).
+    """
+
+    def __init__(self, model, mesh=None, config: Config | None = None, mode: str | None = None, *,
+                 pad: bool | None = None, compiler_options: dict | None = None, check_finite: bool = False,
+                 **options):
+        from difflet_tpu import models
+
+        self.spec = models.spec_for_model(model)
+        unknown = set(options) - set(self.spec.options)
+        if unknown:
+            known = ", ".join(sorted(self.spec.options)) or "none"
+            raise TypeError(f"unknown {self.spec.name} Runner options {sorted(unknown)} (port options: {known})")
+        self.options = {**self.spec.options, **options}
+        self.model = model
+        self.cfg = model.config
+        self.mesh = mesh
+        self.config = Config.from_env() if config is None else config
+        if getattr(self.config, "compile_cache", None):  # TODO(compile cache lands): plain attribute
+            from difflet_tpu import runtime
+
+            runtime.enable_compile_cache(self.config.compile_cache)
+        self.par = Parallel.for_mesh(mesh, self.config, mode=mode, ag_default=self.spec.ag_default)
+        self.pad = self.config.sp_pad if pad is None else bool(pad)
+        self.compiler_options = dict(compiler_options) if compiler_options else None
+        self.check_finite = bool(check_finite)
+        self.dtype = model_dtype(model)
+        for name, heads in self.spec.heads(self.cfg).items():
+            if heads % self.par.size:
+                raise ValueError(f"{self.spec.name}: {name}={heads}: {heads} heads do not divide over "
+                                 f"tp={self.par.size} ranks (TP and SP split attention heads)")
+        self._graphdef, state = nnx.split(model)
+        self.abstract = any(_is_abstract(x) for x in jax.tree_util.tree_leaves(state))
+        self._param_specs = None
+        if mesh is not None:
+            check_divisible(self.spec.plan, state, self.par.size)
+            self._param_specs = param_specs(state, self.spec.plan)
+            if not self.abstract:  # a new state; a no-op for arrays already placed this way
+                state = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state,
+                                     self._param_specs)
+        self._state = state
+        self._steps = {}
+        self._constants = {}      # key -> host value (RoPE tables, masks)
+        self._constant_ids = set()  # ids of those host arrays
+        self._placed = {}         # (id, spec) -> placed array
+        self.mask_pad_keys = True  # tests turn this off to show the pad-key mask matters
+        for name, method in self.spec.methods.items():
+            setattr(self, name, method.__get__(self))
+
+    # ---- what ports use in `prepare` ----------------------------------------
+
+    def row_multiple(self) -> int:
+        """Token streams are padded to a multiple of this: 1 unless SP; under SP
+        2P (each rank's rows are two ring halves), and whole sublane tiles per
+        half when a Pallas kernel is chosen (its layout rule, kernels/_common.py)."""
+        if not self.par.seq_sharded:
+            return 1
+        mult = 2 * self.par.size
+        if self.par.mode == "sp" and "pallas" in (self.par.ag_impl, self.par.rs_impl):
+            mult *= kernel_rules.sublane_rows(self.dtype)
+        return mult
+
+    def rows(self, n: int, what: str = "tokens") -> int:
+        """`n` rows of a stream as compiled: padded by `row_multiple`, or `n` when it
+        already splits. With `pad=False` a stream that does not split is refused."""
+        mult = self.row_multiple()
+        if n % mult == 0:
+            return n
+        if not self.pad:
+            raise ValueError(f"SP cannot split {n} {what} over tp={self.par.size} (a multiple of {mult} is "
+                             f"needed): {cm.split_rule(self.par.size)}; or let the Runner pad (pad=True)")
+        return layout.padded_length(n, mult)
+
+    def row_spec(self, ndim: int = 3, axis: int = 1) -> P:
+        """PartitionSpec of an activation whose `axis` is the token axis."""
+        if not self.par.seq_sharded:
+            return P()
+        spec = [None] * ndim
+        spec[axis] = TP
+        return P(*spec)
+
+    def constant(self, key, make):
+        """`make()` (host arrays, e.g. RoPE tables) computed once per hashable `key`;
+        its arrays are placed on the mesh once too (see `_place`)."""
+        if key not in self._constants:
+            value = make()
+            self._constants[key] = value
+            self._constant_ids.update(id(a) for a in jax.tree_util.tree_leaves(value))
+        return self._constants[key]
+
+    # ---- steps -------------------------------------------------------------
+
+    def _step(self, key, specs: dict, out_specs):
+        sig = (key, tuple(sorted(specs.items())))
+        if sig not in self._steps:
+            spec, par, graphdef = self.spec, self.par, self._graphdef
+
+            def inner(state, inputs):
+                return spec.forward(nnx.merge(graphdef, state), par, inputs, key)
+
+            if self.mesh is not None:
+                inner = jax.shard_map(inner, mesh=self.mesh, in_specs=(self._param_specs, specs),
+                                      out_specs=out_specs, check_vma=self.config.check_vma)
+            self._steps[sig] = jax.jit(inner, compiler_options=self.compiler_options)
+        return self._steps[sig]
+
+    def _place(self, inputs: dict, specs: dict) -> dict:
+        out = {}
+        for name, v in inputs.items():
+            cached = id(v) in self._constant_ids
+            if cached and (id(v), specs[name]) in self._placed:
+                out[name] = self._placed[id(v), specs[name]]
+                continue
+            if self.mesh is None:
+                placed = v if isinstance(v, jax.Array) else jnp.asarray(v)
+            else:
+                placed = jax.device_put(v, NamedSharding(self.mesh, specs[name]))
+            if cached:  # the host array stays alive in _constants, so its id stays unique
+                self._placed[id(v), specs[name]] = placed
+            out[name] = placed
+        return out
+
+    def _abstract_inputs(self, inputs: dict, specs: dict) -> dict:
+        def sds(name, v):
+            sharding = None if self.mesh is None else NamedSharding(self.mesh, specs[name])
+            return jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v), sharding=sharding)
+
+        return {k: sds(k, v) for k, v in inputs.items()}
+
+    # ---- calls ---------------------------------------------------------------
+
+    def prepare(self, kwargs: dict):
+        """The port's `Prepared` for diffusers kwargs (validation and eager inputs)."""
+        return self.spec.prepare(self, kwargs)
+
+    def __call__(self, *args, **kwargs):
+        """diffusers' forward arguments -> what diffusers returns as the sample."""
+        if self.abstract:
+            raise ValueError("this Runner holds an abstract model (ShapeDtypeStructs): use trace(), not a call")
+        prep = self.prepare(self.spec_kwargs(args, kwargs))
+        step = self._step(prep.key, prep.specs, prep.out_specs)
+        out = step(self._state, self._place(prep.inputs, prep.specs))
+        if self.check_finite:
+            checks.check_finite(out, f"{self.spec.name} step output")
+        return prep.finish(out)
+
+    def trace(self, *args, **kwargs):
+        """`jax.stages.Traced` of the step for these kwargs; ShapeDtypeStructs stand
+        for arrays (their values are never needed to trace): for deviceless
+        compiles, `runner.trace(**inputs).lower().compile()`."""
+        kwargs = self.spec_kwargs(args, kwargs)
+        concrete = {k: (np.zeros(v.shape, v.dtype) if _is_abstract(v) else v) for k, v in kwargs.items()}
+        prep = self.prepare(concrete)
+        step = self._step(prep.key, prep.specs, prep.out_specs)
+        return step.trace(self._state, self._abstract_inputs(prep.inputs, prep.specs))
+
+    def spec_kwargs(self, args, kwargs) -> dict:
+        """Positional arguments named as the port's `forward_args` (diffusers' order)."""
+        if not args:
+            return dict(kwargs)
+        names = self.spec.forward_args
+        if len(args) > len(names):
+            raise TypeError(f"{self.spec.name}: too many positional arguments ({len(args)}); pass keywords")
+        dup = set(names[:len(args)]) & set(kwargs)
+        if dup:
+            raise TypeError(f"{self.spec.name}: got multiple values for {sorted(dup)}")
+        return {**dict(zip(names, args)), **kwargs}

@@ -1,0 +1,214 @@
+"""Running FLUX: diffusers' `FluxTransformer2DModel.forward` kwargs -> the step's inputs.
+
+`prepare` validates the kwargs against the config (errors before anything
+compiles), pads each stream eagerly under SP (`Runner.rows`), and builds on
+the host what diffusers computes from scalars and ids: the timestep /
+guidance sinusoids (cast to the model dtype before the x1000, as
+`CombinedTimestepGuidanceTextProjEmbeddings` does) and the RoPE tables
+(`rope.py`; cached while the ids stay the same). `forward` is the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import numpy as np
+
+from difflet_tpu import layout
+from difflet_tpu.port import Prepared
+from jax.sharding import PartitionSpec as P
+
+from .config import FluxConfig
+from .transformer_flux import rope_tables, timestep_proj
+
+FORWARD_ARGS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids",
+                "txt_ids", "guidance", "joint_attention_kwargs", "controlnet_block_samples",
+                "controlnet_single_block_samples", "return_dict", "controlnet_blocks_repeat")
+STEP_KWARGS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids",
+               "txt_ids", "guidance")
+
+
+def _shape(x):
+    return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+
+
+def _check(run, kw):
+    c = run.cfg
+    extra = {k: v for k, v in kw.items() if k not in STEP_KWARGS}
+    if extra.get("joint_attention_kwargs"):
+        raise ValueError("joint_attention_kwargs (IP-Adapter, LoRA scale) is not supported by this port")
+    for name in ("controlnet_block_samples", "controlnet_single_block_samples"):
+        if extra.get(name) is not None:
+            raise ValueError(f"{name}: ControlNet residuals are not supported by this port")
+    if extra.get("controlnet_blocks_repeat"):
+        raise ValueError("controlnet_blocks_repeat: ControlNet residuals are not supported by this port")
+    for name in ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids",
+                 "txt_ids"):
+        if kw.get(name) is None:
+            raise ValueError(f"{name} is required")
+    hs, ehs, pooled = (_shape(kw[n]) for n in ("hidden_states", "encoder_hidden_states",
+                                                "pooled_projections"))
+    if len(hs) != 3 or hs[-1] != c.in_channels:
+        raise ValueError(f"hidden_states: shape {hs}, expected (batch, image tokens, in_channels={c.in_channels}) "
+                         f"(2x2-packed latents)")
+    B, n_img = hs[0], hs[1]
+    if len(ehs) != 3 or ehs[0] != B or ehs[-1] != c.joint_attention_dim:
+        raise ValueError(f"encoder_hidden_states: shape {ehs}, expected ({B}, text tokens, "
+                         f"joint_attention_dim={c.joint_attention_dim})")
+    n_txt = ehs[1]
+    if n_img < 1 or n_txt < 1:
+        raise ValueError(f"empty stream: {n_img} image and {n_txt} text tokens")
+    if pooled != (B, c.pooled_projection_dim):
+        raise ValueError(f"pooled_projections: shape {pooled}, expected ({B}, {c.pooled_projection_dim})")
+    for name in ("timestep", "guidance"):
+        if kw.get(name) is None:
+            continue
+        s = _shape(kw[name])
+        if len(s) > 1 or (len(s) == 1 and s[0] not in (1, B)):
+            raise ValueError(f"{name}: shape {s}, expected ({B},) (or one value for the batch)")
+    if c.guidance_embeds and kw.get("guidance") is None:
+        raise ValueError("guidance is required: this model has a guidance embedder (FLUX.1-dev style, "
+                         "guidance_embeds=True); pass the raw guidance scale, e.g. [3.5]")
+    if not c.guidance_embeds and kw.get("guidance") is not None:
+        raise ValueError("guidance must be None: this model has no guidance embedder (FLUX.1-schnell "
+                         "style, guidance_embeds=False)")
+    ids = {}
+    for name, n in (("img_ids", n_img), ("txt_ids", n_txt)):
+        s = _shape(kw[name])
+        if len(s) == 3:  # deprecated batched ids: diffusers takes [0]
+            s = s[1:]
+        if s != (n, len(c.axes_dims_rope)):
+            raise ValueError(f"{name}: shape {_shape(kw[name])}, expected ({n}, {len(c.axes_dims_rope)})")
+        ids[name] = s
+    return B, n_img, n_txt
+
+
+def _tables(run, txt_ids, img_ids, n_txt_pad, n_img_pad):
+    """cos, sin [S_pad, head_dim] for [txt_pad | img_pad] (pad rows: cos 1, sin 0), in
+    split-halves order when the model's q/k are; cached by the ids."""
+    txt_ids = np.asarray(txt_ids, np.float32)
+    img_ids = np.asarray(img_ids, np.float32)
+    txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
+    img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
+    h = hashlib.sha256()
+    for a in (txt_ids, img_ids):
+        h.update(str(a.shape).encode())
+        h.update(a.tobytes())
+    c = run.cfg
+
+    def make():
+        hd = c.attention_head_dim
+        cos = np.ones((n_txt_pad + n_img_pad, hd), np.float32)
+        sin = np.zeros((n_txt_pad + n_img_pad, hd), np.float32)
+        for ids, start in ((txt_ids, 0), (img_ids, n_txt_pad)):
+            ct, st = rope_tables(ids, c.axes_dims_rope)
+            cos[start:start + len(ids)] = ct
+            sin[start:start + len(ids)] = st
+        if c.split_rope:
+            perm = layout.rope_permutation(hd)
+            cos, sin = cos[:, perm], sin[:, perm]
+        return cos, sin
+
+    return run.constant(("rope", h.hexdigest(), n_txt_pad, n_img_pad), make)
+
+
+def prepare(run, kw: dict) -> Prepared:
+    """diffusers kwargs -> the step's inputs (eager: validation, padding, tables)."""
+    unknown = set(kw) - set(FORWARD_ARGS)
+    if unknown:
+        raise TypeError(f"unexpected FLUX forward kwargs {sorted(unknown)}")
+    B, n_img, n_txt = _check(run, kw)
+    dtype = run.dtype
+    n_img_pad, n_txt_pad = run.rows(n_img, "image tokens"), run.rows(n_txt, "text tokens")
+    masked = run.mask_pad_keys and (n_img_pad > n_img or n_txt_pad > n_txt)
+
+    def proj(x):  # diffusers: x.to(model dtype) * 1000, then Timesteps(256)
+        return timestep_proj(np.broadcast_to(np.asarray(x).reshape(-1), (B,)), dtype)
+
+    rows = run.row_spec()
+    inputs = dict(
+        hidden_states=layout.pad_tokens(kw["hidden_states"], n_img_pad)[0],
+        encoder_hidden_states=layout.pad_tokens(kw["encoder_hidden_states"], n_txt_pad)[0],
+        pooled_projections=kw["pooled_projections"],
+        timesteps_proj=proj(kw["timestep"]),
+        guidance_proj=proj(kw["guidance"]) if kw.get("guidance") is not None else np.zeros((B, 256), np.float32))
+    inputs["freqs_cos"], inputs["freqs_sin"] = _tables(run, kw["txt_ids"], kw["img_ids"], n_txt_pad, n_img_pad)
+    specs = {k: P() for k in inputs}
+    specs["hidden_states"] = specs["encoder_hidden_states"] = rows
+    if masked:
+        inputs["kv_mask"] = run.constant(("mask", n_txt, n_txt_pad, n_img, n_img_pad), lambda: np.concatenate(
+            [layout.key_mask(n_txt, n_txt_pad), layout.key_mask(n_img, n_img_pad)]))
+        specs["kv_mask"] = P()
+    return_dict = kw.get("return_dict", True)
+
+    def finish(out):
+        out = layout.unpad(out, n_img)
+        return out if return_dict else (out,)
+
+    return Prepared(key=masked, inputs=inputs, specs=specs, out_specs=rows, finish=finish)
+
+
+def forward(model, par, inputs: dict, key):
+    """The step: the model on the prepared inputs (see `FluxTransformer2DModel.__call__`)."""
+    return model(par, **inputs)
+
+
+# --------------------------------------------------------------------------
+# Benchmark inputs and FLOPs
+# --------------------------------------------------------------------------
+
+def example_inputs(config: FluxConfig, *, height: int = 1024, width: int = 1024, frames=None, batch: int = 1,
+                   seed: int = 0, dtype=np.float32, text_len: int = 512, abstract: bool = False) -> dict:
+    """diffusers forward kwargs for a `height x width` image (numpy, or ShapeDtypeStructs).
+
+    As the FluxPipeline makes them: VAE 8x and 2x2 packing -> (H/16) x (W/16)
+    image tokens of in_channels features, `text_len` T5 tokens (512), timestep
+    1.0 (sigma at the first step, /1000 as the pipeline passes it), guidance 3.5
+    (dev only), img_ids (0, row, col), txt_ids zeros. `frames` is ignored (images).
+    """
+    del frames
+    if height % 16 or width % 16:
+        raise ValueError(f"height and width must be multiples of 16 (VAE 8x, 2x2 packing), got {height}x{width}")
+    h, w = height // 16, width // 16
+    n = h * w
+    c = config
+    img_ids = np.zeros((h, w, 3), np.float32)
+    img_ids[..., 1] = np.arange(h)[:, None]
+    img_ids[..., 2] = np.arange(w)[None, :]
+    shapes = dict(hidden_states=((batch, n, c.in_channels), dtype),
+                  encoder_hidden_states=((batch, text_len, c.joint_attention_dim), dtype),
+                  pooled_projections=((batch, c.pooled_projection_dim), dtype),
+                  timestep=((batch,), np.float32),
+                  img_ids=((n, 3), np.float32), txt_ids=((text_len, 3), np.float32))
+    if c.guidance_embeds:
+        shapes["guidance"] = ((batch,), np.float32)
+    if abstract:
+        return {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()}
+    rng = np.random.default_rng(seed)
+    out = {k: rng.standard_normal(shapes[k][0]).astype(np.float32).astype(dtype)
+           for k in ("hidden_states", "encoder_hidden_states", "pooled_projections")}
+    out["timestep"] = np.full((batch,), 1.0, np.float32)
+    out["img_ids"] = img_ids.reshape(n, 3)
+    out["txt_ids"] = np.zeros((text_len, 3), np.float32)
+    if c.guidance_embeds:
+        out["guidance"] = np.full((batch,), 3.5, np.float32)
+    return out
+
+
+def flops(config: FluxConfig, inputs: dict) -> float:
+    """Analytic forward FLOPs: linears 2*n*d_in*d_out,
+    attention 4*S^2*D per block; softmax, norms and RoPE ignored."""
+    c = config
+    B, n_img = _shape(inputs["hidden_states"])[:2]
+    n_txt = _shape(inputs["encoder_hidden_states"])[1]
+    N = n_img + n_txt
+    D, F = c.inner_dim, c.mlp_hidden_dim
+    double = sum(2 * n * (4 * D * D + 2 * D * 4 * D) for n in (n_img, n_txt))
+    single = 2 * N * (3 * D * D + D * F + (D + F) * D)
+    attn = 4 * N * N * D
+    blocks = c.num_layers * (double + attn) + c.num_single_layers * (single + attn)
+    embed = 2 * n_img * c.in_channels * D + 2 * n_txt * c.joint_attention_dim * D + 2 * n_img * D * c.out_features
+    temb = 2 * (256 * D + D * D) * (2 if c.guidance_embeds else 1) + 2 * (c.pooled_projection_dim * D + D * D)
+    modulation = 2 * D * (c.num_layers * 12 * D + c.num_single_layers * 3 * D + 2 * D)
+    return float(B * (blocks + embed + temb + modulation))
