@@ -73,8 +73,8 @@ class Parallel:
         `ag_default` is the model's all-gather-matmul default on TPU.
         """
         config = Config.from_env() if config is None else config
-        if mesh is None:
-            return cls()
+        if mesh is None:  # one chip: splash attention on a TPU too
+            return cls(attn_impl="splash" if jax.default_backend() == "tpu" else "xla")
         platform = mesh.devices.flat[0].platform
         mode = mode or ("sp" if config.sp else "tp")
         return cls(mode=mode, size=mesh.shape[TP],
