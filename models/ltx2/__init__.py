@@ -1,12 +1,48 @@
-"""LTX-2 (diffusers `LTX2VideoTransformer3DModel`) on TPU: single device, TP and SP.
+"""LTX-2 (diffusers `LTX2VideoTransformer3DModel`, LTX-2.0 and LTX-2.3) on TPU: single device, TP and SP.
 
-Exports the port contract of docs/porting.md; docs/models/ltx2.md has the
-parallel plan and the model-specific mechanisms.
+Run it with `difflet_tpu.Runner(model, mesh, config)` (also exported here as
+`Runner`): diffusers' forward kwargs in, `(sample, audio_sample)` out. Notes:
+docs/models/ltx2.md (the parallel plan and the model-specific mechanisms).
 """
 
-from .config import PRESETS, LTX2Config, config_from_diffusers
-from .model import PLAN, LTX2VideoTransformer3DModel, build, key_map
-from .runner import AG_DEFAULT, Runner, example_inputs, flops, latent_shape
+from difflet_tpu import schedulers
+from difflet_tpu.port import Pipeline, PortSpec
+from difflet_tpu.runner import Runner
 
-__all__ = ["PRESETS", "LTX2Config", "config_from_diffusers", "PLAN", "LTX2VideoTransformer3DModel", "build",
-           "key_map", "Runner", "example_inputs", "flops", "latent_shape", "AG_DEFAULT"]
+from .config import CLASS_NAME, PRESETS, LTX2Config, config_from_diffusers
+from .keys import key_map
+from .model import PLAN, LTX2VideoTransformer3DModel, build
+from .port import FORWARD_ARGS, example_inputs, flops, forward, latent_shape, prepare
+
+SPEC = PortSpec(
+    name="ltx2",
+    class_names=(CLASS_NAME,),
+    model_class=LTX2VideoTransformer3DModel,
+    config_from_diffusers=config_from_diffusers,
+    presets=PRESETS,
+    build=build,
+    plan=PLAN,
+    key_map=key_map,
+    prepare=prepare,
+    forward=forward,
+    forward_args=FORWARD_ARGS,
+    heads=lambda c: {"num_attention_heads": c.num_attention_heads,
+                     "audio_num_attention_heads": c.audio_num_attention_heads},
+    released="ltx-2.0",
+    bench_shape=dict(height=480, width=704, frames=49),
+    tiny_shape=dict(height=96, width=128, frames=9),
+    example_inputs=example_inputs,
+    flops=flops,
+    # The bench's LTX-2 pipeline (difflet_tpu/pipeline.py, bench.py): 30 steps,
+    # classifier-free guidance (batch-2 calls) 3.0 on the video and 7.0 on the
+    # audio latents, schedulers.ltx2_schedule shifted by the video token count.
+    pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedulers.ltx2_schedule(
+        steps, inputs["hidden_states"].shape[1]), steps=30, guidance=3.0, guidance_mode="cfg",
+        latent_keys=("hidden_states", "audio_hidden_states"), extra_guidance={"audio_guidance": 7.0}),
+    # The JAX ring under SP on TPU: the Pallas all-gather kernel measured flat
+    # here in the reference PR (the step is ICI-bound).
+    ag_default="jax",
+)
+
+__all__ = ["SPEC", "CLASS_NAME", "PRESETS", "LTX2Config", "config_from_diffusers", "PLAN",
+           "LTX2VideoTransformer3DModel", "build", "key_map", "Runner", "example_inputs", "flops", "latent_shape"]

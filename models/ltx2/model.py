@@ -532,7 +532,7 @@ class LTX2VideoTransformer3DModel(nnx.Module):
         self.audio_proj_out = lin(adim, c.audio_output_channels)
 
     def __call__(self, par, inputs: dict, *, isolate_modalities: bool = False):
-        """The forward on prepared inputs (see `runner.Runner`): video rows are
+        """The forward on prepared inputs (see `port.prepare`): video rows are
         this rank's (padded) rows under SP; returns `(sample, audio_sample)`."""
         c = self.config
         apar = dataclasses.replace(par, mode="tp") if par.seq_sharded else par
@@ -621,29 +621,3 @@ def build(config: LTX2Config, *, dtype=jnp.float32, rngs: nnx.Rngs) -> LTX2Video
     """The model with random parameters (load real ones with `weights.load_transformer`)."""
     return LTX2VideoTransformer3DModel(config, dtype=dtype, rngs=rngs)
 
-
-# --------------------------------------------------------------------------
-# Weight key map for difflet_tpu.weights.load_transformer
-# --------------------------------------------------------------------------
-
-ROPE_ATTENTIONS = ("attn1", "audio_attn1", "audio_to_video_attn", "video_to_audio_attn")  # q/k get RoPE
-
-
-def key_map(config: LTX2Config, model) -> dict:
-    """Parameter path -> diffusers key: the default naming, plus (interleaved
-    checkpoints with `split_rope`) each head's q/k rows, biases and q/k norm
-    weights of the RoPE attentions permuted to split halves."""
-    from difflet_tpu import weights
-
-    km = weights.default_key_map(model, stacked={"transformer_blocks": config.num_layers})
-    if config.split_rope:
-        heads = dict(attn1=(config.num_attention_heads, config.attention_head_dim))
-        for name in ROPE_ATTENTIONS[1:]:
-            heads[name] = (config.audio_num_attention_heads, config.audio_attention_head_dim)
-        for name, (h, d) in heads.items():
-            perm = tuple(int(i) for i in layout.heads_permutation(h, d))
-            for leaf in ("to_q.kernel", "to_q.bias", "to_k.kernel", "to_k.bias", "norm_q.scale", "norm_k.scale"):
-                path = f"transformer_blocks.{name}.{leaf}"
-                if path in km:
-                    km[path] = dataclasses.replace(km[path], perm=perm)
-    return km

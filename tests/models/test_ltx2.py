@@ -118,7 +118,7 @@ def test_fixture_sp_pallas_kernels_interpreted(caplog):
     r = runner("ltx2_pad", 2, "sp", sp_kernel="pallas", sp_rs_kernel="pallas")
     assert (r.par.ag_impl, r.par.rs_impl, r.par.interpret) == ("pallas", "pallas", True)
     assert r.row_multiple() == 2 * 2 * 8  # whole f32 sublane tiles per half, so a kernel could run
-    assert r.prepare(fixture("ltx2_pad")[0])[0]["hidden_states"].shape[1] == 32
+    assert r.prepare(fixture("ltx2_pad")[0]).inputs["hidden_states"].shape[1] == 32
     with caplog.at_level("WARNING", logger="difflet_tpu.collective_matmul"):
         check_fixture("ltx2_pad", r)
     assert any("not a multiple of 128" in rec.getMessage() for rec in caplog.records)
@@ -137,7 +137,7 @@ def test_sp_pallas_kernels_run_in_the_model(caplog):
     ref_s, ref_a = ltx2.Runner(ltx2.build(cfg, rngs=nnx.Rngs(0)), None, Config())(**kw)
     r = ltx2.Runner(ltx2.build(cfg, rngs=nnx.Rngs(0)), make_mesh(2), Config(sp_kernel="pallas", sp_rs_kernel="pallas"),
                     mode="sp")
-    assert kw["hidden_states"].shape[1] == 48 and r.prepare(kw)[0]["hidden_states"].shape[1] == 64
+    assert kw["hidden_states"].shape[1] == 48 and r.prepare(kw).inputs["hidden_states"].shape[1] == 64
     with caplog.at_level("WARNING", logger="difflet_tpu.collective_matmul"):
         s, a = r(**kw)
     assert not [rec for rec in caplog.records if "unsupported" in rec.getMessage()]
@@ -151,8 +151,9 @@ def test_sp_matches_tp_with_padding():
     check_fixture("ltx2_pad", runner("ltx2_pad", 4, "tp"))
     s_tp, a_tp = runner("ltx2_pad", 4, "tp")(**kw)
     sp = runner("ltx2_pad", 4, "sp")
-    inputs, _, _, nv = sp.prepare(kw)
-    assert inputs["hidden_states"].shape[1] == 32 and nv == 27
+    inputs = sp.prepare(kw).inputs
+    assert inputs["hidden_states"].shape[1] == 32 and kw["hidden_states"].shape[1] == 27
+    assert sp(**kw)[0].shape[1] == 27  # the pad rows are cut off
     check_fixture("ltx2_pad", sp)
     s_sp, a_sp = sp(**kw)
     assert rel(s_sp, s_tp) <= 1e-5 and rel(a_sp, a_tp) <= 1e-5
@@ -170,13 +171,13 @@ def test_sp_pad_keys_never_change_the_output():
     with jax.enable_x64(True):
         ref_s, ref_a = run_f64("ltx2_pad")
         r = runner_f64("ltx2_pad", 4, "sp")
-        inputs, specs, statics, nv = r.prepare(f64(fixture("ltx2_pad")[0]))
-        assert "video_kv_mask" in inputs and inputs["hidden_states"].shape[1] == 32
+        prep = r.prepare(f64(fixture("ltx2_pad")[0]))
+        inputs, nv = prep.inputs, ref_s.shape[1]
+        assert "video_kv_mask" in inputs and inputs["hidden_states"].shape[1] == 32 and nv == 27
 
-        def run(inp):
-            sp = {k: specs[k] for k in inp}
-            step, state = r._step(sp, statics)
-            s, a = step(state, r._place(inp, sp))
+        def run(inp):  # the prepared (padded) inputs through the Runner's compiled step
+            sp = {k: prep.specs[k] for k in inp}
+            s, a = r._step(prep.key, sp, prep.out_specs)(r._state, r._place(inp, sp))
             return np.asarray(s)[:, :nv], np.asarray(a)
 
         s, a = run(inputs)
@@ -194,7 +195,7 @@ def test_sp_pad_keys_never_change_the_output():
 def test_sp_refuses_input_it_cannot_split():
     model, mesh = load("ltx2_pad", 4)
     r = ltx2.Runner(model, mesh, Config(), mode="sp", pad=False)
-    with pytest.raises(ValueError, match=r"27 video tokens cannot be split over tp=4.*multiple of 2\*P = 8"):
+    with pytest.raises(ValueError, match=r"cannot split 27 video tokens over tp=4.*multiple of 2\*P = 8"):
         r(**fixture("ltx2_pad")[0])
 
 
@@ -225,10 +226,10 @@ def test_split_rope_permutation_of_interleaved_checkpoint():
         plain_s, plain_a = run_f64("ltx2_interleaved_rope", split_rope=False)
         s, a = run_f64("ltx2_interleaved_rope", split_rope=True)
         assert rel(s, plain_s) < 1e-12 and rel(a, plain_a) < 1e-12
-        r = runner_f64("ltx2_interleaved_rope", split_rope=True, cache=False)
-        assert r.model.config.split_rope
-        r.model.config = dataclasses.replace(r.model.config, split_rope=False)
-        r.cfg = r.model.config
+        model = runner_f64("ltx2_interleaved_rope", split_rope=True, cache=False).model
+        assert model.config.split_rope
+        model.config = dataclasses.replace(model.config, split_rope=False)
+        r = ltx2.Runner(model, None, Config())  # a Runner reads the model as it is when built
         s, a = run_f64("ltx2_interleaved_rope", runner=r)
         assert rel(s, plain_s) > 1e-3
 
@@ -449,6 +450,7 @@ def test_example_inputs_and_flops_at_the_benchmark_shape():
 DEVICELESS = """
 import json, time
 import jax, jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from difflet_tpu import deviceless, runtime
 from difflet_tpu.config import Config
@@ -460,13 +462,14 @@ model = runtime.abstract_model(lambda: ltx2.build(cfg, dtype=jnp.bfloat16, rngs=
 ex = ltx2.example_inputs(cfg, height=480, width=704, frames=49)
 abstract = {k: (jax.ShapeDtypeStruct(v.shape, jnp.bfloat16 if k.endswith("hidden_states") else v.dtype)
                 if getattr(v, "ndim", 0) else v) for k, v in ex.items()}
+concrete = {k: (np.zeros(v.shape, v.dtype) if isinstance(v, jax.ShapeDtypeStruct) else v) for k, v in abstract.items()}
 out = dict(video_tokens=ex["hidden_states"].shape[1], audio_tokens=ex["audio_hidden_states"].shape[1])
 for mode in ("tp", "sp"):
     t = time.time()
     runner = ltx2.Runner(model, mesh, Config(), mode=mode)
     compiled = runner.trace(**abstract).lower().compile()
     out[mode] = dict(deviceless.memory_report(compiled), compile_s=round(time.time() - t, 1),
-                     padded_rows=runner.prepare(abstract)[0]["hidden_states"].shape[1])
+                     padded_rows=runner.prepare(concrete).inputs["hidden_states"].shape[1])
 print(json.dumps(out))
 """
 
