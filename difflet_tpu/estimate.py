@@ -6,11 +6,16 @@ this module replays that schedule on a simple machine model:
 
 * one compute stream that runs the scheduled instructions in order; an XLA
   fusion advances it by its `estimated_cycles` (backend_config) at the chip
-  clock; a Pallas kernel (`tpu_custom_call`) by a roofline of its
-  `pl.CostEstimate` (max of flops / peak, bytes / HBM bandwidth, remote bytes
-  / ICI bandwidth); other array instructions (copies, transposes without a
-  cycle count) by an HBM roofline of the bytes they read and write; scalar
-  bookkeeping costs nothing;
+  clock; a collective-matmul kernel of kernels/ (`all_gather_matmul`,
+  `matmul_reduce_scatter`) hop by hop: each of its P ring hops takes
+  max(compute, transfer), compute = max(hop FLOPs / peak, hop HBM bytes / HBM
+  bandwidth), transfer = the half it sends each way / link bandwidth +
+  latency, and a hop's transfer beyond its compute counts as exposed transfer
+  (`Simulator.collective_matmul`); another Pallas kernel (`tpu_custom_call`)
+  by a roofline of its `pl.CostEstimate` (max of flops / peak, bytes / HBM
+  bandwidth, remote bytes / ICI bandwidth); other array instructions (copies,
+  transposes without a cycle count) by an HBM roofline of the bytes they read
+  and write; scalar bookkeeping costs nothing;
 * async collectives (`collective-permute-start` / `-done`,
   `all-gather-start`, `all-reduce-start`, ...) as ICI transfers that start
   when the compute stream reaches the `-start` and that the `-done` waits
@@ -119,7 +124,7 @@ REFERENCE_PR = {
 # --------------------------------------------------------------------------
 
 from difflet_tpu.hlo import (Instr as Op, Module, array_bytes, array_shapes,  # noqa: E402,F401
-                             parse, type_bytes)
+                             constrained_operand_shapes, parse, type_bytes)
 
 # Attributes only the estimate reads.
 _PALLAS_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"(\d+)","bytes_accessed":"(\d+)"'
@@ -166,6 +171,101 @@ def permute_pairs(o: Op) -> tuple:
 
 
 # --------------------------------------------------------------------------
+# Collective-matmul kernels, hop by hop
+# --------------------------------------------------------------------------
+
+COLLECTIVE_MATMUL_KERNELS = ("all_gather_matmul", "matmul_reduce_scatter")
+_FLOAT_DTYPES = ("bf16", "f32", "f16")
+
+
+def collective_matmul_kind(o: Op) -> str | None:
+    """"all_gather_matmul" / "matmul_reduce_scatter" for the Pallas kernels of
+    kernels/ (named by their `pallas_call(name=...)`), else None."""
+    if not is_pallas(o):
+        return None
+    for kind in COLLECTIVE_MATMUL_KERNELS:
+        if o.name.split(".")[0] == kind or f"/{kind}/" in o.op_name:
+            return kind
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelHops:
+    """One collective-matmul kernel call as its ring hops (per chip; hop j = 0..P-1).
+
+    flops[j]: the MXU work of hop j (both halves); hbm[j]: the HBM bytes streamed
+    during hop j (weight tiles, products / next rows); ici[j]: bytes sent at hop j
+    in EACH direction (one half, over one link; the two directions use different
+    links and run in parallel), 0 at the last hop; prologue_hbm: bytes read before
+    hop 0 can compute (this rank's rows into VMEM)."""
+
+    kind: str
+    site: str
+    P: int
+    flops: tuple
+    hbm: tuple
+    ici: tuple
+    prologue_hbm: float
+
+
+def collective_matmul_hops(kind: str, operands: list, outputs: list) -> KernelHops | None:
+    """The hops of kernels/all_gather_matmul.py or kernels/matmul_reduce_scatter.py from
+    the kernel's operand and result shapes ((dtype, dims) each, as the compiled text
+    prints them); None if they do not look like that kernel's.
+
+    all-gather + matmul: x [B, s, K], w_i [K, n_i] -> out_i [B, S, n_i], P = S / s.
+      Hop j multiplies the two halves it holds (s rows) by every weight, streams every
+      weight once and writes s rows of products; meanwhile it sends both halves on
+      (h = s/2 rows each way) for hop j+1. Before hop 0 the kernel waits for its own
+      rows in VMEM.
+    matmul + reduce-scatter: x_i [B, S, k_i], w_i [k_i, N] -> out [B, s, N], P = S / s.
+      Hop j multiplies s rows (two halves of other ranks' rows) by every weight, adds
+      the accumulators that arrived, streams every weight once and the next hop's rows
+      (the last hop writes out instead), and sends its two accumulator halves
+      (h rows x N each way) on, tile by tile; before hop 0 it waits for hop 0's rows.
+    The FLOPs and HBM bytes over all hops are the kernels' own `pl.CostEstimate`.
+    """
+    floats = [(dt, d) for dt, d in operands if dt in _FLOAT_DTYPES]
+    outs = [(dt, d) for dt, d in outputs if dt in _FLOAT_DTYPES]
+    if not floats or not outs:
+        return None
+    dt = floats[0][0]
+    isz = array_bytes(dt, (1,))
+    if kind == "all_gather_matmul":
+        (_, x), ws = floats[0], [d for _, d in floats[1:]]
+        if len(x) != 3 or not ws or any(len(w) != 2 or w[0] != x[2] for w in ws):
+            return None
+        B, s, K = x
+        S = outs[0][1][-2]
+        if s <= 0 or S % s:
+            return None
+        P, n = S // s, sum(w[1] for w in ws)
+        flops = (2 * B * s * K * n,) * P
+        hbm = (isz * (K * n + B * s * n),) * P
+        ici = tuple(isz * B * (s // 2) * K if j < P - 1 else 0.0 for j in range(P))
+        site = f"all_gather_matmul x[{B},{s},{K}] -> n={'+'.join(str(w[1]) for w in ws)} (P={P})"
+        return KernelHops(kind, site, P, flops, hbm, ici, isz * B * s * K)
+    if kind == "matmul_reduce_scatter":
+        if len(floats) % 2:
+            return None
+        npairs = len(floats) // 2
+        xs, ws = [d for _, d in floats[:npairs]], [d for _, d in floats[npairs:]]
+        if any(len(x) != 3 or len(w) != 2 or x[2] != w[0] for x, w in zip(xs, ws)):
+            return None
+        B, S, _ = xs[0]
+        N, s = ws[0][1], outs[0][1][-2]
+        if s <= 0 or S % s:
+            return None
+        P, k = S // s, sum(x[2] for x in xs)
+        flops = tuple(2 * B * s * k * N + B * s * N * (npairs - 1) + (B * s * N if j else 0) for j in range(P))
+        hbm = tuple(isz * (k * N + (B * s * k if j < P - 1 else B * s * N)) for j in range(P))
+        ici = tuple(isz * B * (s // 2) * N if j < P - 1 else 0.0 for j in range(P))
+        site = f"matmul_reduce_scatter x[{B},{S},{'+'.join(str(x[2]) for x in xs)}] -> N={N} (P={P})"
+        return KernelHops(kind, site, P, flops, hbm, ici, isz * B * s * k)
+    return None
+
+
+# --------------------------------------------------------------------------
 # The simulation
 # --------------------------------------------------------------------------
 
@@ -193,11 +293,14 @@ class Estimate:
     pallas: float = 0.0          # Pallas kernels (attention, collective matmuls)
     other: float = 0.0           # copies, transposes and other unfused array ops
     sync_collective: float = 0.0  # compute stream blocked in synchronous collectives
-    exposed_transfer: float = 0.0  # compute stream waiting at -done of async collectives
+    exposed_transfer: float = 0.0  # compute stream waiting at -done of async collectives / on a kernel's hops
     exposed_dma: float = 0.0     # compute stream waiting at -done of local async copies
     invalid: float = 0.0         # unscaled time of ops the compiler prices with COST_MODEL_TYPE_INVALID
     collectives: dict = dataclasses.field(default_factory=dict)
-    pallas_kernels: dict = dataclasses.field(default_factory=dict)  # name -> seconds
+    pallas_kernels: dict = dataclasses.field(default_factory=dict)  # name -> seconds (computing)
+    # collective-matmul kernel sites (kind and shapes) -> calls, hops, hops bound by ICI,
+    # and seconds of compute, of transfer and of exposed transfer (in `exposed_transfer`)
+    kernel_sites: dict = dataclasses.field(default_factory=dict)
     warnings: list = dataclasses.field(default_factory=list)
 
     def to_dict(self):
@@ -265,8 +368,6 @@ class Simulator:
                 s = 2 * o.out_bytes / self.chip.hbm_bw
         else:
             flops, _, nbytes, remote = (int(g) if g else 0 for g in m.groups())
-            if not remote:
-                remote = self.kernel_remote_bytes(comp, o)
             s = max(flops / self.chip.bf16_flops, nbytes / self.chip.hbm_bw,
                     remote / (2 * self.chip.ici_link_bw) if remote else 0.0)
         self.est.pallas_kernels[name] = self.est.pallas_kernels.get(name, 0.0) + s
@@ -298,21 +399,67 @@ class Simulator:
         nbytes = 2 * array_bytes(qdt, q) + sum(array_bytes(*refs[x]) for x in refs if x != "q_ref")
         return max(flops / self.chip.bf16_flops, nbytes / self.chip.hbm_bw)
 
-    def kernel_remote_bytes(self, comp: str, o: Op) -> float:
-        """ICI bytes a collective-matmul kernel sends per chip, from its shapes,
-        when its CostEstimate does not say (both ring directions together)."""
-        P = self.P
-        if P <= 1:
-            return 0.0
-        ops = [self.m.lookup(comp, n) for n in o.operands]
-        arrays = [array_shapes(x.type)[0] for x in ops if x is not None and array_shapes(x.type)]
-        if "all_gather_matmul" in o.op_name or "all_gather_matmul" in o.name:
-            x = max((a for a in arrays if len(a[1]) >= 2), key=lambda a: array_bytes(*a), default=None)
-            return (P - 1) * array_bytes(*x) if x else 0.0
-        if "matmul_reduce_scatter" in o.op_name or "matmul_reduce_scatter" in o.name:
-            outs = array_shapes(o.type)
-            return (P - 1) * sum(array_bytes(*a) for a in outs)
-        return 0.0
+    def collective_matmul(self, comp: str, o: Op, kind: str):
+        """Runs a collective-matmul kernel on the compute stream hop by hop.
+
+        Each hop takes max(compute, transfer): compute = max(its FLOPs at peak, its
+        streamed HBM bytes at HBM bandwidth) -- weight tiles and products move while the
+        MXU works -- and transfer = the half it sends each way over one ICI link plus the
+        hop latency (both directions in parallel, each on its own link), the same price
+        as a `collective-permute` of that half. So a hop's exposed transfer is
+        max(0, transfer - compute), as for a JAX ring hop whose permute has that much
+        compute scheduled beside it; a whole-kernel max(sum compute, sum transfer) would
+        hide it whenever some hops wait and others do not (the last hop sends nothing).
+        The kernel first reads its own rows into VMEM (HBM, not overlapped), and its
+        first sends queue behind permutes still in flight on the links.
+
+        Chip numbers for v5e (CHIPS): Google Cloud's "TPU v5e" page
+        (https://cloud.google.com/tpu/docs/v5e): 197 TFLOP/s bf16 and 819 GB/s HBM per
+        chip, 400 GB/s bidirectional ICI per chip over 4 ports, i.e. 50 GB/s one way per
+        link; the model's link uses 45 GB/s (docs/benchmarks.md).
+        """
+        c = self.chip
+        shapes = constrained_operand_shapes(o)
+        if shapes is None:  # older text: the operands' own types
+            shapes = [array_shapes(x.type)[0] for x in (self.m.lookup(comp, n) for n in o.operands)
+                      if x is not None and array_shapes(x.type)]
+        hops = collective_matmul_hops(kind, shapes, array_shapes(o.type))
+        name = o.op_name.rsplit("/", 2)[-2] if "/" in o.op_name else kind
+        if hops is None:
+            self.est.warnings.append(f"{o.name}: {kind} shapes not understood; priced as a whole-kernel roofline")
+            s = self.pallas_cost(comp, o)
+            self.est.pallas += s
+            self.t += s
+            return
+        prologue = hops.prologue_hbm / c.hbm_bw
+        links_free = max([0.0] + [v for k, v in self.queues.items() if k != "dma"])
+        queued = max(0.0, links_free - (self.t + prologue))
+        compute, transfer, exposed, bound = prologue, 0.0, 0.0, 0
+        for j in range(hops.P):
+            busy = max(hops.flops[j] / c.bf16_flops, hops.hbm[j] / c.hbm_bw)
+            x = hops.ici[j] / c.ici_link_bw + c.ici_latency if hops.ici[j] else 0.0
+            wait = max(0.0, x + (queued if j == 0 else 0.0) - busy)
+            compute += busy
+            transfer += x
+            exposed += wait
+            bound += wait > 0
+        self.est.pallas += compute
+        self.est.exposed_transfer += exposed
+        self.est.pallas_kernels[name] = self.est.pallas_kernels.get(name, 0.0) + compute
+        site = self.est.kernel_sites.setdefault(
+            hops.site, dict(calls=0, hops=0, ici_bound_hops=0, compute=0.0, transfer=0.0, exposed=0.0))
+        site["calls"] += 1
+        site["hops"] += hops.P
+        site["ici_bound_hops"] += bound
+        site["compute"] += compute
+        site["transfer"] += transfer
+        site["exposed"] += exposed
+        st = self.stat(f"{kind} (kernel)")
+        st.count += 1
+        st.bytes += 2 * sum(hops.ici)
+        st.overlapped += 1
+        st.seconds += transfer
+        self.t += compute + exposed
 
     def transfer(self, comp: str, o: Op, kind: str) -> tuple[float, float, object]:
         """(seconds, bytes sent per chip, ICI resource) of a collective."""
@@ -373,6 +520,10 @@ class Simulator:
         if op == "call":
             for c in o.calls:
                 self.run(c)
+            return
+        cm = collective_matmul_kind(o)
+        if cm:
+            self.collective_matmul(comp, o, cm)
             return
         kind = self._collective_kind(comp, o)
         if op.endswith("-start"):
@@ -614,6 +765,10 @@ def summarize(est: Estimate) -> dict:
         exposed_transfer_ms=ms(est.exposed_transfer), exposed_dma_ms=ms(est.exposed_dma),
         invalid_unscaled_ms=ms(est.invalid),
         pallas_kernels_ms={k: ms(v) for k, v in sorted(est.pallas_kernels.items())},
+        kernel_sites={k: dict(calls=v["calls"], hops=v["hops"], ici_bound_hops=v["ici_bound_hops"],
+                              compute_ms=ms(v["compute"]), transfer_ms=ms(v["transfer"]),
+                              exposed_ms=ms(v["exposed"]))
+                      for k, v in sorted(est.kernel_sites.items())},
         collectives={k: dict(count=v.count, bytes_per_chip=int(v.bytes), overlapped=v.overlapped,
                              sync=v.sync, transfer_ms=ms(v.seconds))
                      for k, v in sorted(est.collectives.items())},

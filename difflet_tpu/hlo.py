@@ -112,6 +112,23 @@ class Module:
                    for o in self.computations[comp])
 
 
+def constrained_operand_shapes(ins: Instr) -> list[tuple[str, tuple[int, ...]]] | None:
+    """(dtype, dims) of each operand of a custom call, in order, from its
+    `operand_layout_constraints={...}` (the compiled text prints one array per
+    operand there, e.g. a Pallas kernel's); None if it has none."""
+    key = "operand_layout_constraints={"
+    i = ins.text.find(key)
+    if i < 0:
+        return None
+    i += len(key)
+    depth, j = 1, i
+    while j < len(ins.text) and depth:
+        depth += ins.text[j] == "{"
+        depth -= ins.text[j] == "}"
+        j += 1
+    return array_shapes(ins.text[i:j - 1])
+
+
 def parse(text: str) -> Module:
     """Computations of an HLO module's text, instructions in schedule order.
 

@@ -1,10 +1,15 @@
 """The schedule-based step-time estimator on programs whose answer is known.
 
-Synthetic HLO texts pin the model's rules exactly (fast); two deviceless
+Synthetic HLO texts pin the model's rules exactly (fast), including the
+collective-matmul kernels priced hop by hop (an ICI-bound kernel exposes
+transfer, a compute-bound one does not, a hop sum shows waits a whole-kernel
+max hides, a kernel hop and a JAX ring hop price transfer alike); deviceless
 compiles for a v5e 2x2 check it on real scheduled TPU HLO: a single matmul
-(the compiler's cycle count, close to its FLOPs at peak) and a ring hop
+(the compiler's cycle count, close to its FLOPs at peak), a ring hop
 whose transfer is longer than the matmul scheduled beside it (the step is
-the transfer, and the difference is exposed wait).
+the transfer, and the difference is exposed wait), and both Pallas
+collective-matmul kernels at small shapes (found, shapes and P read, hops
+priced).
 """
 
 import math
@@ -140,6 +145,147 @@ def test_pallas_kernel_roofline_and_multiline_attributes():
     assert half.nonmatmul == pytest.approx(1500 / 1.5e9)
 
 
+# --------------------------------------------------------------------------
+# Collective-matmul kernels, hop by hop (Wan2.1-14B shapes, v5e, P = 4)
+# --------------------------------------------------------------------------
+
+PEAK, HBM, LINK, LAT = 197e12, 819e9, 45e9, 1e-6
+
+
+def _kernel(kind, operands, out, flops=1, nbytes=1):
+    """A compiled-looking Pallas collective-matmul call (text as the TPU compiler prints it)."""
+    out_t = out[0] if len(out) == 1 else "(" + ", ".join(out) + ")"
+    names = ", ".join(f"%op{i}" for i in range(len(operands)))
+    return (f'  %{kind}.3 = {out_t} custom-call({names}), custom_call_target="tpu_custom_call", '
+            f'operand_layout_constraints={{{", ".join(operands)}}}, frontend_attributes={{kernel_metadata={{\n'
+            '"mesh_axes":"[\\"tp\\"]"\n'
+            f'}}}}, metadata={{op_name="jit(f)/shard_map/{kind}/pallas_call"}}, backend_config={{"custom_call_config":'
+            f'{{"body":"xx","cost_estimate":{{"flops":"{flops}","transcendentals":"0",'
+            f'"bytes_accessed":"{nbytes}"}}}}}}\n')
+
+
+def _ag(widths, s=1184, K=5120, P=4):
+    ops = [f"s32[{2 + 2 * P}]{{0}}", f"bf16[1,{s},{K}]{{2,1,0}}"] + [f"bf16[{K},{n}]{{1,0}}" for n in widths]
+    return _kernel("all_gather_matmul", ops, [f"bf16[1,{P * s},{n}]{{2,1,0}}" for n in widths])
+
+
+def _program(body, root, computations=""):
+    return HEAD + computations + ("ENTRY %main (a: bf16[1024,1024]) -> bf16[1024,1024] {\n"
+                   "  %a = bf16[1024,1024]{1,0} parameter(0)\n" + body + f"  ROOT %out = tuple({root})\n}}\n")
+
+
+def _ag_hop(n, s=1184, K=5120):
+    """(compute, transfer) of one all-gather hop: FLOPs vs HBM; one half each way."""
+    compute = max(2 * s * K * n / PEAK, 2 * (K * n + s * n) / HBM)
+    return compute, 2 * (s // 2) * K / LINK + LAT
+
+
+def test_ici_bound_kernel_shows_its_hops_exposed_transfer():
+    # Wan's cross-attention q gather: ~79 us of matmul per hop against ~136 us to move a half
+    c, x = _ag_hop(1280)
+    assert c == pytest.approx(78.8e-6, rel=1e-3) and x == pytest.approx(135.7e-6, rel=1e-3)
+    est = E.estimate(_program(_ag([1280]), "%all_gather_matmul.3"), "v5e")
+    prologue = 2 * 1184 * 5120 / HBM  # own rows into VMEM before hop 0
+    assert est.exposed_transfer == pytest.approx(3 * (x - c))
+    assert est.pallas == pytest.approx(prologue + 4 * c)
+    assert est.total == pytest.approx(prologue + 3 * x + c)
+    site, = est.kernel_sites.values()
+    assert (site["calls"], site["hops"], site["ici_bound_hops"]) == (1, 4, 3)
+    assert est.pallas_kernels == {"all_gather_matmul": pytest.approx(prologue + 4 * c)}
+    k = est.collectives["all_gather_matmul (kernel)"]
+    assert (k.count, k.bytes) == (1, 3 * 2 * 2 * 592 * 5120)  # 3 hops x two halves
+
+
+def test_compute_bound_kernel_hides_its_transfers():
+    # Wan's q/k/v gather: three 1280-wide weights per hop, 236 us against 136 us
+    c, x = _ag_hop(3 * 1280)
+    assert c > x
+    est = E.estimate(_program(_ag([1280] * 3), "%all_gather_matmul.3"), "v5e")
+    assert est.exposed_transfer == 0
+    assert est.total == pytest.approx(2 * 1184 * 5120 / HBM + 4 * c)
+    assert next(iter(est.kernel_sites.values()))["ici_bound_hops"] == 0
+
+
+def test_hop_sum_shows_waits_a_whole_kernel_max_hides():
+    # 1920 columns: 118 us of matmul per hop against 136 us of transfer. Over the kernel the
+    # MXU has more work (4 x 118 = 473 us) than the links (3 x 136 = 407 us), so
+    # max(total compute, total transfer) calls it compute-bound; but every hop that sends
+    # waits for its halves: 3 x 18 us exposed.
+    c, x = _ag_hop(1920)
+    assert 4 * c > 3 * x and x > c
+    est = E.estimate(_program(_ag([1920]), "%all_gather_matmul.3"), "v5e")
+    assert est.exposed_transfer == pytest.approx(3 * (x - c))
+    assert est.total - 2 * 1184 * 5120 / HBM == pytest.approx(3 * x + c)
+    assert est.total - 2 * 1184 * 5120 / HBM > max(4 * c, 3 * x)
+
+
+def test_reduce_scatter_kernel_hops():
+    # Wan's attention out: x [4736, 1280] per rank, w [1280, 5120] -> out [1184, 5120]; each hop
+    # sends one accumulator half (592 x 5120) each way; the last hop writes out, sends nothing
+    ops = ["s32[10]{0}", "bf16[1,4736,1280]{2,1,0}", "bf16[1280,5120]{1,0}"]
+    est = E.estimate(_program(_kernel("matmul_reduce_scatter", ops, ["bf16[1,1184,5120]{2,1,0}"]),
+                              "%matmul_reduce_scatter.3"), "v5e")
+    x = 2 * 592 * 5120 / LINK + LAT
+    c = [max((2 * 1184 * 1280 * 5120 + (1184 * 5120 if j else 0)) / PEAK,
+             2 * (1280 * 5120 + (1184 * 1280 if j < 3 else 1184 * 5120)) / HBM) for j in range(4)]
+    prologue = 2 * 1184 * 1280 / HBM  # hop 0's rows
+    assert est.exposed_transfer == pytest.approx(sum(x - cj for cj in c[:3]))
+    assert est.total == pytest.approx(prologue + 3 * x + c[3])
+    # two pairs (FLUX / HunyuanVideo single blocks): FLOPs over the hops are the kernel's CostEstimate
+    two = E.collective_matmul_hops("matmul_reduce_scatter", [
+        ("s32", (10,)), ("bf16", (1, 4608, 192)), ("bf16", (1, 4608, 768)), ("bf16", (192, 3072)),
+        ("bf16", (768, 3072))], [("bf16", (1, 1152, 3072))])
+    B, S, s, N = 1, 4608, 1152, 3072
+    assert two.P == 4 and sum(two.flops) == 2 * B * S * 960 * N + B * S * N + B * (S - s) * N
+    assert sum(two.hbm) + two.prologue_hbm == 2 * (B * S * 960 + 4 * 960 * N + B * s * N)
+
+
+def test_kernel_hops_and_jax_ring_hops_price_transfer_alike():
+    # The same three hops as a JAX ring: per hop both halves as permutes (one per direction)
+    # with the hop's matmul scheduled between start and done, then the last hop's matmul.
+    c, x = _ag_hop(1280)
+    cycles = round(c * 1.5e9)
+    half = "bf16[1,592,5120]{2,1,0}"
+    body = ""
+    for j in range(3):
+        body += (f"  %f{j} = ({half}, {half}, u32[], u32[]) collective-permute-start(%a), "
+                 "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}\n"
+                 f"  %b{j} = ({half}, {half}, u32[], u32[]) collective-permute-start(%a), "
+                 "source_target_pairs={{0,3},{1,0},{2,1},{3,2}}\n"
+                 + _mm(f"m{j}", cycles) +
+                 f"  %fd{j} = {half} collective-permute-done(%f{j})\n"
+                 f"  %bd{j} = {half} collective-permute-done(%b{j})\n")
+    body += _mm("m3", cycles)
+    ring = E.estimate(_program(body, "%m3", _fusion_comp("mm_comp")), "v5e")
+    kernel = E.estimate(_program(_ag([1280]), "%all_gather_matmul.3"), "v5e")
+    assert ring.exposed_transfer == pytest.approx(3 * (x - cycles / 1.5e9))
+    assert kernel.exposed_transfer == pytest.approx(ring.exposed_transfer, rel=1e-5)
+    assert ring.collectives["collective-permute"].seconds == pytest.approx(
+        kernel.collectives["all_gather_matmul (kernel)"].seconds * 2)  # permutes count per direction
+
+
+def test_kernel_sends_queue_behind_a_permute_in_flight():
+    # a half still on the links when the (compute-bound) q/k/v kernel starts delays its first hop
+    c, x = _ag_hop(3 * 1280)
+    half = "bf16[1,592,5120]{2,1,0}"
+    body = (f"  %p = ({half}, {half}, u32[], u32[]) collective-permute-start(%a), "
+            "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}\n" + _ag([1280] * 3)
+            + f"  %pd = {half} collective-permute-done(%p)\n")
+    est = E.estimate(_program(body, "%all_gather_matmul.3, %pd"), "v5e")
+    prologue = 2 * 1184 * 5120 / HBM
+    queued = x - prologue  # the permute started with the kernel, its rows load meanwhile
+    assert est.exposed_transfer == pytest.approx(max(0.0, queued + x - c))
+    assert est.total == pytest.approx(prologue + 4 * c + max(0.0, queued + x - c))
+
+
+def test_unreadable_kernel_shapes_fall_back_with_a_warning():
+    bad = _kernel("all_gather_matmul", ["s32[10]{0}", "bf16[1184,5120]{1,0}"], ["bf16[4736,1280]{1,0}"],
+                  flops=2 * 10**9)
+    est = E.estimate(_program(bad, "%all_gather_matmul.3"), "v5e")
+    assert est.pallas == pytest.approx(2e9 / PEAK)
+    assert any("shapes not understood" in w for w in est.warnings)
+
+
 def test_fit_recovers_a_known_nonmatmul_scale():
     rows = []
     for nonmm, rest in [(0.05, 0.2), (0.08, 0.1), (0.02, 0.3)]:
@@ -194,6 +340,56 @@ def test_known_answers_on_compiled_v5e_programs(monkeypatch):
     assert ring["total"] - ring["other"] - ring["exposed_dma"] == pytest.approx(transfer, rel=0.02), ring
     assert ring["exposed_transfer"] >= transfer - 10 * small, ring
     assert ring["matmul"] < 3 * small
+
+
+KERNELS = """
+import json, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from difflet_tpu import deviceless, estimate as E
+from difflet_tpu.kernels import all_gather_matmul as agk, matmul_reduce_scatter as rsk
+mesh = deviceless.topology_mesh('v5e:2x2')
+sd = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+def ag(s, K, n):
+    f = jax.shard_map(lambda x, w: agk.all_gather_matmul(x, [w], axis_name='tp')[0], mesh=mesh,
+                      in_specs=(P('tp'), P(None, 'tp')), out_specs=P(None, 'tp'), check_vma=False)
+    return jax.jit(f).trace(sd((4 * s, K), P('tp')), sd((K, 4 * n), P(None, 'tp'))).lower().compile()
+def rs(S, k, N):
+    f = jax.shard_map(lambda x, w: rsk.matmul_reduce_scatter([(x, w)], axis_name='tp'), mesh=mesh,
+                      in_specs=(P(None, 'tp'), P('tp')), out_specs=P('tp'), check_vma=False)
+    return jax.jit(f).trace(sd((S, 4 * k), P(None, 'tp')), sd((4 * k, N), P('tp'))).lower().compile()
+out = {}
+for name, c in [('ag_ici', ag(256, 1024, 128)), ('ag_mxu', ag(512, 2048, 4096)), ('rs_ici', rs(1024, 128, 1024))]:
+    out[name] = E.estimate(c.as_text(), 'v5e').to_dict()
+print(json.dumps(out))
+"""
+
+
+def test_known_answers_on_compiled_collective_matmul_kernels(monkeypatch):
+    """Both kernels compiled for v5e:2x2: the estimator finds them, reads P and their
+    shapes from the compiled text and prices them hop by hop."""
+    from difflet_tpu import deviceless
+
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    out = deviceless.run_python(KERNELS)
+    # all-gather, 256 rows x 1024 per rank, 128 columns: 0.3 us of matmul vs 6.8 us per half
+    ici = out["ag_ici"]
+    (site, k), = ici["kernel_sites"].items()
+    assert site == "all_gather_matmul x[1,256,1024] -> n=128 (P=4)"
+    assert (k["calls"], k["hops"], k["ici_bound_hops"]) == (1, 4, 3), k
+    c, x = _ag_hop(128, s=256, K=1024)
+    assert k["exposed"] == pytest.approx(3 * (x - c)), k
+    assert ici["exposed_transfer"] >= k["exposed"]
+    # all-gather, 512 x 2048 per rank, 4096 columns: 44 us of matmul vs 24 us per half
+    mxu = out["ag_mxu"]
+    (site, k), = mxu["kernel_sites"].items()
+    c, x = _ag_hop(4096, s=512, K=2048)
+    assert c > x and k["ici_bound_hops"] == 0 and k["exposed"] == 0, k
+    assert k["compute"] == pytest.approx(2 * 512 * 2048 / HBM + 4 * c)
+    # reduce-scatter, 1024 rows x 128 per rank -> 256 x 1024: each accumulator half 5.8 us
+    (site, k), = out["rs_ici"]["kernel_sites"].items()
+    assert site == "matmul_reduce_scatter x[1,1024,128] -> N=1024 (P=4)"
+    assert (k["hops"], k["ici_bound_hops"]) == (4, 3), k
+    assert k["transfer"] == pytest.approx(3 * (2 * 128 * 1024 / LINK + LAT))
 
 
 def test_chip_constants_match_the_public_specs():
