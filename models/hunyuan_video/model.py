@@ -7,7 +7,7 @@ go through `nn.column` / `par.column`, row-parallel outputs through
 `nn.row` / `par.row`; adaLN outputs are column-sharded and gathered with
 `par.gather_columns`.
 
-Layout under SP (see plan.py): the dual-stream blocks keep the image stream
+Layout under SP (see `PLAN`): the dual-stream blocks keep the image stream
 and the text stream sequence-sharded each on its own; the single-stream
 blocks run on one contiguous chunk of the joint `[image | text]` sequence per
 rank (`Config.sp_single`; off: they run TP on the gathered sequence).
@@ -29,11 +29,69 @@ from flax import nnx
 
 from difflet_tpu import layout, nn
 from difflet_tpu.attention import attention, reference_attention
+from difflet_tpu.parallel import COLUMN, ROW
 
 from .config import HunyuanVideoConfig
 
 F32 = jnp.float32
 EPS = 1e-6
+
+
+# --------------------------------------------------------------------------
+# Parallel plan over the mesh's `tp` axis (P ranks): module path pattern over the
+# NNX state (stacked blocks without an index) -> role; everything not listed is
+# replicated.
+#
+# ==============================================  ==========  ==========================================
+# module (per stacked block)                      role        note
+# ==============================================  ==========  ==========================================
+# dual attn.to_q/k/v, attn.add_q/k/v_proj         column      heads split over ranks
+# dual ff.net.0.proj, ff_context.net.0.proj       column      GELU-tanh in the ring's epilogue
+# dual attn.to_out.0, attn.to_add_out, ff*.net.2  row         psum (TP) / reduce-scatter (SP)
+# single attn.to_q/k/v, proj_mlp                  column      one all-gather ring for q, k, v and mlp
+# single proj_out.attn                            row         diffusers' proj_out over cat([attn, mlp]):
+# single proj_out.mlp                             row         input features [0, D) / [D, D+F) of one
+#                                                             checkpoint weight (keys.py, in_range);
+#                                                             two pairs, one RS / psum, bias once
+# adaLN norm1.linear, norm1_context.linear,       column      (B, kD) output gathered with
+# single norm.linear, final norm_out.linear                   `par.gather_columns` (3.5 B params)
+# per-head q/k RMSNorm weights, x_embedder, the   replicated  the refiner runs replicated on the text
+# token refiner context_embedder, time_text_
+# embed, final proj_out, RoPE tables
+# ==============================================  ==========  ==========================================
+#
+# Sequence-sharded under SP (between layers): the dual blocks' image stream and
+# text stream, each on its own (rank r holds rows [r*n/P, (r+1)*n/P) of each,
+# padded by the Runner's rule); the single blocks' joint `[image | text]`
+# sequence as one contiguous chunk per rank (`Config.sp_single`).
+# --------------------------------------------------------------------------
+PLAN = {
+    # dual-stream blocks
+    "transformer_blocks.norm1.linear": COLUMN,
+    "transformer_blocks.norm1_context.linear": COLUMN,
+    "transformer_blocks.attn.to_q": COLUMN,
+    "transformer_blocks.attn.to_k": COLUMN,
+    "transformer_blocks.attn.to_v": COLUMN,
+    "transformer_blocks.attn.add_q_proj": COLUMN,
+    "transformer_blocks.attn.add_k_proj": COLUMN,
+    "transformer_blocks.attn.add_v_proj": COLUMN,
+    "transformer_blocks.attn.to_out.0": ROW,
+    "transformer_blocks.attn.to_add_out": ROW,
+    "transformer_blocks.ff.net.0.proj": COLUMN,
+    "transformer_blocks.ff.net.2": ROW,
+    "transformer_blocks.ff_context.net.0.proj": COLUMN,
+    "transformer_blocks.ff_context.net.2": ROW,
+    # single-stream blocks
+    "single_transformer_blocks.norm.linear": COLUMN,
+    "single_transformer_blocks.attn.to_q": COLUMN,
+    "single_transformer_blocks.attn.to_k": COLUMN,
+    "single_transformer_blocks.attn.to_v": COLUMN,
+    "single_transformer_blocks.proj_mlp": COLUMN,
+    "single_transformer_blocks.proj_out.attn": ROW,
+    "single_transformer_blocks.proj_out.mlp": ROW,
+    # final layer
+    "norm_out.linear": COLUMN,
+}
 
 
 # --------------------------------------------------------------------------
@@ -337,43 +395,6 @@ class HunyuanVideoTokenRefiner(nnx.Module):
 
 
 # --------------------------------------------------------------------------
-# RoPE (image q/k only)
-# --------------------------------------------------------------------------
-
-def rope_freqs(dim: int, theta: float) -> np.ndarray:
-    """`1 / theta ** (arange(0, dim, 2) / dim)` in float32 as torch forms it: the power
-    rounded to float32, then the reciprocal (constants: correctly rounded per step)."""
-    a = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-    return (np.float32(1.0) / np.power(np.float64(theta), a.astype(np.float64)).astype(np.float32)).astype(
-        np.float32)
-
-
-def rope_tables(c: HunyuanVideoConfig, frames: int, height: int, width: int):
-    """`HunyuanVideoRotaryPosEmbed`: interleaved cos/sin `[F'*H'*W', head_dim]`, float32,
-    formed as `get_1d_rotary_pos_embed(use_real=True)` forms them, axis by axis."""
-    cos_parts, sin_parts = [], []
-    sizes = (frames, height, width)
-    for i, (dim, n) in enumerate(zip(c.rope_axes_dim, sizes)):
-        ang = jnp.arange(n, dtype=F32)[:, None] * jnp.asarray(rope_freqs(dim, c.rope_theta))[None, :]
-        shape = [1, 1, 1, dim // 2]
-        shape[i] = n
-        cos_parts.append(jnp.broadcast_to(jnp.cos(ang).reshape(shape), (*sizes, dim // 2)))
-        sin_parts.append(jnp.broadcast_to(jnp.sin(ang).reshape(shape), (*sizes, dim // 2)))
-    cos = jnp.concatenate(cos_parts, axis=-1).reshape(-1, c.attention_head_dim // 2)
-    sin = jnp.concatenate(sin_parts, axis=-1).reshape(-1, c.attention_head_dim // 2)
-    return jnp.repeat(cos, 2, axis=1), jnp.repeat(sin, 2, axis=1)  # repeat_interleave(2)
-
-
-def pad_rope(cos, sin, rows: int):
-    """Appends identity rotations (cos 1, sin 0) up to `rows` rows (pad / text rows)."""
-    n = rows - cos.shape[0]
-    if n == 0:
-        return cos, sin
-    return (jnp.concatenate([cos, jnp.ones((n, cos.shape[1]), cos.dtype)]),
-            jnp.concatenate([sin, jnp.zeros((n, sin.shape[1]), sin.dtype)]))
-
-
-# --------------------------------------------------------------------------
 # Dual-stream blocks
 # --------------------------------------------------------------------------
 
@@ -475,84 +496,21 @@ class SingleAttention(nnx.Module):
         self.norm_k = nn.Weight(hd, dtype=dtype)
 
 
-class _Packed(nnx.Module):
-    def __init__(self, out_features: int, in_features: int, *, dtype, rngs):
-        self.weight = nnx.Param(jax.random.normal(rngs.params(), (out_features, in_features), dtype)
-                                / math.sqrt(in_features))
-
-
-class _RowKernel(nnx.Module):
-    def __init__(self, kernel):
-        self.kernel = nnx.Param(kernel)
-
-
 class PackedProjOut(nnx.Module):
-    """The single blocks' `proj_out = Linear(D + F, D)` over `cat([attn (D), mlp (F)])`.
+    """diffusers' single-block `proj_out = Linear(D + F, D)` over `cat([attn, mlp])`,
+    as two kernels over its two input ranges (`Key(in_range=...)` in keys.py):
+    `attn` (`[D, D]`, no bias) and `mlp` (`[F, D]`, with proj_out's bias). Both are
+    row-parallel, so each rank holds the rows of the inputs it computed (its heads,
+    its MLP columns); `__call__` sums the two products in one reduce-scatter (SP) or
+    all-reduce (TP) and adds the bias once. As FLUX's `PackedProjOut`."""
 
-    As loaded, the weight is kept in torch layout `[D, D + F]` (`packed.weight`)
-    with its input features regrouped once into per-head units
-    `[head_u (hd) | mlp_u (F/H)]` (`packed_order`), so a contiguous 1/P slice of
-    the input axis is exactly a rank's heads and its MLP columns, for every P
-    that divides the heads. `unpack_proj_out` (the Runner calls it once) splits
-    it into two row-parallel kernels, `attn.kernel [D, D]` and `mlp.kernel [F, D]`,
-    so no step slices the packed weight. The two halves are two (x, w) pairs of
-    one row-parallel output: one psum or one reduce-scatter, bias added once, no
-    concatenation of the activations.
-    """
+    def __init__(self, attn_dim: int, mlp_dim: int, out_dim: int, *, dtype, rngs):
+        self.attn = nn.Linear(attn_dim, out_dim, bias=False, dtype=dtype, rngs=rngs)
+        self.mlp = nn.Linear(mlp_dim, out_dim, dtype=dtype, rngs=rngs)
 
-    def __init__(self, c: HunyuanVideoConfig, *, dtype, rngs):
-        D = c.inner_dim
-        self.head_dim, self.unit_mlp = c.attention_head_dim, c.mlp_dim // c.num_attention_heads
-        self.packed = _Packed(D, D + c.mlp_dim, dtype=dtype, rngs=rngs)
-        self.bias = nnx.Param(jnp.zeros((D,), dtype))
-        self.attn = nnx.data(None)  # _RowKernel [U*hd, D] after unpack_proj_out
-        self.mlp = nnx.data(None)   # _RowKernel [U*f, D]
-
-    def split(self, w):
-        """`[..., D, U*(hd + f)]` packed (torch layout) -> kernels `[..., U*hd, D]`, `[..., U*f, D]`."""
-        *lead, out, _ = w.shape
-        w = w.reshape(*lead, out, -1, self.head_dim + self.unit_mlp)
-        w_attn = jnp.swapaxes(w[..., :self.head_dim].reshape(*lead, out, -1), -1, -2)
-        w_mlp = jnp.swapaxes(w[..., self.head_dim:].reshape(*lead, out, -1), -1, -2)
-        return w_attn, w_mlp
-
-    def __call__(self, par, attn, mlp):
-        if self.packed is None:
-            w_attn, w_mlp = self.attn.kernel[...], self.mlp.kernel[...]
-        else:  # not unpacked: split this rank's units every call
-            w_attn, w_mlp = self.split(self.packed.weight[...])
-        return par.row([(attn, w_attn), (mlp, w_mlp)], self.bias[...])
-
-
-def unpack_proj_out(model, mesh=None):
-    """Splits the single blocks' packed `proj_out` weight into its attention and MLP
-    row-parallel kernels once (in place; idempotent; abstract models stay abstract).
-
-    On a mesh each rank's slice is split locally (its units are its heads and MLP
-    columns) and the kernels are placed with the plan's ROW sharding."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    po = model.single_transformer_blocks.proj_out
-    if po.packed is None:
-        return model
-    w = po.packed.weight.get_value()  # an array, or a ShapeDtypeStruct (abstract model)
-    sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec(None, "tp", None))
-    if isinstance(w, jax.ShapeDtypeStruct):
-        shapes = jax.eval_shape(po.split, jax.ShapeDtypeStruct(w.shape, w.dtype))
-        w_attn, w_mlp = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in shapes)
-    else:
-        fn = jax.jit(po.split) if sharding is None else jax.jit(po.split, out_shardings=(sharding, sharding))
-        w_attn, w_mlp = fn(w)
-    po.attn, po.mlp = nnx.data(_RowKernel(w_attn)), nnx.data(_RowKernel(w_mlp))
-    po.packed = nnx.data(None)
-    return model
-
-
-def packed_order(c: HunyuanVideoConfig) -> np.ndarray:
-    """Checkpoint input-feature index of each column of `PackedProjOut.packed.weight`."""
-    D, hd, f = c.inner_dim, c.attention_head_dim, c.mlp_dim // c.num_attention_heads
-    return np.concatenate([np.concatenate([np.arange(u * hd, (u + 1) * hd), D + np.arange(u * f, (u + 1) * f)])
-                           for u in range(c.num_attention_heads)])
+    def __call__(self, par, attn_output, mlp_hidden_states):
+        return par.row([(attn_output, self.attn.kernel[...]), (mlp_hidden_states, self.mlp.kernel[...])],
+                       self.mlp.bias[...])
 
 
 class HunyuanVideoSingleTransformerBlock(nnx.Module):
@@ -563,7 +521,7 @@ class HunyuanVideoSingleTransformerBlock(nnx.Module):
         self.attn = SingleAttention(c, dtype=dtype, rngs=rngs)
         self.norm = AdaLinear(D, 3, dtype=dtype, rngs=rngs)           # AdaLayerNormZeroSingle
         self.proj_mlp = _linear(D, c.mlp_dim, dtype, rngs)
-        self.proj_out = PackedProjOut(c, dtype=dtype, rngs=rngs)
+        self.proj_out = PackedProjOut(D, c.mlp_dim, D, dtype=dtype, rngs=rngs)
 
     def __call__(self, ctx: Context, hidden_states):
         """`hidden_states`: rows of the joint `[image | text]` sequence (this rank's chunk under SP)."""
@@ -639,7 +597,7 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
         self.x_embedder = HunyuanVideoPatchEmbed(c, dtype=dtype, rngs=rngs)
         self.context_embedder = HunyuanVideoTokenRefiner(c, dtype=dtype, rngs=rngs)
         self.time_text_embed = HunyuanVideoConditionEmbedding(c, dtype=dtype, rngs=rngs)
-        # 2. RoPE: computed per forward (rope_tables)
+        # 2. RoPE: tables built on the host (rope.py), inputs of the step
         # 3. Dual stream transformer blocks
         self.transformer_blocks = nn.stacked(
             lambda r: HunyuanVideoTransformerBlock(c, dtype=dtype, rngs=r), c.num_layers, rngs)
@@ -651,12 +609,13 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
         self.proj_out = _linear(D, c.patch_volume * c.out_channels, dtype, rngs)
 
     def __call__(self, par, geom: Geometry, patches, timestep, encoder_hidden_states, encoder_attention_mask,
-                 pooled_projections, guidance):
+                 pooled_projections, guidance, freqs_cos, freqs_sin):
         """One forward inside the step.
 
         patches: `[B, n_img_pad, C*pt*p*p]` (this rank's rows under SP); timestep,
         guidance `(B,)` float32; encoder_hidden_states `[B, n_txt_pad, text_dim]`,
-        encoder_attention_mask `[B, n_txt_pad]`, pooled_projections `[B, pooled_dim]`
+        encoder_attention_mask `[B, n_txt_pad]`, pooled_projections `[B, pooled_dim]`,
+        freqs_cos, freqs_sin `[n_joint, head_dim]` float32 (`rope.joint_tables`)
         (replicated). Returns `[B, rows, pt*p*p*C_out]`: this rank's joint-sequence
         rows under SP, the image rows otherwise.
         """
@@ -667,11 +626,8 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
         par_single = par if (single_sp or not sp) else dataclasses.replace(par, mode="tp")
 
         # 1. RoPE (image rows; identity on pad and text rows), split-halves order if loaded so
-        cos, sin = rope_tables(c, geom.frames, geom.height, geom.width)
-        if c.split_rope:
-            cos, sin = layout.interleaved_to_split_table(cos), layout.interleaved_to_split_table(sin)
-        rope_img = pad_rope(cos, sin, geom.n_img_pad)
-        rope_joint = pad_rope(*rope_img, geom.n_joint)
+        rope_img = (freqs_cos[:geom.n_img_pad], freqs_sin[:geom.n_img_pad])
+        rope_joint = (freqs_cos, freqs_sin)
 
         # 2. Conditional embeddings
         temb, token_replace_emb = self.time_text_embed(timestep, pooled_projections, guidance)

@@ -23,7 +23,6 @@ from difflet_tpu import deviceless, weights
 from difflet_tpu.config import Config
 from difflet_tpu.mesh import make_mesh
 from difflet_tpu.models import hunyuan_video as hv
-from difflet_tpu.models.hunyuan_video import checkpoint_keys as hv_keys
 from difflet_tpu.models.hunyuan_video import model as hv_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -248,40 +247,74 @@ def test_split_rope_permutes_every_q_and_k_that_meets_rope():
     expect |= {f"transformer_blocks.attn.{n}.scale" for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")}
     expect |= {f"single_transformer_blocks.attn.{n}.{leaf}" for n in ("to_q", "to_k") for leaf in ("kernel", "bias")}
     expect |= {f"single_transformer_blocks.attn.{n}.scale" for n in ("norm_q", "norm_k")}
-    expect |= {"single_transformer_blocks.proj_out.packed.weight"}
     assert permuted == expect
     plain = hv.key_map(hv.config_from_diffusers(hv.PRESETS["tiny"], split_rope=False), abstract)
-    assert {p for p, k in plain.items() if k.perm is not None} == {"single_transformer_blocks.proj_out.packed.weight"}
+    assert all(k.perm is None for k in plain.values())
 
 
-def test_packed_proj_out_grouping_float64(f64_masks, monkeypatch):
-    """The single blocks' proj_out input features grouped per head unit at load let TP
-    split it by rank; loaded in checkpoint order (mechanism removed) the TP result
-    differs from the plain model."""
-    _, kwargs, plain = f64_masks
+def test_proj_out_key_map_slices_the_packed_weight():
+    """proj_out.attn / proj_out.mlp are input features [0, D) / [D, D+F) of the one
+    diffusers weight, the bias with the MLP part; both row-parallel in PLAN."""
     c = hv.config_from_diffusers(hv.PRESETS["tiny"])
-    order = hv.packed_order(c)
-    assert sorted(order) == list(range(c.inner_dim + c.mlp_dim))
-    hd, f = c.attention_head_dim, c.mlp_dim // c.num_attention_heads
-    assert list(order[:hd]) == list(range(hd)) and order[hd] == c.inner_dim and order[hd + f] == hd
-    monkeypatch.setattr(hv_keys, "packed_order", lambda cfg: np.arange(cfg.inner_dim + cfg.mlp_dim))
+    abstract = nnx.eval_shape(lambda: hv.build(c, rngs=nnx.Rngs(0)))
+    km = hv.key_map(c, abstract)
+    attn = km["single_transformer_blocks.proj_out.attn.kernel"]
+    mlp = km["single_transformer_blocks.proj_out.mlp.kernel"]
+    assert attn.template == mlp.template == "single_transformer_blocks.{i}.proj_out.weight"
+    D, F = c.inner_dim, c.mlp_dim
+    assert (attn.in_range, mlp.in_range) == ((0, D), (D, D + F))
+    assert km["single_transformer_blocks.proj_out.mlp.bias"].template == "single_transformer_blocks.{i}.proj_out.bias"
+    assert "single_transformer_blocks.proj_out.attn.bias" not in km
+    assert hv.PLAN["single_transformer_blocks.proj_out.attn"] == hv.PLAN["single_transformer_blocks.proj_out.mlp"] \
+        == "row"
+
+
+def _contiguous_proj_out_rows(model, ranks):
+    """Mechanism removed: each rank gets a contiguous 1/P of proj_out's D+F checkpoint
+    rows (as one plain row-parallel Linear over cat([attn, mlp]) would), split into its
+    attn and mlp shards -- instead of the rows of the inputs it holds."""
+    blocks = model.single_transformer_blocks.proj_out
+    a_var, m_var = blocks.attn.kernel, blocks.mlp.kernel
+    a, m = np.asarray(a_var.get_value()), np.asarray(m_var.get_value())
+    full = np.concatenate([a, m], axis=1)                      # [L, D+F, D], checkpoint row order
+    rows, a_rows = full.shape[1] // ranks, a.shape[1] // ranks
+    chunks = [full[:, r * rows:(r + 1) * rows] for r in range(ranks)]
+    bad_a = np.concatenate([ch[:, :a_rows] for ch in chunks], axis=1)
+    bad_m = np.concatenate([ch[:, a_rows:] for ch in chunks], axis=1)
+    assert not np.array_equal(bad_a, a)
+    a_var.set_value(jax.device_put(bad_a, a_var.get_value().sharding))
+    m_var.set_value(jax.device_put(bad_m, m_var.get_value().sharding))
+
+
+def test_packed_proj_out_float64(f64_masks):
+    """TP (P=2): each rank's proj_out.attn / proj_out.mlp rows are the inputs it holds
+    (its heads, its MLP columns), summed in one all-reduce: matches the plain model.
+    With contiguous 1/P row shards of the packed weight (mechanism removed) it differs."""
+    _, kwargs, plain = f64_masks
     with jax.enable_x64(True):
-        out = run(load("hunyuan_video_masks", 2, dtype=jnp.float64), kwargs, 2, "tp")
+        model = load("hunyuan_video_masks", 2, dtype=jnp.float64)
+        assert rel(run(model, kwargs, 2, "tp"), plain) <= 1e-12
+        _contiguous_proj_out_rows(model, 2)
+        out = run(model, kwargs, 2, "tp")
     assert rel(out, plain) > 1e-3
 
 
-def test_unpacked_proj_out_equals_packed_float64(f64_masks, monkeypatch):
-    """The Runner splits the packed proj_out once (`unpack_proj_out`); the model left
-    packed (split at every call) gives the same output (float64)."""
-    from difflet_tpu.models.hunyuan_video import runner as hv_runner
-
+def test_runner_leaves_the_model_alone(f64_masks):
+    """The Runner places its own copy of the parameters and never changes the model:
+    after SP and TP Runners on 2 devices ran it (float64, equal to the plain model),
+    the loaded model's parameters keep their paths, values and shardings."""
     _, kwargs, plain = f64_masks
-    monkeypatch.setattr(hv_runner, "unpack_proj_out", lambda model, mesh=None: model)
     with jax.enable_x64(True):
-        packed = load("hunyuan_video_masks", dtype=jnp.float64)
-        out = run(packed, kwargs)
-    assert packed.single_transformer_blocks.proj_out.packed is not None
-    assert rel(out, plain) <= 1e-12
+        model = load("hunyuan_video_masks", 2, dtype=jnp.float64)
+        before = {p: v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+        values = {p: np.asarray(v.get_value()) for p, v in before.items()}
+        for mode in ("sp", "tp"):
+            assert rel(run(model, kwargs, 2, mode), plain) <= 1e-12, mode
+        after = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    assert sorted(after) == sorted(before)
+    for p, v in after.items():
+        np.testing.assert_array_equal(np.asarray(v.get_value()), values[p], err_msg=str(p))
+        assert v.get_value().sharding == before[p].get_value().sharding, p
 
 
 def refiner_reference(mask, x, q_w, k_w, v_w, heads):

@@ -1,12 +1,17 @@
-"""Parameter path -> diffusers checkpoint key, for `difflet_tpu.weights.load_transformer`.
+"""Checkpoint keys of the HunyuanVideo port: parameter path -> diffusers key and
+transform, for `difflet_tpu.weights.load_transformer`.
 
 Everything follows `weights.default_key_map` (Linear kernel = torch weight
 transposed, norm `scale` = `weight`, stacked blocks `name.{i}.`), except:
 
 * `x_embedder.proj`: the Conv3d weight `[D, C, pt, p, p]` as a Linear over
   patches flattened `(c, pt, ph, pw)` ("conv_as_linear").
-* single blocks' `proj_out.packed.weight`: torch layout `[D, D + F]`, input
-  features regrouped per head unit (`model.packed_order`), see plan.py.
+* the single blocks' `proj_out`: one torch Linear over cat([attn (D), mlp (F)])
+  (`single_transformer_blocks.{i}.proj_out.weight` `[D, D + F]`), held as two
+  row-parallel kernels, `proj_out.attn` = input features [0, D) and
+  `proj_out.mlp` = [D, D + F) (`Key(in_range=...)`), the bias with
+  `proj_out.mlp`. The loader reads each device's rows of each range only;
+  nothing depends on P.
 * split-halves RoPE (`config.split_rope`): every q/k that meets RoPE in the
   joint attention (image `to_q/to_k`, and so the text `add_q_proj/add_k_proj`
   it is dotted with; the single blocks' `to_q/to_k`) has its output rows
@@ -21,17 +26,23 @@ from difflet_tpu import layout
 from difflet_tpu.weights import Key, default_key_map
 
 from .config import HunyuanVideoConfig
-from .model import packed_order
 
 
 def key_map(config: HunyuanVideoConfig, model) -> dict[str, Key]:
+    """Parameter path -> diffusers key (the Conv3d patch embedder, the packed
+    single-block proj_out ranges and the split-halves RoPE permutation included)."""
     c = config
     L, Ls, Lr = c.num_layers, c.num_single_layers, c.num_refiner_layers
+    D, F = c.inner_dim, c.mlp_dim
     out = default_key_map(model, stacked={"transformer_blocks": L, "single_transformer_blocks": Ls,
                                           "context_embedder.token_refiner.refiner_blocks": Lr})
     out["x_embedder.proj.kernel"] = Key("x_embedder.proj.weight", "conv_as_linear")
-    out["single_transformer_blocks.proj_out.packed.weight"] = Key(
-        "single_transformer_blocks.{i}.proj_out.weight", perm=tuple(int(i) for i in packed_order(c)), layers=Ls)
+    packed = "single_transformer_blocks.{i}.proj_out"
+    out["single_transformer_blocks.proj_out.attn.kernel"] = Key(f"{packed}.weight", "linear", layers=Ls,
+                                                                in_range=(0, D))
+    out["single_transformer_blocks.proj_out.mlp.kernel"] = Key(f"{packed}.weight", "linear", layers=Ls,
+                                                               in_range=(D, D + F))
+    out["single_transformer_blocks.proj_out.mlp.bias"] = Key(f"{packed}.bias", layers=Ls)
     if c.split_rope:
         heads = tuple(int(i) for i in layout.heads_permutation(c.num_attention_heads, c.attention_head_dim))
         per_head = tuple(int(i) for i in layout.rope_permutation(c.attention_head_dim))

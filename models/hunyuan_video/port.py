@@ -1,0 +1,190 @@
+"""Running HunyuanVideo: diffusers' `HunyuanVideoTransformer3DModel.forward` kwargs
+-> the step's inputs.
+
+`prepare` validates the kwargs against the config (errors before anything
+compiles), cuts the latent into patches (`model.patchify`, the Conv3d patch
+embedder as a Linear), pads both token streams eagerly under SP
+(`Runner.rows`; the text mask pads with invalid tokens) and builds the RoPE
+tables on the host (`rope.py`; cached per geometry). `forward` is the step;
+`finish` cuts the image rows back and unpatchifies, eagerly.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from difflet_tpu import layout
+from difflet_tpu.port import Prepared
+
+from .config import HunyuanVideoConfig
+from .model import Geometry, patchify, unpatchify
+from .rope import joint_tables
+
+FORWARD_ARGS = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_attention_mask",
+                "pooled_projections", "guidance", "attention_kwargs", "return_dict")
+
+
+def _shape(name, x):
+    if x is None:
+        raise ValueError(f"{name} is required")
+    return tuple(x.shape) if hasattr(x, "shape") else tuple(np.shape(x))
+
+
+def geometry(run, kw: dict) -> Geometry:
+    """Checks every input's shape against the config; the static geometry of the step
+    (token streams padded by the Runner's rule)."""
+    c = run.cfg
+    hs = _shape("hidden_states", kw.get("hidden_states"))
+    if len(hs) != 5:
+        raise ValueError(f"hidden_states must be [B, C, F, H, W], got shape {hs}")
+    B, C, F, H, W = hs
+    if C != c.in_channels:
+        raise ValueError(f"hidden_states has {C} channels; the config has in_channels={c.in_channels}")
+    if F % c.patch_size_t or H % c.patch_size or W % c.patch_size:
+        raise ValueError(f"hidden_states frames/height/width {F}x{H}x{W} must be multiples of the patch "
+                         f"({c.patch_size_t}, {c.patch_size}, {c.patch_size})")
+    ehs = _shape("encoder_hidden_states", kw.get("encoder_hidden_states"))
+    if len(ehs) != 3 or ehs[0] != B or ehs[2] != c.text_embed_dim:
+        raise ValueError(f"encoder_hidden_states must be [B={B}, N_text, {c.text_embed_dim}], got {ehs}")
+    n_txt = ehs[1]
+    if n_txt < 1:
+        raise ValueError("encoder_hidden_states has no tokens")
+    m = _shape("encoder_attention_mask", kw.get("encoder_attention_mask"))
+    if m != (B, n_txt):
+        raise ValueError(f"encoder_attention_mask must be [B, N_text] = {(B, n_txt)}, got {m}")
+    pp = _shape("pooled_projections", kw.get("pooled_projections"))
+    if pp != (B, c.pooled_projection_dim):
+        raise ValueError(f"pooled_projections must be {(B, c.pooled_projection_dim)}, got {pp}")
+    for name, needed in (("timestep", True), ("guidance", c.guidance_embeds)):
+        if kw.get(name) is None and not needed:
+            continue
+        s = _shape(name, kw.get(name))
+        if s not in ((), (1,), (B,)):
+            raise ValueError(f"{name} must be a scalar, (1,) or (B,) = ({B},), got {s}")
+    fp, hp, wp = F // c.patch_size_t, H // c.patch_size, W // c.patch_size
+    n_img = fp * hp * wp
+    return Geometry(frames=fp, height=hp, width=wp, n_img=n_img, n_img_pad=run.rows(n_img, "image tokens"),
+                    n_txt_pad=run.rows(n_txt, "text tokens"), single_sp=bool(run.config.sp_single))
+
+
+def _cast(x, dtype):
+    """`x` in `dtype`, staying where it is (a jax array on its device, numpy on the host)."""
+    return x.astype(dtype) if isinstance(x, jax.Array) else np.asarray(x).astype(dtype, copy=False)
+
+
+def prepare(run, kw: dict) -> Prepared:
+    """diffusers kwargs -> the step's inputs (eager: validation, patches, padding, tables)."""
+    unknown = set(kw) - set(FORWARD_ARGS)
+    if unknown:
+        raise TypeError(f"unexpected HunyuanVideo forward kwargs {sorted(unknown)}")
+    if kw.get("attention_kwargs"):
+        raise ValueError(f"attention_kwargs {sorted(kw['attention_kwargs'])} are not supported (no LoRA scale)")
+    geom = geometry(run, kw)
+    c, dtype = run.cfg, run.dtype
+    B = _shape("hidden_states", kw["hidden_states"])[0]
+
+    def vec(x):  # scalar, (1,) or (B,) -> (B,) float32
+        return np.broadcast_to(np.asarray(0.0 if x is None else x, np.float32).reshape(-1), (B,))
+
+    patches = patchify(kw["hidden_states"], c.patch_size_t, c.patch_size)
+    inputs = dict(
+        patches=_cast(layout.pad_tokens(patches, geom.n_img_pad)[0], dtype),
+        timestep=vec(kw["timestep"]),
+        encoder_hidden_states=_cast(layout.pad_tokens(kw["encoder_hidden_states"], geom.n_txt_pad)[0], dtype),
+        # pad text tokens are invalid: zeros in the mask
+        encoder_attention_mask=_cast(layout.pad_tokens(kw["encoder_attention_mask"], geom.n_txt_pad)[0],
+                                     np.float32),
+        pooled_projections=_cast(kw["pooled_projections"], dtype),
+        guidance=vec(kw.get("guidance")))
+    inputs["freqs_cos"], inputs["freqs_sin"] = run.constant(
+        ("rope", geom.frames, geom.height, geom.width, geom.n_joint),
+        lambda: joint_tables(c, geom.frames, geom.height, geom.width, geom.n_joint))
+    rows = run.row_spec()
+    specs = {k: P() for k in inputs}  # the text is replicated: the token refiner runs on every rank
+    specs["patches"] = rows
+    return_dict = kw.get("return_dict", True)
+
+    def finish(out):
+        out = layout.unpad(out, geom.n_img)  # image rows of the joint sequence / padded stream
+        out = unpatchify(out, geom.frames, geom.height, geom.width, c.patch_size_t, c.patch_size)
+        return out if return_dict else (out,)
+
+    return Prepared(key=geom, inputs=inputs, specs=specs, out_specs=rows, finish=finish)
+
+
+def forward(model, par, inputs: dict, key: Geometry):
+    """The step: the model on the prepared inputs (see `HunyuanVideoTransformer3DModel.__call__`)."""
+    return model(par, key, **inputs)
+
+
+def runner_geometry(run, *args, **kwargs) -> Geometry:
+    """`Runner.geometry(**diffusers_kwargs)`: the static geometry of the step these
+    kwargs compile (padded stream lengths included), after the same checks."""
+    return geometry(run, run.spec_kwargs(args, kwargs))
+
+
+# --------------------------------------------------------------------------
+# Benchmark inputs and FLOPs
+# --------------------------------------------------------------------------
+
+def latent_shape(config: HunyuanVideoConfig, height: int, width: int, frames: int, batch: int = 1):
+    """The latent `[B, C_in, F, H, W]` of a `frames` x `height` x `width` video (VAE 4x temporal, 8x spatial)."""
+    if (frames - 1) % 4 or height % 16 or width % 16:
+        raise ValueError(f"video {frames}x{height}x{width}: frames must be 4k+1, height and width multiples of 16")
+    return (batch, config.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
+
+
+def example_inputs(config: HunyuanVideoConfig, *, height: int = 320, width: int = 512, frames: int = 61,
+                   batch: int = 1, seed: int = 0, dtype=np.float32, text_tokens: int = 256,
+                   valid_text_tokens: int | None = None, abstract: bool = False) -> dict:
+    """diffusers forward kwargs (numpy, or ShapeDtypeStructs) for a video of `frames` x
+    `height` x `width` pixels, as HunyuanVideoPipeline makes them: the latent, 256 LLM
+    text tokens (the pipeline's max_sequence_length, 3/4 of them valid), pooled CLIP,
+    timestep and (guidance-distilled models) guidance = 6.0 * 1000."""
+    shape = latent_shape(config, height, width, frames, batch)
+    shapes = dict(hidden_states=(shape, dtype), timestep=((batch,), np.float32),
+                  encoder_hidden_states=((batch, text_tokens, config.text_embed_dim), dtype),
+                  encoder_attention_mask=((batch, text_tokens), np.float32),
+                  pooled_projections=((batch, config.pooled_projection_dim), dtype))
+    if config.guidance_embeds:
+        shapes["guidance"] = ((batch,), np.float32)
+    if abstract:
+        return {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()}
+    rng = np.random.default_rng(seed)
+    valid = text_tokens * 3 // 4 if valid_text_tokens is None else valid_text_tokens
+    mask = np.zeros((batch, text_tokens), np.float32)
+    mask[:, :valid] = 1.0
+    out = dict(hidden_states=rng.standard_normal(shape).astype(dtype),
+               timestep=np.full((batch,), 900.0, np.float32),
+               encoder_hidden_states=rng.standard_normal((batch, text_tokens, config.text_embed_dim)).astype(dtype),
+               encoder_attention_mask=mask,
+               pooled_projections=rng.standard_normal((batch, config.pooled_projection_dim)).astype(dtype))
+    if config.guidance_embeds:
+        out["guidance"] = np.full((batch,), 6000.0, np.float32)
+    return out
+
+
+def flops(config: HunyuanVideoConfig, inputs: dict) -> float:
+    """Analytic forward FLOPs: a Linear over n tokens costs 2*n*d_in*d_out, attention
+    4*S_q*S_k*D; embedders and modulation included, softmax, norms and RoPE ignored."""
+    c = config
+    B, _, F, H, W = tuple(inputs["hidden_states"].shape)
+    Nt = tuple(inputs["encoder_hidden_states"].shape)[1]
+    Ni = (F // c.patch_size_t) * (H // c.patch_size) * (W // c.patch_size)
+    N, D, Fm, Dt = Ni + Nt, c.inner_dim, c.mlp_dim, c.text_embed_dim
+    lin = lambda n, i, o: 2.0 * B * n * i * o
+    attn = lambda sq, sk: 4.0 * B * sq * sk * D
+    temb = lin(1, 256, D) + lin(1, D, D)
+    total = lin(Ni, c.in_channels * c.patch_volume, D)                              # x_embedder
+    total += temb + lin(1, c.pooled_projection_dim, D) + lin(1, D, D)                # time_text_embed
+    total += temb * (c.guidance_embeds + c.token_replace)
+    total += temb + lin(1, Dt, D) + lin(1, D, D) + lin(Nt, Dt, D)                   # refiner embed + proj_in
+    total += c.num_refiner_layers * (lin(Nt, D, 4 * D) + lin(Nt, D, 2 * int(D * c.mlp_ratio))
+                                     + attn(Nt, Nt) + lin(1, D, 2 * D))
+    mods = 1 + c.token_replace
+    total += c.num_layers * (lin(N, D, 4 * D) + lin(N, D, 2 * Fm) + attn(N, N) + lin(mods + 1, D, 6 * D))
+    total += c.num_single_layers * (lin(N, D, 3 * D + Fm) + lin(N, D + Fm, D) + attn(N, N) + lin(mods, D, 3 * D))
+    total += lin(1, D, 2 * D) + lin(Ni, D, c.patch_volume * c.out_channels)         # norm_out, proj_out
+    return float(total)
