@@ -211,7 +211,7 @@ def prepare(run, kwargs: dict) -> Prepared:
     for name, t in (("timestep", timestep), ("video_ca_timestep", video_ca_timestep)):
         t = _cast(t, tdtype)
         if t.ndim == 2 and t.shape[1] == nv:  # per video token: sharded like the rows
-            put(name, _pad_rows(t, nv_pad), rows)
+            put(name, _pad_rows(t, nv_pad), run.row_spec(2))
         else:
             put(name, t)
     put("audio_timestep", _cast(audio_timestep, tdtype))
