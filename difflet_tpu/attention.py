@@ -49,10 +49,13 @@ def attention(q, k, v, kv_mask=None, *, impl="xla", interpret=False):
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
 
 
-def reference_attention(q, k, v, kv_mask=None):
-    """Plain einsum softmax attention in the input precision (tests)."""
+def reference_attention(q, k, v, kv_mask=None, bias=None):
+    """Plain einsum softmax attention in the input precision (tests, float64 runs);
+    `bias`: an additive key bias `(B, 1, Skv)`."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if bias is not None:
+        s = s + bias[:, None]
     if kv_mask is not None:
         m = jnp.broadcast_to(jnp.asarray(kv_mask, bool), (k.shape[0], k.shape[1]))
         s = jnp.where(m[:, None, None, :], s, -jnp.inf)

@@ -1,4 +1,7 @@
-"""Small Flax NNX building blocks shared by the ports, and the block scan.
+"""The parallel linears (`Linear`, `column`, `row`), stacked blocks and their scan.
+
+The layers built on them (norms, embeddings, attention, feed-forward, the
+MMDiT blocks) are `difflet_tpu/layers/`.
 
 Parameters follow Flax conventions (Linear `kernel` is `[in, out]`, i.e. the
 transpose of torch's weight); module attribute names follow diffusers, so a
@@ -12,6 +15,11 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+
+def fp32(dtype):
+    """The dtype of float32 math for `dtype`: float32, or float64 for float64 models."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 class Linear(nnx.Module):
@@ -57,48 +65,6 @@ def row(par, pairs):
     return par.row([(x, l.kernel[...]) for x, l in pairs], None if bias is None else bias[...])
 
 
-class Weight(nnx.Module):
-    """A bare norm weight (`scale`), e.g. an RMSNorm's elementwise affine."""
-
-    def __init__(self, dim: int, *, dtype=jnp.float32):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
-
-
-def rms_norm(x, scale=None, eps: float = 1e-6, sum_sq=None, dim: int | None = None):
-    """RMSNorm in float32, cast back to x's dtype.
-
-    `sum_sq`/`dim` let a caller supply a per-token sum of squares reduced over
-    ranks (across-heads norms under TP/SP) and the full width it covers.
-    """
-    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    if sum_sq is None:
-        var = jnp.mean(xf * xf, axis=-1, keepdims=True)
-    else:
-        var = sum_sq / dim
-    y = xf * jax.lax.rsqrt(var + eps)
-    if scale is not None:
-        y = y * scale.astype(y.dtype)
-    return y.astype(x.dtype)
-
-
-def layer_norm(x, scale=None, bias=None, eps: float = 1e-6):
-    """LayerNorm in float32 (optional affine), cast back to x's dtype."""
-    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps)
-    if scale is not None:
-        y = y * scale.astype(y.dtype)
-    if bias is not None:
-        y = y + bias.astype(y.dtype)
-    return y.astype(x.dtype)
-
-
-def gelu_tanh(x):
-    """diffusers' "gelu-approximate" (tanh) GELU."""
-    return jax.nn.gelu(x, approximate=True)
-
-
 def stacked(make_block, num: int, rngs: nnx.Rngs):
     """`num` blocks with parameters stacked on a leading axis (for `scan_blocks`)."""
 
@@ -120,3 +86,8 @@ def scan_blocks(blocks, carry, fn):
 
     carry, _ = jax.lax.scan(body, carry, state)
     return carry
+
+
+# Moved to difflet_tpu.layers; re-exported until every port imports them from there.
+from difflet_tpu.layers.feedforward import gelu_tanh  # noqa: E402
+from difflet_tpu.layers.normalization import Weight, layer_norm, rms_norm  # noqa: E402

@@ -1,0 +1,216 @@
+"""The MMDiT double-stream and single-stream blocks of FLUX and HunyuanVideo.
+
+diffusers writes them twice (`FluxTransformerBlock` / `FluxSingleTransformerBlock`
+in `transformer_flux.py`, `HunyuanVideoTransformerBlock` /
+`HunyuanVideoSingleTransformerBlock` in `transformer_hunyuan_video.py`) with the
+same structure: adaLN-zero modulation, joint attention with per-head q/k
+RMSNorm and `add_{q,k,v}_proj` for the text stream, gated residuals, a GELU-tanh
+MLP, and in the single blocks one `proj_out` over `cat([attn, mlp])`. What
+differs is a parameter here: the order of the streams in the joint sequence
+(FLUX `[text | image]`, HunyuanVideo `[image | text]`), which rows RoPE rotates
+(the tables given), FLUX's float16 clip, HunyuanVideo's token_replace
+modulation, and the order the submodules are built in (the ports' classes).
+How the single blocks' rows are laid out under SP stays each port's.
+
+Parallel layout (the ports' PLANs add their own rows to `PLAN`): q/k/v,
+`add_*_proj`, `proj_mlp` and `ff*.net.0.proj` column-parallel (heads / MLP
+columns), `to_out.0`, `to_add_out`, `ff*.net.2` and the two `proj_out` kernels
+row-parallel, the adaLN linears column-parallel with their `(B, kD)` outputs
+gathered (`normalization.AdaLN`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from difflet_tpu import nn
+from difflet_tpu.parallel import COLUMN, ROW
+
+from .attention import apply_rotary_emb, attend, merge_heads, split_heads
+from .feedforward import FeedForward, gelu_tanh
+from .normalization import AdaLN, Weight, modulate, rms_norm
+
+PLAN = {
+    "transformer_blocks.norm1.linear": COLUMN,
+    "transformer_blocks.norm1_context.linear": COLUMN,
+    "transformer_blocks.attn.to_q": COLUMN,
+    "transformer_blocks.attn.to_k": COLUMN,
+    "transformer_blocks.attn.to_v": COLUMN,
+    "transformer_blocks.attn.add_q_proj": COLUMN,
+    "transformer_blocks.attn.add_k_proj": COLUMN,
+    "transformer_blocks.attn.add_v_proj": COLUMN,
+    "transformer_blocks.attn.to_out.0": ROW,
+    "transformer_blocks.attn.to_add_out": ROW,
+    "transformer_blocks.ff.net.0.proj": COLUMN,
+    "transformer_blocks.ff.net.2": ROW,
+    "transformer_blocks.ff_context.net.0.proj": COLUMN,
+    "transformer_blocks.ff_context.net.2": ROW,
+    "single_transformer_blocks.norm.linear": COLUMN,
+    "single_transformer_blocks.attn.to_q": COLUMN,
+    "single_transformer_blocks.attn.to_k": COLUMN,
+    "single_transformer_blocks.attn.to_v": COLUMN,
+    "single_transformer_blocks.proj_mlp": COLUMN,
+    "single_transformer_blocks.proj_out.attn": ROW,
+    "single_transformer_blocks.proj_out.mlp": ROW,
+    "norm_out.linear": COLUMN,
+}
+
+
+def clip_fp16(x):
+    """FLUX's `clip(-65504, 65504)` of float16 activations (identity otherwise)."""
+    return jnp.clip(x, -65504, 65504) if x.dtype == jnp.float16 else x
+
+
+class JointAttention(nnx.Module):
+    """diffusers' `FluxAttention` / HunyuanVideo's `Attention(qk_norm="rms_norm")` with
+    their processors. `added_kv`: the text stream's `add_{q,k,v}_proj`,
+    `norm_added_{q,k}` and `to_add_out` (double blocks); `pre_only`: no
+    `to_out` (single blocks: the block runs q/k/v with its MLP and calls
+    `self_attend`). `context_first`: the joint sequence is `[text | image]`
+    (FLUX), else `[image | text]` (HunyuanVideo).
+    """
+
+    def __init__(self, query_dim: int, heads: int, dim_head: int, *, added_kv: bool = False, pre_only: bool = False,
+                 context_first: bool = True, eps: float = 1e-6, dtype, rngs: nnx.Rngs):
+        self.heads, self.head_dim, self.eps, self.context_first = heads, dim_head, eps, context_first
+        inner = heads * dim_head
+        self.norm_q = Weight(dim_head, dtype=dtype)
+        self.norm_k = Weight(dim_head, dtype=dtype)
+        self.to_q = nn.Linear(query_dim, inner, dtype=dtype, rngs=rngs)
+        self.to_k = nn.Linear(query_dim, inner, dtype=dtype, rngs=rngs)
+        self.to_v = nn.Linear(query_dim, inner, dtype=dtype, rngs=rngs)
+        if not pre_only:
+            self.to_out = nnx.Dict({"0": nn.Linear(inner, query_dim, dtype=dtype, rngs=rngs)})
+        if added_kv:
+            self.norm_added_q = Weight(dim_head, dtype=dtype)
+            self.norm_added_k = Weight(dim_head, dtype=dtype)
+            self.add_q_proj = nn.Linear(query_dim, inner, dtype=dtype, rngs=rngs)
+            self.add_k_proj = nn.Linear(query_dim, inner, dtype=dtype, rngs=rngs)
+            self.add_v_proj = nn.Linear(query_dim, inner, dtype=dtype, rngs=rngs)
+            self.to_add_out = nn.Linear(inner, query_dim, dtype=dtype, rngs=rngs)
+
+    def _norm(self, t, weight):
+        return rms_norm(split_heads(t, self.head_dim), weight.scale[...], self.eps)
+
+    def _rope(self, t, rope):
+        if rope is None:
+            return t
+        cos, sin, split = rope
+        return apply_rotary_emb(t, cos[:, None], sin[:, None], split)
+
+    def attend(self, par, q, k, v, rope, kv_mask):
+        """Attention over one sequence: q, k (normalized), v `[B, S, heads_local, head_dim]`,
+        RoPE (`rope`: (cos, sin `[S, head_dim]`, split) or None) on q and k;
+        returns `[B, S, heads_local * head_dim]`."""
+        return merge_heads(attend(par, self._rope(q, rope), self._rope(k, rope), v, kv_mask))
+
+    def self_attend(self, par, q, k, v, rope, kv_mask):
+        """The single blocks': q, k, v projections `[B, S, heads_local * head_dim]`."""
+        return self.attend(par, self._norm(q, self.norm_q), self._norm(k, self.norm_k),
+                           split_heads(v, self.head_dim), rope, kv_mask)
+
+    def __call__(self, par, hidden_states, encoder_hidden_states, rope, kv_mask):
+        """Joint attention of the image and text streams (each every row, or this rank's
+        under SP, gathered by the rings); `rope` covers the joint sequence (identity
+        rows where nothing rotates). Returns (image out, text out), row-parallel."""
+        par.local_heads(self.heads)  # a clear error if the heads do not divide over the ranks
+        q, k, v = nn.column(par, hidden_states, [self.to_q, self.to_k, self.to_v])
+        eq, ek, ev = nn.column(par, encoder_hidden_states, [self.add_q_proj, self.add_k_proj, self.add_v_proj])
+        img = (self._norm(q, self.norm_q), self._norm(k, self.norm_k), split_heads(v, self.head_dim))
+        txt = (self._norm(eq, self.norm_added_q), self._norm(ek, self.norm_added_k), split_heads(ev, self.head_dim))
+        first, second = (txt, img) if self.context_first else (img, txt)
+        n = first[0].shape[1]
+        o = self.attend(par, *(jnp.concatenate(pair, axis=1) for pair in zip(first, second)), rope, kv_mask)
+        encoder_out, hidden_out = (o[:, :n], o[:, n:]) if self.context_first else (o[:, n:], o[:, :n])
+        hidden_out = nn.row(par, [(hidden_out, self.to_out["0"])])
+        encoder_out = nn.row(par, [(encoder_out, self.to_add_out)])
+        return hidden_out, encoder_out
+
+
+class DoubleStreamBlock(nnx.Module):
+    """diffusers' `FluxTransformerBlock` / `HunyuanVideoTransformerBlock`: adaLN-zero per
+    stream (`norm1`, `norm1_context`), joint attention, gated residuals, a GELU-tanh
+    MLP per stream (`ff`, `ff_context`)."""
+
+    def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_dim: int, *,
+                 context_first: bool, clip_fp16: bool = False, eps: float = 1e-6, dtype, rngs: nnx.Rngs):
+        self.eps, self.clip_fp16 = eps, clip_fp16
+        self.norm1 = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
+        self.norm1_context = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
+        self.attn = JointAttention(dim, num_attention_heads, attention_head_dim, added_kv=True,
+                                   context_first=context_first, eps=eps, dtype=dtype, rngs=rngs)
+        self.ff = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)
+        self.ff_context = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, par, hidden_states, encoder_hidden_states, temb, rope, kv_mask, token_replace=None):
+        """hidden_states: the image stream, encoder_hidden_states: the text stream (each
+        this rank's rows under SP); `rope`, `kv_mask`: the joint sequence's rows.
+        token_replace: see `AdaLN` (image rows only)."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(par, temb, token_replace)
+        c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(par, temb)
+
+        # 1. Joint attention
+        norm_hidden_states = modulate(hidden_states, shift_msa, scale_msa, self.eps)
+        norm_encoder_hidden_states = modulate(encoder_hidden_states, c_shift_msa, c_scale_msa, self.eps)
+        attn_output, context_attn_output = self.attn(par, norm_hidden_states, norm_encoder_hidden_states, rope,
+                                                     kv_mask)
+
+        # 2. Modulation and residual connection
+        hidden_states = hidden_states + gate_msa * attn_output
+        encoder_hidden_states = encoder_hidden_states + c_gate_msa * context_attn_output
+        norm_hidden_states = modulate(hidden_states, shift_mlp, scale_mlp, self.eps)
+        norm_encoder_hidden_states = modulate(encoder_hidden_states, c_shift_mlp, c_scale_mlp, self.eps)
+
+        # 3. Feed-forward
+        hidden_states = hidden_states + gate_mlp * self.ff(par, norm_hidden_states)
+        encoder_hidden_states = encoder_hidden_states + c_gate_mlp * self.ff_context(par, norm_encoder_hidden_states)
+        if self.clip_fp16:
+            encoder_hidden_states = clip_fp16(encoder_hidden_states)
+        return hidden_states, encoder_hidden_states
+
+
+class PackedProjOut(nnx.Module):
+    """The single blocks' `proj_out = Linear(D + F -> D)` over `cat([attn, mlp])`, as two
+    kernels over its two input ranges (the loader slices the checkpoint weight,
+    `Key(in_range=...)`): `attn` (`[D, D]`, no bias) and `mlp` (`[F, D]`, with
+    proj_out's bias). Both row-parallel, so each rank holds the rows of the inputs
+    it computed (its heads, its MLP columns): one reduce-scatter (SP) or
+    all-reduce (TP) over the two products, the bias added once, no concatenation."""
+
+    def __init__(self, attn_dim: int, mlp_dim: int, out_dim: int, *, dtype, rngs: nnx.Rngs):
+        self.attn = nn.Linear(attn_dim, out_dim, bias=False, dtype=dtype, rngs=rngs)
+        self.mlp = nn.Linear(mlp_dim, out_dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, par, attn_output, mlp_hidden_states):
+        return par.row([(attn_output, self.attn.kernel[...]), (mlp_hidden_states, self.mlp.kernel[...])],
+                       self.mlp.bias[...])
+
+
+class SingleStreamBlock(nnx.Module):
+    """The forward of diffusers' `FluxSingleTransformerBlock` / `HunyuanVideoSingleTransformerBlock`.
+
+    The ports subclass it and build `norm` (`AdaLN(D, 3)`), `proj_mlp`,
+    `proj_out` (`PackedProjOut`), `attn` (`JointAttention(pre_only=True)`) in
+    diffusers' order, and set `eps` and `clip_fp16`.
+    """
+
+    eps: float = 1e-6
+    clip_fp16: bool = False
+
+    def __call__(self, par, hidden_states, temb, rope, kv_mask, token_replace=None):
+        """hidden_states: rows of the joint sequence (under SP this rank's; the gathered
+        rows are in the order `rope` and `kv_mask` describe)."""
+        residual = hidden_states
+        shift_msa, scale_msa, gate = self.norm(par, temb, token_replace)
+        norm_hidden_states = modulate(hidden_states, shift_msa, scale_msa, self.eps)
+        attn = self.attn
+        par.local_heads(attn.heads)
+        # q, k, v and the MLP share one column-parallel group (one all-gather ring under SP)
+        q, k, v, mlp_hidden_states = nn.column(par, norm_hidden_states,
+                                               [attn.to_q, attn.to_k, attn.to_v, self.proj_mlp],
+                                               [None, None, None, gelu_tanh])
+        attn_output = attn.self_attend(par, q, k, v, rope, kv_mask)
+        # proj_out(cat([attn_output, mlp_hidden_states])): two row-parallel pairs, one collective
+        hidden_states = residual + gate * self.proj_out(par, attn_output, mlp_hidden_states)
+        return clip_fp16(hidden_states) if self.clip_fp16 else hidden_states

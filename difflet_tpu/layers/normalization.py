@@ -1,0 +1,113 @@
+"""Normalization (diffusers `normalization.py`, torch `nn.LayerNorm` / `nn.RMSNorm`).
+
+Statistics in float32 (float64 for float64 models), the result cast back to
+the input dtype, as diffusers' `FP32LayerNorm` and `RMSNorm` compute them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from difflet_tpu import nn
+
+
+def layer_norm(x, scale=None, bias=None, eps: float = 1e-6):
+    """LayerNorm over the last axis in float32 (optional affine), cast back to x's dtype."""
+    xf = x.astype(nn.fp32(x.dtype))
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    if scale is not None:
+        y = y * scale.astype(y.dtype)
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y.astype(x.dtype)
+
+
+def rms_norm(x, scale=None, eps: float = 1e-6, sum_sq=None, dim: int | None = None):
+    """RMSNorm over the last axis in float32, cast back to x's dtype.
+
+    `sum_sq` / `dim`: a per-token sum of squares reduced over ranks and the
+    full width it covers (`rms_norm_across_heads`).
+    """
+    xf = x.astype(nn.fp32(x.dtype))
+    var = jnp.mean(xf * xf, axis=-1, keepdims=True) if sum_sq is None else sum_sq / dim
+    y = xf * jax.lax.rsqrt(var + eps)
+    if scale is not None:
+        y = y * scale.astype(y.dtype)
+    return y.astype(x.dtype)
+
+
+def rms_norm_across_heads(par, x, scale, eps: float, dim: int):
+    """`torch.nn.RMSNorm(dim)` over all heads' channels (Wan's and LTX-2's q/k norms),
+    of which this rank holds a column-parallel slice: the per-token sum of squares
+    is summed over the `tp` ranks in float32, so every rank divides by the
+    full-width mean (on one device: a plain RMSNorm)."""
+    xf = x.astype(nn.fp32(x.dtype))
+    sum_sq = par.sum_over_ranks(jnp.sum(xf * xf, axis=-1, keepdims=True))
+    return rms_norm(x, scale, eps, sum_sq=sum_sq, dim=dim)
+
+
+def modulate(x, shift, scale, eps: float = 1e-6):
+    """adaLN: `norm(x) * (1 + scale) + shift` with a LayerNorm without affine
+    (diffusers' `AdaLayerNormZero` & co.); shift and scale broadcast over rows."""
+    return layer_norm(x, eps=eps) * (1 + scale) + shift
+
+
+class Weight(nnx.Module):
+    """A bare norm weight (`scale`): the affine of a per-head or across-heads q/k RMSNorm."""
+
+    def __init__(self, dim: int, *, dtype=jnp.float32):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+
+
+class LayerNorm(nnx.Module):
+    """`nn.LayerNorm(dim, eps)` with its affine (`scale`, `bias`), float32 statistics."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, dtype):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+
+    def __call__(self, x):
+        return layer_norm(x, self.scale[...], self.bias[...], self.eps)
+
+
+class RMSNorm(nnx.Module):
+    """diffusers' `RMSNorm(dim, eps, elementwise_affine)`: `weight` only with the affine."""
+
+    def __init__(self, dim: int, eps: float, elementwise_affine: bool, *, dtype):
+        self.eps = eps
+        self.weight = Weight(dim, dtype=dtype) if elementwise_affine else None
+
+    def __call__(self, x):
+        return rms_norm(x, None if self.weight is None else self.weight.scale[...], self.eps)
+
+
+class AdaLN(nnx.Module):
+    """The modulation of adaLN: `linear(silu(emb))` in `chunks` pieces of `dim`.
+
+    One module for diffusers' `AdaLayerNormZero` (6 chunks: shift, scale, gate
+    of attention and MLP), `AdaLayerNormZeroSingle` (3), `AdaLayerNormContinuous`
+    (2: scale, then shift) and `HunyuanVideoAdaNorm` (2 gates); `modulate`
+    applies a shift and scale. `linear` is column-parallel (PLAN): each rank
+    computes its columns of the small `(B, chunks * dim)` output, then all are
+    gathered. Each chunk comes back as `(B, 1, dim)`, broadcast over rows.
+    """
+
+    def __init__(self, dim: int, chunks: int, *, dtype, rngs: nnx.Rngs):
+        self.chunks = chunks
+        self.linear = nn.Linear(dim, chunks * dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, par, emb, token_replace=None):
+        """`token_replace`: None, or (bool `[rows]`, emb `[B, D]`): those rows take the
+        second embedding's modulation (HunyuanVideo's first-frame tokens), so each
+        chunk is `(B, rows, dim)`."""
+        chunks = jnp.split(par.gather_columns(self.linear(jax.nn.silu(emb))), self.chunks, axis=-1)
+        chunks = [c[:, None] for c in chunks]
+        if token_replace is None:
+            return chunks
+        rows, replace_emb = token_replace
+        return [jnp.where(rows[None, :, None], r, c) for c, r in zip(chunks, self(par, replace_emb))]

@@ -1,0 +1,331 @@
+"""The shared layers (difflet_tpu/layers) against independent numpy references,
+and their TP / SP forms against one device."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from difflet_tpu import layers, layout, runtime
+from difflet_tpu.layers import mmdit
+from difflet_tpu.mesh import TP, make_mesh
+from difflet_tpu.parallel import COLUMN, ROW, Parallel
+from difflet_tpu.testing import rel_l2
+
+
+def f64(x):
+    return np.asarray(x, np.float64)
+
+
+def ulps(a, b):
+    return np.abs(np.asarray(a, np.float32).view(np.int32).astype(np.int64) - np.asarray(b, np.float32).view(np.int32))
+
+
+def run(module, fn, mode, *inputs, tp=2, plan=None, rows_axis=None):
+    """`fn(module, par, *inputs)` on one device (mode "single") or over `tp` devices, parameters
+    placed by `plan`; under SP the inputs with `rows_axis` are sharded on it (and the output)."""
+    if mode == "single":
+        step, state = runtime.compile_step(module, fn, Parallel())
+        return step(state, *inputs)
+    mesh = make_mesh(tp)
+    par = Parallel(mode=mode, size=tp, interpret=True)
+    rows = P(*([None] * rows_axis + [TP])) if mode != "tp" and rows_axis is not None else P()
+    step, state = runtime.compile_step(module, fn, par, mesh, plan or {}, in_specs=tuple(rows for _ in inputs),
+                                       out_specs=rows)
+    return step(state, *inputs)
+
+
+# --------------------------------------------------------------------------
+# Embeddings
+# --------------------------------------------------------------------------
+
+def _exact_freqs(half):
+    e = (np.float32(-math.log(10000.0)) * np.arange(half, dtype=np.float32)) / np.float32(half)
+    return np.exp(e.astype(np.float64)).astype(np.float32)  # correctly rounded
+
+
+def test_timestep_frequencies_are_torch_bits():
+    """The 128 frequencies of the 256-channel sinusoid are torch's float32 exp: within an
+    ulp of the correctly rounded values, one ulp above them at exactly i = 12 and 106
+    (this pins every bit); other sizes are correctly rounded."""
+    table = layers.timestep_frequencies(128)
+    diff = table.view(np.int32).astype(np.int64) - _exact_freqs(128).view(np.int32)
+    assert list(np.nonzero(diff)[0]) == [12, 106] and set(diff[[12, 106]]) == {1}
+    np.testing.assert_array_equal(layers.timestep_frequencies(8), _exact_freqs(8))
+
+
+def test_timestep_embedding_policy():
+    """float32 angles t * f (as torch), cos / sin within an ulp of the correctly rounded
+    float64 values; any leading shape; float32 whatever the input dtype."""
+    t = np.array([[0.0, 1.0, 500.0], [750.0, 1000.0, 6000.0]], np.float32)
+    got = np.asarray(layers.get_timestep_embedding(t))
+    assert got.shape == (2, 3, 256) and got.dtype == np.float32
+    ang = (t[..., None] * layers.timestep_frequencies(128)).astype(np.float32).astype(np.float64)
+    want = np.concatenate([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+    assert ulps(got, want).max() <= 1
+    with jax.enable_x64(True):  # float64 timesteps: still the float32 sinusoid, as diffusers' `.float()`
+        assert jax.jit(layers.get_timestep_embedding)(jnp.asarray(t, jnp.float64)).dtype == jnp.float32
+
+
+def test_timestep_embedding_and_text_projection():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    te = layers.TimestepEmbedding(16, 8, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    silu = lambda a: a / (1 + np.exp(-a))
+    lin = lambda l, a: a @ f64(l.kernel[...]) + f64(l.bias[...])
+    np.testing.assert_allclose(te(x), lin(te.linear_2, silu(lin(te.linear_1, f64(x)))), rtol=1e-5, atol=1e-6)
+    gelu_tanh = lambda a: 0.5 * a * (1 + np.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a ** 3)))
+    for act_fn, act in (("gelu_tanh", gelu_tanh), ("silu", silu)):
+        proj = layers.PixArtAlphaTextProjection(16, 8, act_fn=act_fn, dtype=jnp.float32, rngs=nnx.Rngs(1))
+        np.testing.assert_allclose(proj(x), lin(proj.linear_2, act(lin(proj.linear_1, f64(x)))), rtol=1e-5,
+                                   atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_text_projection_parallel(mode):
+    """`parallel`: linear_1 column, linear_2 row on replicated rows: a psum in every mode."""
+    proj = layers.PixArtAlphaTextProjection(16, 8, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    x = np.random.default_rng(0).standard_normal((2, 6, 16)).astype(np.float32)
+    plan = {"linear_1": COLUMN, "linear_2": ROW}
+    got = run(proj, lambda m, par, a: m.parallel(par, a), mode, x, plan=plan)
+    assert rel_l2(got, proj(x)) <= 1e-6
+
+
+# --------------------------------------------------------------------------
+# Normalization
+# --------------------------------------------------------------------------
+
+def test_layer_norm_and_rms_norm():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((2, 5, 32)) * 3 + 1).astype(np.float32)
+    scale, bias = rng.standard_normal(32).astype(np.float32), rng.standard_normal(32).astype(np.float32)
+    xd = f64(x)
+    ln = (xd - xd.mean(-1, keepdims=True)) / np.sqrt(xd.var(-1, keepdims=True) + 1e-5) * scale + bias
+    np.testing.assert_allclose(layers.layer_norm(x, scale, bias, 1e-5), ln, rtol=1e-5, atol=1e-5)
+    affine = layers.LayerNorm(32, 1e-5, dtype=jnp.float32)
+    affine.scale[...], affine.bias[...] = scale, bias
+    np.testing.assert_allclose(affine(x), ln, rtol=1e-5, atol=1e-5)
+    rms = xd / np.sqrt((xd * xd).mean(-1, keepdims=True) + 1e-6) * scale
+    np.testing.assert_allclose(layers.rms_norm(x, scale, 1e-6), rms, rtol=1e-5, atol=1e-5)
+    bf = layers.rms_norm(jnp.asarray(x, jnp.bfloat16), jnp.asarray(scale))
+    assert bf.dtype == jnp.bfloat16 and rel_l2(bf.astype(jnp.float32), rms) < 1e-2  # float32 statistics
+    norm = layers.RMSNorm(32, 1e-6, elementwise_affine=False, dtype=jnp.float32)
+    np.testing.assert_allclose(norm(x), rms / scale, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_across_heads_sharded_float64():
+    """Channels sharded over 2 and 4 ranks (TP and SP): the sum of squares is summed over
+    ranks, so every slice equals the full-width numpy norm; normalising each slice
+    alone (no reduction) does not."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((2, 24, 64)) * rng.uniform(0.1, 3.0, 64)
+        scale = 1 + 0.1 * rng.standard_normal(64)
+        ref = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+        one = layers.rms_norm_across_heads(Parallel(), jnp.asarray(x), jnp.asarray(scale), 1e-6, 64)
+        assert np.abs(np.asarray(one) - ref).max() < 1e-13
+        for tp in (2, 4):
+            for par, ok in ((Parallel(mode="tp", size=tp), True), (Parallel(mode="sp", size=tp), True),
+                            (Parallel(), False)):  # Parallel(): no reduction over ranks
+                fn = jax.shard_map(lambda a, s, par=par: layers.rms_norm_across_heads(par, a, s, 1e-6, 64),
+                                   mesh=make_mesh(tp), in_specs=(P(None, None, TP), P(TP)),
+                                   out_specs=P(None, None, TP), check_vma=False)
+                err = np.abs(np.asarray(fn(jnp.asarray(x), jnp.asarray(scale))) - ref).max()
+                assert (err < 1e-13) if ok else (err > 1e-2), (tp, par.mode, err)
+
+
+@pytest.mark.parametrize("mode", ["single", "tp"])
+def test_adaln_modulate_and_token_replace(mode):
+    """AdaLN chunks = split(linear(silu(emb))) (column-parallel, gathered); modulate =
+    LayerNorm(x) * (1 + scale) + shift; token_replace rows take the second embedding's."""
+    ada = layers.AdaLN(16, 3, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    emb, emb2 = rng.standard_normal((2, 2, 16)).astype(np.float32)
+    rows = np.array([True, True, False, False, False])
+    w, b = f64(ada.linear.kernel[...]), f64(ada.linear.bias[...])
+    chunks = lambda e: np.split((f64(e) / (1 + np.exp(-f64(e)))) @ w + b, 3, axis=-1)
+    got = run(ada, lambda m, par, e, e2, r: (m(par, e), m(par, e, (r, e2))), mode, emb, emb2, rows,
+              plan={"linear": COLUMN})
+    for g, c in zip(got[0], chunks(emb)):
+        assert g.shape == (2, 1, 16)
+        np.testing.assert_allclose(g[:, 0], c, rtol=1e-5, atol=1e-5)
+    for g, c, c2 in zip(got[1], chunks(emb), chunks(emb2)):
+        assert g.shape == (2, 5, 16)
+        np.testing.assert_allclose(g, np.where(rows[None, :, None], c2[:, None], c[:, None]), rtol=1e-5, atol=1e-5)
+    x = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    shift, scale = got[0][0], got[0][1]
+    xd = f64(x)
+    want = (xd - xd.mean(-1, keepdims=True)) / np.sqrt(xd.var(-1, keepdims=True) + 1e-6) * (1 + f64(scale)) \
+        + f64(shift)
+    np.testing.assert_allclose(layers.modulate(x, shift, scale), want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------
+
+def _rope_numpy(x, angles):
+    """Interleaved pairs (2i, 2i+1) rotated by `angles` [S, D/2], as complex numbers."""
+    z = x[..., 0::2] + 1j * x[..., 1::2]
+    r = z * np.exp(1j * angles)[None, :, None, :]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = r.real, r.imag
+    return out
+
+
+def test_rotary_emb_interleaved_and_split_halves():
+    """Interleaved RoPE equals the complex rotation; split halves on q permuted per head
+    ([0, 2, ..., 1, 3, ...]) with the permuted tables is the same rotation, permuted."""
+    rng = np.random.default_rng(0)
+    S, H, D = 7, 3, 16
+    x = rng.standard_normal((2, S, H, D)).astype(np.float32)
+    ang = rng.uniform(-30, 30, (S, D // 2))
+    cos, sin = np.repeat(np.cos(ang), 2, -1).astype(np.float32), np.repeat(np.sin(ang), 2, -1).astype(np.float32)
+    want = _rope_numpy(f64(x), ang)
+    inter = layers.apply_rotary_emb(x, cos[:, None], sin[:, None], split=False)
+    np.testing.assert_allclose(inter, want, rtol=1e-5, atol=1e-5)
+    perm = layout.rope_permutation(D)
+    split = layers.apply_rotary_emb(x[..., perm], cos[:, None, perm], sin[:, None, perm], split=True)
+    np.testing.assert_allclose(split, want[..., perm], rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(split) - np.asarray(inter)[..., perm]).max() < 1e-6  # same products and sums
+    bf = layers.apply_rotary_emb(jnp.asarray(x, jnp.bfloat16), cos[:, None], sin[:, None], split=False)
+    assert bf.dtype == jnp.bfloat16
+
+
+def _attention_numpy(q, k, v, mask=None, bias=None):
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        s = s + bias[:, None]
+    if mask is not None:
+        s = np.where(mask[:, None, None, :], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
+
+
+def test_attend_mask_bias_and_float64():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 6, 2, 8)) for _ in range(3))
+    mask = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0]], bool)
+    bias = np.where(mask, 0.0, -10000.0)[:, None, :]
+    par = Parallel()
+    want = _attention_numpy(q, k, v, mask)
+    np.testing.assert_allclose(layers.attend(par, *(a.astype(np.float32) for a in (q, k, v)), mask), want,
+                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(layers.attend(par, *(a.astype(np.float32) for a in (q, k, v)),
+                                             bias=bias.astype(np.float32)),
+                               _attention_numpy(q, k, v, bias=bias), rtol=2e-5, atol=2e-5)
+    with jax.enable_x64(True):  # float64 runs a float64 softmax (XLA's takes it in float32)
+        for m, b in ((mask, None), (None, bias)):
+            got = layers.attend(par, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), m, b)
+            assert got.dtype == jnp.float64
+            assert np.abs(np.asarray(got) - _attention_numpy(q, k, v, m, b)).max() < 1e-12
+
+
+# --------------------------------------------------------------------------
+# Feed-forward
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_feedforward_parallel(mode):
+    """net.0.proj column-parallel with the activation in the epilogue, net.2 row-parallel:
+    TP and SP on 2 devices equal one device, which equals numpy."""
+    ff = layers.FeedForward(16, dim_out=12, mult=2, activation_fn="gelu", dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)
+    lin = lambda l, a: a @ f64(l.kernel[...]) + f64(l.bias[...])
+    h = lin(ff.net["0"]["proj"], f64(x))
+    want = lin(ff.net["2"], 0.5 * h * (1 + np.vectorize(math.erf)(h / math.sqrt(2))))
+    one = run(ff, lambda m, par, a: m(par, a), "single", x)
+    assert rel_l2(one, want) <= 1e-6
+    plan = {"net.0.proj": COLUMN, "net.2": ROW}
+    assert rel_l2(run(ff, lambda m, par, a: m(par, a), mode, x, plan=plan, rows_axis=1), one) <= 1e-6
+    with pytest.raises(ValueError, match="activation_fn"):
+        layers.FeedForward(16, activation_fn="geglu", dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+# --------------------------------------------------------------------------
+# MMDiT blocks
+# --------------------------------------------------------------------------
+
+def _double(context_first):
+    return mmdit.DoubleStreamBlock(32, 4, 8, 64, context_first=context_first, dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+def _double_inputs():
+    rng = np.random.default_rng(0)
+    img, txt = rng.standard_normal((2, 8, 32)).astype(np.float32), rng.standard_normal((2, 4, 32)).astype(np.float32)
+    temb = rng.standard_normal((2, 32)).astype(np.float32)
+    ang = rng.uniform(-3, 3, (12, 4))
+    cos, sin = (np.repeat(f(ang), 2, -1).astype(np.float32) for f in (np.cos, np.sin))
+    return img, txt, temb, cos, sin
+
+
+def _double_fn(block, par, img, txt, temb, cos, sin):
+    return block(par, img, txt, temb, (cos, sin, False), None)
+
+
+def test_double_block_stream_order_does_not_change_the_output():
+    """[text | image] (FLUX) and [image | text] (HunyuanVideo) joint sequences with the
+    same weights and per-row tables: attention is over the same keys, so the outputs agree."""
+    img, txt, temb, cos, sin = _double_inputs()  # tables: [text (4) | image (8)] rows
+    a = _double_fn(_double(True), Parallel(), img, txt, temb, cos, sin)
+    cos_b, sin_b = np.concatenate([cos[4:], cos[:4]]), np.concatenate([sin[4:], sin[:4]])  # [image | text]
+    b = _double_fn(_double(False), Parallel(), img, txt, temb, cos_b, sin_b)
+    for x, y in zip(a, b):
+        assert rel_l2(x, y) <= 1e-6
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_double_block_parallel(mode):
+    block = _double(True)
+    inputs = _double_inputs()
+    one = run(block, _double_fn, "single", *inputs)
+    mesh = make_mesh(2)
+    par = Parallel(mode=mode, size=2, interpret=True)
+    rows = P(None, TP) if mode == "sp" else P()
+    step, state = runtime.compile_step(block, _double_fn, par, mesh, mmdit_plan("transformer_blocks"),
+                                       in_specs=(rows, rows, P(), P(), P()), out_specs=(rows, rows))
+    for got, want in zip(step(state, *inputs), one):
+        assert rel_l2(got, want) <= 1e-6
+
+
+def mmdit_plan(prefix):
+    """The MMDiT PLAN's rows of one block kind, relative to the block."""
+    return {k[len(prefix) + 1:]: v for k, v in mmdit.PLAN.items() if k.startswith(prefix + ".")}
+
+
+class _Single(mmdit.SingleStreamBlock):
+    def __init__(self, rngs):
+        self.eps, self.clip_fp16 = 1e-6, True
+        self.norm = layers.AdaLN(32, 3, dtype=jnp.float32, rngs=rngs)
+        self.proj_mlp = mmdit.nn.Linear(32, 64, rngs=rngs)
+        self.proj_out = mmdit.PackedProjOut(32, 64, 32, dtype=jnp.float32, rngs=rngs)
+        self.attn = mmdit.JointAttention(32, 4, 8, pre_only=True, dtype=jnp.float32, rngs=rngs)
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_single_block_parallel_and_packed_proj_out(mode):
+    """TP / SP on 2 devices equal one device; proj_out's two kernels are the packed
+    Linear over cat([attn, mlp]) (numpy)."""
+    block = _Single(nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    x, temb = rng.standard_normal((2, 12, 32)).astype(np.float32), rng.standard_normal((2, 32)).astype(np.float32)
+    ang = rng.uniform(-3, 3, (12, 4))
+    cos, sin = (np.repeat(f(ang), 2, -1).astype(np.float32) for f in (np.cos, np.sin))
+    fn = lambda m, par, h, t, c, s: m(par, h, t, (c, s, False), None)
+    one = run(block, fn, "single", x, temb, cos, sin)
+    mesh = make_mesh(2)
+    par = Parallel(mode=mode, size=2, interpret=True)
+    rows = P(None, TP) if mode == "sp" else P()
+    step, state = runtime.compile_step(block, fn, par, mesh, mmdit_plan("single_transformer_blocks"),
+                                       in_specs=(rows, P(), P(), P()), out_specs=rows)
+    assert rel_l2(step(state, x, temb, cos, sin), one) <= 1e-6
+
+    po = block.proj_out
+    a, m = rng.standard_normal((3, 32)).astype(np.float32), rng.standard_normal((3, 64)).astype(np.float32)
+    packed = np.concatenate([f64(po.attn.kernel[...]), f64(po.mlp.kernel[...])])  # torch's weight.T
+    want = np.concatenate([a, m], -1) @ packed + f64(po.mlp.bias[...])
+    np.testing.assert_allclose(po(Parallel(), a, m), want, rtol=1e-5, atol=1e-5)
