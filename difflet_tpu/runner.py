@@ -110,6 +110,7 @@ class Runner:
         self._constants = {}      # key -> host value (RoPE tables, masks)
         self._constant_ids = set()  # ids of those host arrays
         self._placed = {}         # (id, spec) -> placed array
+        self.state = {}  # port-owned per-Runner state (e.g. Wan's text K/V cache)
         self.mask_pad_keys = True  # tests turn this off to show the pad-key mask matters
         for name, method in self.spec.methods.items():
             setattr(self, name, method.__get__(self))

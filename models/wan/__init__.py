@@ -1,18 +1,56 @@
 """Wan 2.1 / 2.2 (diffusers `WanTransformer3DModel`) on TPU: one device, TP and SP.
 
-The port contract (docs/porting.md): `config_from_diffusers`, `PRESETS`,
-`build`, `PLAN`, `key_map`, `Runner`, `example_inputs`, `flops`; plus the
-text K/V cache (`Runner.encode_text`), the Wan2.2 two-expert pipelines
-(`WanExperts`, `load_experts`, `EXPERT_BOUNDARY`) and the layout helpers.
-See docs/models/wan.md.
+Run it with `difflet_tpu.Runner(model, mesh, config)` (also `wan.Runner`); the
+port adds the text K/V cache (`Runner.encode_text`, `Runner.text_kv_shapes`,
+`Runner(..., cache_text=True)`) and the Wan2.2 two-expert pipelines
+(`WanExperts`, `load_experts`; boundaries in `EXPERT_BOUNDARY` = `SPEC.experts`).
+Notes: docs/models/wan.md.
 """
 
-from difflet_tpu.models.wan.config import (EXPERT_BOUNDARY, PRESETS, WanConfig, config_from_diffusers,
-                                           preset)
-from difflet_tpu.models.wan.model import PLAN, WanTransformer3DModel, build, key_map
-from difflet_tpu.models.wan.runner import (Runner, WanExperts, example_inputs, flops, load_experts,
-                                           patchify, rope_tables, unpatchify)
+from difflet_tpu import schedulers
+from difflet_tpu.port import Pipeline, PortSpec
+from difflet_tpu.runner import Runner
 
-__all__ = ["EXPERT_BOUNDARY", "PLAN", "PRESETS", "Runner", "WanConfig", "WanExperts",
-           "WanTransformer3DModel", "build", "config_from_diffusers", "example_inputs", "flops",
-           "key_map", "load_experts", "patchify", "preset", "rope_tables", "unpatchify"]
+from .config import (CLASS_NAME, EXPERT_BOUNDARY, FLOW_SHIFT, FLOW_SHIFTS, PRESETS, WanConfig,
+                     config_from_diffusers, preset)
+from .model import PLAN, WanTransformer3DModel, build, key_map
+from .port import (FORWARD_ARGS, WanExperts, encode_text, example_inputs, flops, forward, load_experts,
+                   patchify, prepare, text_kv_shapes, unpatchify)
+from .rope import rope_tables
+
+SPEC = PortSpec(
+    name="wan",
+    class_names=(CLASS_NAME,),
+    model_class=WanTransformer3DModel,
+    config_from_diffusers=config_from_diffusers,
+    presets=PRESETS,
+    build=build,
+    plan=PLAN,
+    key_map=key_map,
+    prepare=prepare,
+    forward=forward,
+    forward_args=FORWARD_ARGS,
+    heads=lambda c: {"num_attention_heads": c.num_attention_heads},
+    released="Wan2.1-T2V-14B",
+    bench_shape=dict(height=480, width=832, frames=9),
+    tiny_shape=dict(height=64, width=96, frames=9),
+    example_inputs=example_inputs,
+    flops=flops,
+    # WanPipeline: 50 steps, classifier-free guidance 5.0 (batch 2), the flow
+    # shift per checkpoint (config.FLOW_SHIFTS).
+    pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedulers.wan_schedule(
+        steps, FLOW_SHIFTS.get(preset, FLOW_SHIFT)), steps=50, guidance=5.0, guidance_mode="cfg"),
+    # The Pallas all-gather kernel under SP on TPU (the reference PR's default for Wan).
+    ag_default="pallas",
+    experts=EXPERT_BOUNDARY,
+    # cache_text: reuse the text K/V while the calls pass the very same
+    # encoder_hidden_states (and image) objects (a denoise loop).
+    options=dict(cache_text=False),
+    ignored_keys=("norm_added_q",),  # diffusers' _keys_to_ignore_on_load_unexpected
+    methods=dict(encode_text=encode_text, text_kv_shapes=text_kv_shapes),
+)
+
+__all__ = ["SPEC", "CLASS_NAME", "EXPERT_BOUNDARY", "FLOW_SHIFT", "FLOW_SHIFTS", "PLAN", "PRESETS", "Runner",
+           "WanConfig", "WanExperts", "WanTransformer3DModel", "build", "config_from_diffusers",
+           "example_inputs", "flops", "key_map", "load_experts", "patchify", "preset", "rope_tables",
+           "unpatchify"]

@@ -1,8 +1,8 @@
 """The Wan port's config: built from a diffusers `config.json`, plus the released presets.
 
-Released configs (porting-brief section 3.4; all share patch (1, 2, 2),
-head_dim 128, freq_dim 256, text_dim 4096, eps 1e-6, across-heads q/k norm
-and cross_attn_norm):
+Released configs (the `transformer/config.json` of the Wan-AI `*-Diffusers`
+checkpoints; all share patch (1, 2, 2), head_dim 128, freq_dim 256, text_dim
+4096, eps 1e-6, across-heads q/k norm and cross_attn_norm):
 
 =====================  =====  ====  =====  ======  =====  ==========================
 preset                 heads  D     ffn    layers  in/out extra
@@ -17,7 +17,8 @@ Wan2.2-TI2V-5B         24     3072  14336  30      48/48  per-token timesteps
 
 The two-expert Wan2.2 checkpoints are pipelines whose `transformer` (high
 noise) and `transformer_2` (low noise) each have the per-expert config above;
-`EXPERT_BOUNDARY` holds their pipelines' `boundary_ratio`.
+`EXPERT_BOUNDARY` holds their pipelines' `boundary_ratio` and `FLOW_SHIFTS`
+the pipelines' flow shifts (the port's `SPEC.experts` and schedule read these).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ PRESETS: dict[str, dict] = {
     "Wan2.2-I2V-A14B": dict(_14B, in_channels=36),   # per expert; no CLIP branch
     "Wan2.2-TI2V-5B": dict(_COMMON, num_attention_heads=24, ffn_dim=14336, num_layers=30,
                            in_channels=48, out_channels=48),
-    # The parity-fixture config (porting-brief section 9).
+    # The parity fixtures' config (tests/fixtures/wan_*).
     "tiny": dict(_COMMON, patch_size=[1, 2, 2], num_attention_heads=4, attention_head_dim=16,
                  in_channels=4, out_channels=4, text_dim=24, ffn_dim=128, num_layers=2,
                  rope_max_seq_len=32),
@@ -54,6 +55,12 @@ PRESETS: dict[str, dict] = {
 # the high-noise `transformer` runs while t >= boundary_ratio * 1000).
 EXPERT_BOUNDARY = {"Wan2.2-T2V-A14B": 0.875, "Wan2.2-I2V-A14B": 0.9}
 NUM_TRAIN_TIMESTEPS = 1000
+
+# WanPipeline's flow shift (the scheduler's static shift): 3.0 for 480p, 5.0 for
+# 720p (diffusers' Wan docs), Wan2.2 A14B as its generation configs' sample_shift
+# (Wan2.2 `wan/configs/wan_t2v_A14B.py`: 12.0; `wan_i2v_A14B.py`: 5.0).
+FLOW_SHIFT = 3.0
+FLOW_SHIFTS = {"Wan2.2-T2V-A14B": 12.0, "Wan2.2-I2V-A14B": 5.0, "Wan2.1-I2V-14B-720P": 5.0}
 
 # Per-token timesteps (`expand_timesteps`) are what the TI2V pipeline passes.
 PER_TOKEN_TIMESTEP_PRESETS = ("Wan2.2-TI2V-5B",)

@@ -110,16 +110,22 @@ def test_sp_pallas_kernels_interpret_mode():
     assert rel(out, ref) <= 1e-5
 
 
+def rows(runner, kwargs):
+    """Rows of the compiled patch sequence for these kwargs (the prepared step input)."""
+    return runner.prepare(kwargs).inputs["patches"].shape[1]
+
+
 def test_sp_against_tp_with_padding():
-    """SP (45 tokens padded to 128 rows) against TP, float32, 4 CPU devices."""
+    """SP (45 tokens padded to 48 rows: 2P at P=4 with the JAX ring) against TP, float32,
+    4 CPU devices."""
     kwargs, _ = fixture("wan_t2v_pad")
     mesh = make_mesh(4)
     model = load_f32("wan_t2v_pad", 4)
     sp = wan.Runner(model, mesh, Config(), "sp")
-    shapes = sp.shapes(**kwargs)
-    assert (shapes.tokens, shapes.rows) == (45, 128)
+    prep = sp.prepare(kwargs)
+    assert (int(prep.inputs["kv_mask"].sum()), prep.inputs["patches"].shape[1]) == (45, 48)
     tp = wan.Runner(model, mesh, Config(), "tp")
-    assert tp.shapes(**kwargs).rows == 45
+    assert rows(tp, kwargs) == 45
     assert rel(sp(**kwargs), tp(**kwargs)) <= 1e-5
 
 
@@ -135,9 +141,9 @@ def test_sp_row_padding_float64():
         assert rel(ref, expected) <= 1e-5
         mesh = make_mesh(4)
         runner = wan.Runner(load("wan_t2v_pad", jnp.float64, mesh), mesh, Config(), "sp")
-        assert runner.shapes(**kwargs).rows == 128  # each ring half: 16 rows
+        assert rows(runner, kwargs) == 48  # each ring half: 6 rows
         assert rel(runner(**kwargs), ref) <= 1e-12
-        runner._mask = lambda shapes: None  # mechanism removed: pad keys attended to
+        runner.mask_pad_keys = False  # mechanism removed: pad keys attended to
         assert rel(runner(**kwargs), ref) > 1e-3
 
 
@@ -146,11 +152,11 @@ def test_sp_without_row_padding():
     mesh = make_mesh(4)
     kwargs, ref = fixture("wan_t2v")  # 72 tokens = 8 * 9
     runner = wan.Runner(load_f32("wan_t2v", 4), mesh, Config(sp_pad=False), "sp")
-    assert runner.shapes(**kwargs).rows == 72
+    assert rows(runner, kwargs) == 72
     assert rel(runner(**kwargs), ref) <= 1e-5
     kwargs, _ = fixture("wan_t2v_pad")  # 45 tokens
     runner = wan.Runner(load_f32("wan_t2v_pad", 4), mesh, Config(sp_pad=False), "sp")
-    with pytest.raises(ValueError, match=r"45 patch tokens do not split.*multiple of 2\*P = 8.*SP_PAD"):
+    with pytest.raises(ValueError, match=r"cannot split 45 patch tokens over tp=4.*multiple of 2\*P = 8.*pad=True"):
         runner(**kwargs)
 
 
@@ -218,9 +224,9 @@ def test_split_rope_float64():
 
         # Removed: tables left interleaved.
         r = wan.Runner(split)
-        shapes = r.shapes(**kwargs)
-        r._tables[(shapes.grid, shapes.rows)] = tuple(
-            jnp.asarray(t) for t in wan.rope_tables(split.config, shapes.grid, shapes.rows, split=False))
+        grid, n = (3, 4, 6), 72  # wan_t2v's token grid, unpadded on one device
+        # the port's RoPE constant (models/wan/port.py) cached with interleaved tables
+        r.constant(("rope", grid, n), lambda: wan.rope_tables(split.config, grid, n, split=False))
         assert rel(r(**kwargs), ref) > 1e-3
 
         # Removed: norm_q / norm_k weights not permuted with the q/k rows.
@@ -255,11 +261,11 @@ def test_text_kv_cache():
     auto = wan.Runner(load_f32("wan_i2v"), cache_text=True)  # a denoise loop passing the same prompt
     for _ in range(2):
         np.testing.assert_array_equal(auto(**kwargs), cached)
-    first = auto._text_cache[2]
+    first = auto.state["text_kv"][2]
     auto(**kwargs)
-    assert auto._text_cache[2] is first
+    assert auto.state["text_kv"][2] is first
     auto(**dict(kwargs, encoder_hidden_states=other_prompt))
-    assert auto._text_cache[2] is not first
+    assert auto.state["text_kv"][2] is not first
 
     mesh = make_mesh(4)
     kwargs, ref = fixture("wan_t2v_pad")
@@ -414,7 +420,7 @@ def test_flops_match_the_brief():
 
 DEVICELESS = """
 import json, time
-import jax, jax.numpy as jnp
+import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from difflet_tpu import deviceless, runtime
 from difflet_tpu.config import Config
@@ -431,7 +437,8 @@ for mode in ("tp", "sp"):
     t = time.time()
     runner = wan.Runner(model, mesh, Config(sp_kernel="jax"), mode)
     compiled = runner.trace(**ab).lower().compile()
-    out[mode] = dict(memory_report=deviceless.memory_report(compiled), rows=runner.shapes(**ab).rows,
+    rows = runner.prepare({k: np.zeros(v.shape, v.dtype) for k, v in ab.items()}).inputs["patches"].shape[1]
+    out[mode] = dict(memory_report=deviceless.memory_report(compiled), rows=rows,
                      ag=runner.par.ag_impl, seconds=time.time() - t)
 print(json.dumps(out))
 """
@@ -450,5 +457,5 @@ def test_deviceless_v5e_compile_wan21_14b(monkeypatch):
               f"arguments {m['arguments'] / gib:.2f} GiB + temporaries {m['temporaries'] / gib:.2f} GiB "
               f"= {hbm / gib:.2f} GiB per chip (compiled in {out[mode]['seconds']:.0f} s)")
         assert hbm < 16 * gib
-    assert out["tp"]["rows"] == 4680 and out["sp"]["rows"] == 4736
+    assert out["tp"]["rows"] == 4680 and out["sp"]["rows"] == 4680  # the JAX ring: 2P rows, 4680 splits
     assert out["sp"]["ag"] == "jax"
