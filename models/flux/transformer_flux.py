@@ -4,7 +4,9 @@ Reads top to bottom like diffusers' `transformer_flux.py`: the embedders, the
 19 double-stream (joint, MMDiT) blocks, the 38 single-stream blocks, the
 final AdaLN and projection. Module and parameter names are diffusers'
 (`transformer_blocks.attn.to_q`, `single_transformer_blocks.proj_mlp`, ...),
-so a checkpoint key maps to a parameter by renaming the leaf (`keys.py`).
+so a checkpoint key maps to a parameter by renaming the leaf (`keys.py`). The
+blocks are the MMDiT family shared with HunyuanVideo (`difflet_tpu/layers/mmdit.py`),
+the joint sequence `[txt | img]`.
 
 Every forward runs inside one `shard_map` over the mesh's `tp` axis (or plain
 `jit` on one device) and talks to the other ranks only through `Parallel`
