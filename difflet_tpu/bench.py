@@ -1,7 +1,7 @@
 """`python -m difflet_tpu.bench`: the denoise benchmark, TP vs SP, and compile-only estimates.
 
 With no arguments on a machine without a TPU it sets up 4 virtual CPU
-devices and runs every landed port's tiny preset for a few steps under TP and
+devices and runs every port's tiny preset for a few steps under TP and
 SP (float32), printing a table: step times, the final latents' sha256, and
 SP vs TP relative L2 / PSNR. On a TPU VM the same command runs the ports'
 released presets at their benchmark shapes.
@@ -35,14 +35,6 @@ XLA_CM_FLAGS = {
     "xla_tpu_all_gather_collective_matmul_mode": "POST_SPMD",
     "xla_tpu_reduce_scatter_collective_matmul_mode": "POST_SPMD",
 }
-# shapes that fit each family's tiny preset (the grids of tests/fixtures, see its README)
-TINY_SHAPES = {
-    "flux": dict(height=64, width=96, frames=1),
-    "wan": dict(height=64, width=96, frames=9),
-    "hunyuan_video": dict(height=64, width=96, frames=9),
-    "ltx2": dict(height=96, width=128, frames=9),
-    "toy": dict(height=64, width=64, frames=1),
-}
 MODES = ("tp", "sp", "sp-xla")
 COMPILE_VARIANTS = {  # compile-only: mode -> (parallel mode, Config overrides)
     "tp": ("tp", {}),
@@ -63,9 +55,9 @@ def has_tpu() -> bool:
 def parser():
     ap = argparse.ArgumentParser(prog="python -m difflet_tpu.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", action="append", help="family (flux, wan, hunyuan_video, ltx2), family:preset "
+    ap.add_argument("--model", action="append", help="port (" + ", ".join(_port_names()) + "), port:preset "
                     "(wan:tiny, wan:Wan2.2-T2V-A14B) or a released preset name; repeatable; default: every "
-                    "landed port (tiny presets on CPU)")
+                    "port (tiny presets on CPU)")
     ap.add_argument("--height", type=int)
     ap.add_argument("--width", type=int)
     ap.add_argument("--frames", type=int)
@@ -88,6 +80,12 @@ def parser():
     ap.add_argument("--calibrated", choices=("yes", "no"), default="yes",
                     help="--compile-only: apply the estimator's one fitted factor (default yes; both are reported)")
     return ap
+
+
+def _port_names():
+    from difflet_tpu.models import PORTS
+
+    return PORTS
 
 
 def parse_modes(value: str | None) -> list[str]:
@@ -193,23 +191,21 @@ def ms(x):
     return None if x is None else round(1e3 * x, 3)
 
 
-def shape_for(fam, preset, args):
-    from difflet_tpu.pipeline import FAMILIES
-
-    base = dict(TINY_SHAPES[fam] if preset in ("tiny",) or fam == "toy" else FAMILIES[fam].shape)
+def shape_for(spec, preset, args):
+    """The (height, width, frames) to run: the preset's bench shape, then the flags."""
+    base = dict(spec.tiny_shape if preset == "tiny" else spec.bench_shape)
     for k in ("height", "width", "frames"):
         if getattr(args, k) is not None:
             base[k] = getattr(args, k)
-    if fam == "flux" and base.get("frames", 1) != 1:
-        raise BenchError("FLUX makes images: --frames must be 1")
+    if spec.bench_shape.get("frames") == 1 and base.get("frames", 1) != 1:
+        raise BenchError(f"{spec.name} makes images: --frames must be 1")
     return base
 
 
-def build_config(port, preset):
+def build_config(spec, preset):
     from difflet_tpu.config import Config
 
-    cfg = port.config_from_diffusers(dict(port.PRESETS[preset]), split_rope=Config.from_env().split_rope)
-    return cfg
+    return spec.config_from_diffusers(dict(spec.presets[preset]), split_rope=Config.from_env().split_rope)
 
 
 # --------------------------------------------------------------------------
@@ -217,7 +213,7 @@ def build_config(port, preset):
 # --------------------------------------------------------------------------
 
 
-def run_model(fam, preset, args, mesh, dtype, results, hlo_dir=None):
+def run_model(spec, preset, args, mesh, dtype, results, hlo_dir=None):
     """Loads (or initialises) one model and times its denoise loop in each requested mode."""
     import jax
     import jax.numpy as jnp
@@ -228,29 +224,29 @@ def run_model(fam, preset, args, mesh, dtype, results, hlo_dir=None):
     from difflet_tpu import runtime
     from difflet_tpu.config import Config
 
-    family = PL.FAMILIES[fam]
-    port = PL.load_port(fam)
-    cfg = build_config(port, preset)
+    from difflet_tpu.runner import Runner
+
+    fam, pipe = spec.name, spec.pipeline
+    boundary = spec.experts.get(preset)
+    cfg = build_config(spec, preset)
     if args.weights:  # the checkpoint's own config decides the shapes
         from difflet_tpu import weights
-        from difflet_tpu.config import Config as _C
-        from difflet_tpu.models import REGISTRY
 
-        wdir = args.weights if not family.boundaries.get(preset) else os.path.join(args.weights, "transformer")
+        wdir = args.weights if boundary is None else os.path.join(args.weights, "transformer")
         wcfg = weights.read_config(wdir)
-        if REGISTRY.get(wcfg["_class_name"]) != PL.PORT_MODULES.get(fam):
+        if wcfg["_class_name"] not in spec.class_names:
             raise BenchError(f"--weights {args.weights} holds a {wcfg['_class_name']}, not a {fam} transformer "
                              f"(--model {fam}:{preset})")
-        cfg = port.config_from_diffusers(wcfg, split_rope=_C.from_env().split_rope)
-    shape = shape_for(fam, preset, args)
-    guidance = family.guidance if args.guidance is None else args.guidance
-    cfg_batch = family.guidance_mode == "cfg" and guidance != 1.0
-    steps = args.steps or (4 if args.cpu else family.steps)
+        cfg = spec.config_from_diffusers(wcfg, split_rope=Config.from_env().split_rope)
+    shape = shape_for(spec, preset, args)
+    guidance = pipe.guidance if args.guidance is None else args.guidance
+    cfg_batch = pipe.guidance_mode == "cfg" and guidance != 1.0
+    steps = args.steps or (4 if args.cpu else pipe.steps)
     np_dtype = np.float32 if dtype == jnp.float32 else jnp.bfloat16
-    inputs = port.example_inputs(cfg, **shape, batch=1, seed=args.seed, dtype=np_dtype)
-    cfg_inputs = port.example_inputs(cfg, **shape, batch=2, seed=args.seed + 1, dtype=np_dtype) if cfg_batch else None
+    inputs = spec.example_inputs(cfg, **shape, batch=1, seed=args.seed, dtype=np_dtype)
+    cfg_inputs = spec.example_inputs(cfg, **shape, batch=2, seed=args.seed + 1, dtype=np_dtype) if cfg_batch else None
     if cfg_inputs is not None:  # conditional rows second, the same latents
-        for k in family.latent_keys:
+        for k in pipe.latent_keys:
             if k in cfg_inputs:
                 cfg_inputs[k] = np.concatenate([inputs[k], inputs[k]])
     if args.embeddings:
@@ -259,10 +255,9 @@ def run_model(fam, preset, args, mesh, dtype, results, hlo_dir=None):
             cfg_inputs = PL.apply_embeddings(cfg_inputs, emb, True)
         else:
             inputs = PL.apply_embeddings(inputs, emb, False)
-    schedule = family.schedule(steps, inputs, preset)
-    boundary = family.boundaries.get(preset)
+    schedule = pipe.schedule(steps, inputs, preset)
     n_experts = 2 if boundary is not None else 1
-    analytic = float(port.flops(cfg, cfg_inputs if cfg_batch else inputs))
+    analytic = float(spec.flops(cfg, cfg_inputs if cfg_batch else inputs))
     base = dict(model=f"{fam}:{preset}", family=fam, preset=preset, shape=shape, steps=steps,
                 guidance=guidance, cfg_batch2=cfg_batch, experts=n_experts, dtype=str(np.dtype(np_dtype)),
                 devices=mesh.devices.size, platform=mesh.devices.flat[0].platform,
@@ -283,13 +278,15 @@ def run_model(fam, preset, args, mesh, dtype, results, hlo_dir=None):
                     args.weights, "transformer" if e == 0 else "transformer_2")
                 models.append(weights.load_transformer(path, dtype=dtype, mesh=mesh))
             else:
-                models.append(port.build(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed + e)))
-        runners = [port.Runner(m, mesh, Config.from_env(), mode=mode) for m in models]
+                models.append(spec.build(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed + e)))
+        # sp-xla on TPU: XLA's collective-matmul decomposition of the plain all_gather/psum_scatter + dot
+        options = dict(XLA_CM_FLAGS) if mode == "sp-xla" and not args.cpu else None
+        runners = [Runner(m, mesh, Config.from_env(), mode=mode, compiler_options=options) for m in models]
         jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(models[0]))[:1])
         row["load_s"] = time.perf_counter() - t0
-        den = PL.Denoiser(family, runners, inputs, schedule, guidance=guidance, boundary=boundary,
+        den = PL.Denoiser(pipe, runners, inputs, schedule, guidance=guidance, boundary=boundary,
                           cfg_inputs=cfg_inputs, dtype=dtype,
-                          audio_guidance=7.0 if fam == "ltx2" and args.guidance is None else None)
+                          latent_guidance=pipe.latent_guidance if args.guidance is None else None)
         c0 = PL.CompileCounter.count()
         w = den.warmup(args.warmup)
         c1 = PL.CompileCounter.count()
@@ -367,12 +364,6 @@ def run_bench(args):
     """The denoise benchmark on the devices at hand (4 virtual CPU devices without a TPU)."""
     tpu = has_tpu()
     args.cpu = not tpu
-    if tpu and "sp-xla" in args.modes:
-        # XLA's collective-matmul decomposition for shard_map all_gather/psum_scatter + dot. It is a
-        # process-wide libtpu flag (the ports own their jit): TP (all-reduce) and our rings
-        # (collective-permutes) have no all-gather/reduce-scatter feeding a matmul, so only sp-xla changes.
-        flags = " ".join(f"--{k}={v}" for k, v in XLA_CM_FLAGS.items())
-        os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") + " " + flags).strip()
     if args.cpu:
         from difflet_tpu.mesh import use_cpu_devices
 
@@ -392,30 +383,25 @@ def run_bench(args):
         os.environ["DIFFLET_TPU_COMPILE_CACHE"] = cache_dir
     cache_before = runtime.cache_entries(cache_dir) if cache_dir else None
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype or ("float32" if args.cpu else "bfloat16")]
-    ports = PL.landed_ports()
     if args.model:
-        models = [PL.resolve_model(m, ports) for m in args.model]
+        models = [PL.resolve_model(m) for m in args.model]
     else:
-        models = [(f, "tiny" if args.cpu else PL.FAMILIES[f].released) for f, (p, _) in ports.items() if p is not None]
-        if not models:
-            print("no model port has landed yet; running the toy model", file=sys.stderr)
-            models = [("toy", "tiny" if args.cpu else "toy-small")]
-        for f, (p, why) in ports.items():
-            if p is None:
-                print(f"skipping {f}: {why}", file=sys.stderr)
+        from difflet_tpu.models import specs
+
+        models = [(s, "tiny" if args.cpu else s.released) for s in specs().values()]
     mesh = make_mesh(min(CPU_DEVICES, jax.device_count()) if args.cpu else None)
     results = []
     failed = False
-    for fam, preset in models:
+    for spec, preset in models:
         try:
-            run_model(fam, preset, args, mesh, dtype, results, hlo_dir=args.dump_hlo)
+            run_model(spec, preset, args, mesh, dtype, results, hlo_dir=args.dump_hlo)
         except BenchError:
             raise
         except Exception as e:  # noqa: BLE001 - report per model, keep going
             if type(e).__name__ == "WeightsError":
                 raise BenchError(str(e)) from e
             failed = True
-            results.append(dict(model=f"{fam}:{preset}", error=f"{type(e).__name__}: {str(e)[:300]}"))
+            results.append(dict(model=f"{spec.name}:{preset}", error=f"{type(e).__name__}: {str(e)[:300]}"))
     print_table(results)
     if args.json:
         with open(args.json, "w") as f:
@@ -432,7 +418,7 @@ def run_bench(args):
 # --------------------------------------------------------------------------
 
 
-def compile_one(port, fam, preset, cfg, shape, variant, mesh, chip, calibration, args, batch):
+def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args, batch):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -440,16 +426,18 @@ def compile_one(port, fam, preset, cfg, shape, variant, mesh, chip, calibration,
 
     from difflet_tpu import deviceless, estimate as E, runtime
     from difflet_tpu.config import Config
+    from difflet_tpu.runner import Runner
 
+    fam = spec.name
     pmode, overrides = COMPILE_VARIANTS[variant]
     # no compile cache: a deviceless compile writes entries it can never load
     config = Config.from_env(compile_cache=None, **overrides)
     P = mesh.devices.size
-    inputs = port.example_inputs(cfg, **shape, batch=batch, seed=0, dtype=jnp.bfloat16)
-    analytic = float(port.flops(cfg, inputs))
+    inputs = spec.example_inputs(cfg, **shape, batch=batch, seed=0, dtype=jnp.bfloat16)
+    analytic = float(spec.flops(cfg, inputs))
     t0 = time.perf_counter()
-    model = runtime.abstract_model(lambda: port.build(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), mesh, port.PLAN)
-    runner = port.Runner(model, mesh, config, mode=pmode)
+    model = runtime.abstract_model(lambda: spec.build(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), mesh, spec.plan)
+    runner = Runner(model, mesh, config, mode=pmode)
     abstract = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in inputs.items()
                 if isinstance(v, np.ndarray)}
     abstract.update({k: v for k, v in inputs.items() if not isinstance(v, np.ndarray)})
@@ -497,26 +485,27 @@ def run_compile_only(args):
         mesh = deviceless.topology_mesh(args.topology)
     except Exception as e:  # noqa: BLE001
         raise BenchError(f"--topology {args.topology}: libtpu did not accept it ({type(e).__name__}: {e})")
-    ports = PL.landed_ports()
     if args.model:
-        models = [PL.resolve_model(m, ports) for m in args.model]
+        models = [PL.resolve_model(m) for m in args.model]
     else:
-        models = [(f, PL.FAMILIES[f].released) for f, (p, _) in ports.items() if p is not None] or [("toy", "toy-small")]
+        from difflet_tpu.models import specs
+
+        models = [(s, s.released) for s in specs().values()]
     results, failed = [], False
-    for fam, preset in models:
-        port = PL.load_port(fam)
-        cfg = build_config(port, preset)
-        shape = shape_for(fam, preset, args)
-        family = PL.FAMILIES[fam]
-        guidance = family.guidance if args.guidance is None else args.guidance
-        batch = 2 if family.guidance_mode == "cfg" and guidance != 1.0 else 1
+    for spec, preset in models:
+        cfg = build_config(spec, preset)
+        shape = shape_for(spec, preset, args)
+        pipe = spec.pipeline
+        guidance = pipe.guidance if args.guidance is None else args.guidance
+        batch = 2 if pipe.guidance_mode == "cfg" and guidance != 1.0 else 1
         for variant in args.modes:
-            print(f"compiling {fam}:{preset} {variant} for {args.topology} ...", file=sys.stderr, flush=True)
+            name = f"{spec.name}:{preset}"
+            print(f"compiling {name} {variant} for {args.topology} ...", file=sys.stderr, flush=True)
             try:
-                results.append(compile_one(port, fam, preset, cfg, shape, variant, mesh, chip, calibration, args, batch))
+                results.append(compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args, batch))
             except Exception as e:  # noqa: BLE001
                 failed = True
-                results.append(dict(model=f"{fam}:{preset}", mode=variant, error=f"{type(e).__name__}: {str(e)[:400]}"))
+                results.append(dict(model=name, mode=variant, error=f"{type(e).__name__}: {str(e)[:400]}"))
     for r in results:
         if "error" in r:
             continue

@@ -1,6 +1,7 @@
-"""The denoise loop: flow-matching Euler over a port's `Runner`, per model family.
+"""The denoise loop: flow-matching Euler over a `Runner`, as each diffusers pipeline drives it.
 
-A `Family` says how a diffusers pipeline drives its transformer: the
+A port's `PortSpec.pipeline` (difflet_tpu.port.Pipeline) says how its
+diffusers pipeline drives the transformer: the
 schedule (difflet_tpu.schedulers), how the timestep is scaled, whether
 guidance is a classifier-free batch-2 call (Wan, LTX-2: unconditional and
 conditional rows in one call, combined as `u + g (c - u)`) or an embedding
@@ -15,15 +16,13 @@ dtypes every step, so nothing recompiles) and then one jitted Euler update
 `x + (sigma_next - sigma) * v` in float32 whose `dt` and guidance scale are
 runtime scalars too.
 
-Ports implement docs/porting.md; `ToyPort` is a contract-complete stand-in on
-difflet_tpu.testing's toy model, for tests and for the bench before any port
-has landed.
+Models are named as the bench takes them: "flux" (its released preset),
+"flux:tiny", or a released preset name; `resolve_model` reads the specs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import time
 from typing import Callable
@@ -32,117 +31,36 @@ import numpy as np
 
 from difflet_tpu import schedulers as S
 
-PORT_MODULES = {
-    "flux": "difflet_tpu.models.flux",
-    "wan": "difflet_tpu.models.wan",
-    "hunyuan_video": "difflet_tpu.models.hunyuan_video",
-    "ltx2": "difflet_tpu.models.ltx2",
-}
-CONTRACT = ("config_from_diffusers", "PRESETS", "build", "PLAN", "key_map", "Runner", "example_inputs", "flops")
 
+def resolve_model(name: str):
+    """`--model` -> (PortSpec, preset). Accepts "port" (its released preset),
+    "port:preset" (e.g. "wan:tiny") or a released preset name (e.g. "flux.1-dev")."""
+    from difflet_tpu import models
 
-@dataclasses.dataclass(frozen=True)
-class Family:
-    name: str
-    released: str                 # the default released preset
-    shape: dict                   # benchmark shape (height, width, frames)
-    steps: int                    # the pipeline's default number of steps
-    guidance: float               # the pipeline's default guidance scale
-    guidance_mode: str            # "cfg" (batch 2), "embedded" (a `guidance` input) or "none"
-    guidance_mult: float = 1.0    # embedded guidance = mult * g
-    timestep_scale: float = 1.0   # the transformer gets timestep * scale
-    flow_shift: float = 3.0       # Wan
-    boundaries: dict = dataclasses.field(default_factory=dict)  # preset -> Wan2.2 boundary ratio
-    flow_shifts: dict = dataclasses.field(default_factory=dict)  # preset -> flow shift
-    latent_keys: tuple = ("hidden_states",)
-
-    def schedule(self, steps: int, inputs: dict, preset: str) -> S.Schedule:
-        if self.name == "flux":
-            return S.flux_schedule(steps, inputs["hidden_states"].shape[1])
-        if self.name == "wan":
-            return S.wan_schedule(steps, self.flow_shifts.get(preset, self.flow_shift))
-        if self.name == "hunyuan_video":
-            return S.hunyuan_video_schedule(steps)
-        if self.name == "ltx2":
-            return S.ltx2_schedule(steps, inputs["hidden_states"].shape[1])
-        return S.flow_match_euler(S.SchedulerConfig(shift=1.0), steps, sigmas=np.linspace(1.0, 1 / steps, steps))
-
-
-FAMILIES = {
-    "flux": Family("flux", "flux.1-dev", dict(height=1024, width=1024, frames=1), 28, 3.5, "embedded",
-                   timestep_scale=1e-3),
-    "wan": Family("wan", "Wan2.1-T2V-14B", dict(height=480, width=832, frames=9), 50, 5.0, "cfg",
-                  boundaries={"Wan2.2-T2V-A14B": 0.875, "Wan2.2-I2V-A14B": 0.9},
-                  flow_shifts={"Wan2.2-T2V-A14B": 12.0, "Wan2.2-I2V-A14B": 5.0, "Wan2.1-I2V-14B-720P": 5.0}),
-    "hunyuan_video": Family("hunyuan_video", "hunyuan-video", dict(height=320, width=512, frames=61), 50, 6.0,
-                            "embedded", guidance_mult=1000.0),
-    "ltx2": Family("ltx2", "ltx-2.0", dict(height=480, width=704, frames=49), 30, 3.0, "cfg",
-                   latent_keys=("hidden_states", "audio_hidden_states")),
-    "toy": Family("toy", "toy-small", dict(height=64, width=64, frames=1), 8, 1.0, "none"),
-}
-
-
-# --------------------------------------------------------------------------
-# Ports
-# --------------------------------------------------------------------------
-
-
-def load_port(family: str):
-    """The port module of a family (raises ImportError / AttributeError with the
-    missing contract names if it has not landed or is incomplete)."""
-    if family == "toy":
-        return ToyPort
-    mod = importlib.import_module(PORT_MODULES[family])
-    missing = [n for n in CONTRACT if not hasattr(mod, n)]
-    if missing:
-        raise AttributeError(f"port {PORT_MODULES[family]} is missing {', '.join(missing)} (docs/porting.md)")
-    return mod
-
-
-def landed_ports() -> dict:
-    """family -> (port module or None, reason it is unavailable)."""
-    out = {}
-    for fam in PORT_MODULES:
-        try:
-            out[fam] = (load_port(fam), None)
-        except Exception as e:  # noqa: BLE001 - any import failure means "not landed"
-            out[fam] = (None, f"{type(e).__name__}: {e}")
-    return out
-
-
-def resolve_model(name: str, ports: dict | None = None) -> tuple[str, str]:
-    """`--model` -> (family, preset). Accepts "family" (its released preset),
-    "family:preset" (e.g. "wan:tiny") or a released preset name (e.g. "flux.1-dev")."""
-    ports = landed_ports() if ports is None else ports
-    available = {f: p for f, (p, _) in ports.items() if p is not None}
-    available["toy"] = ToyPort
+    ports = models.specs()
     if ":" in name:
         fam, preset = name.split(":", 1)
-    elif name in available or name in FAMILIES:
+    elif name in ports:
         fam, preset = name, None
     else:
-        hits = [(f, name) for f, p in available.items() if name in p.PRESETS and name != "tiny"]
+        hits = [(s, name) for s in ports.values() if name in s.presets and name != "tiny"]
         if len(hits) != 1:
-            raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(model_names(ports))}")
+            raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(model_names())}")
         return hits[0]
-    if fam not in FAMILIES:
-        raise ValueError(f"unknown model family {fam!r}; known: {', '.join(sorted(FAMILIES))}")
-    if fam not in available:
-        raise ValueError(f"the {fam} port has not landed ({ports[fam][1]})")
-    preset = FAMILIES[fam].released if preset is None else preset
-    if preset not in available[fam].PRESETS:
-        raise ValueError(f"{fam} has no preset {preset!r}; presets: {', '.join(available[fam].PRESETS)}")
-    return fam, preset
+    if fam not in ports:
+        raise ValueError(f"unknown model port {fam!r}; known: {', '.join(sorted(ports))}")
+    spec = ports[fam]
+    preset = spec.released if preset is None else preset
+    if preset not in spec.presets:
+        raise ValueError(f"{fam} has no preset {preset!r}; presets: {', '.join(spec.presets)}")
+    return spec, preset
 
 
-def model_names(ports: dict | None = None) -> list[str]:
-    """"family:preset" names of every landed port's presets."""
-    ports = landed_ports() if ports is None else ports
-    names = []
-    for fam, (p, _) in ports.items():
-        if p is not None:
-            names += [f"{fam}:{k}" for k in p.PRESETS]
-    return names + [f"toy:{k}" for k in ToyPort.PRESETS]
+def model_names() -> list[str]:
+    """"port:preset" names of every port's presets."""
+    from difflet_tpu import models
+
+    return [f"{name}:{p}" for name, spec in models.specs().items() for p in spec.presets]
 
 
 # --------------------------------------------------------------------------
@@ -262,26 +180,29 @@ class StepTimes:
 class Denoiser:
     """The denoise loop of one model on one mesh/mode.
 
+    pipeline: the port's `PortSpec.pipeline` (schedule facts and guidance mode).
     runners: one Runner, or two for Wan2.2-A14B ([high noise, low noise]).
     inputs: diffusers forward kwargs at batch 1 (numpy) from `example_inputs`;
-    for CFG families the conditioning rows are doubled here to [uncond, cond].
+    for CFG pipelines the conditioning rows are doubled here to [uncond, cond].
+    latent_guidance: latent key -> its own guidance scale (LTX-2's audio);
+    the other latents use `guidance`.
     """
 
-    def __init__(self, family: Family, runners: list, inputs: dict, schedule: S.Schedule, *,
+    def __init__(self, pipeline, runners: list, inputs: dict, schedule: S.Schedule, *,
                  guidance: float, boundary: float | None = None, cfg_inputs: dict | None = None,
-                 audio_guidance: float | None = None, dtype=None):
+                 latent_guidance: dict | None = None, dtype=None):
         import jax.numpy as jnp
 
-        self.family = family
+        self.pipeline = pipeline
         self.runners = list(runners)
         self.schedule = schedule
         self.guidance = float(guidance)
-        self.audio_guidance = float(audio_guidance if audio_guidance is not None else guidance)
         self.boundary = boundary
-        self.cfg = family.guidance_mode == "cfg" and guidance != 1.0
+        self.cfg = pipeline.guidance_mode == "cfg" and guidance != 1.0
         self.dtype = dtype or jnp.float32
         base = cfg_inputs if (self.cfg and cfg_inputs is not None) else inputs
-        self.latents0 = {k: np.asarray(inputs[k], np.float32) for k in family.latent_keys if k in inputs}
+        self.latents0 = {k: np.asarray(inputs[k], np.float32) for k in pipeline.latent_keys if k in inputs}
+        self.latent_guidance = {k: float((latent_guidance or {}).get(k, guidance)) for k in self.latents0}
         self.cond = {k: v for k, v in base.items() if k not in self.latents0 and k not in ("timestep", "sigma", "guidance")}
         self.batch = next(iter(self.latents0.values())).shape[0] * (2 if self.cfg else 1)
         self.timestep_shape = np.shape(inputs["timestep"])[1:]  # () or (tokens,) for per-token timesteps
@@ -299,12 +220,12 @@ class Denoiser:
         for k, x in latents.items():
             x = jnp.concatenate([x, x]) if self.cfg else x
             kw[k] = x.astype(self.dtype)
-        ts = np.full((self.batch, *self.timestep_shape), t * self.family.timestep_scale, self.timestep_dtype)
+        ts = np.full((self.batch, *self.timestep_shape), t * self.pipeline.timestep_scale, self.timestep_dtype)
         kw["timestep"] = ts
         if self.has_sigma:
             kw["sigma"] = ts
         if self.has_guidance:
-            g = self.guidance * self.family.guidance_mult
+            g = self.guidance * self.pipeline.guidance_mult
             kw["guidance"] = np.full((self.batch,), g, np.float32)
         return kw
 
@@ -316,8 +237,8 @@ class Denoiser:
         fn = update_cfg if self.cfg else update
         dt = np.float32(self.schedule.dt(i))
         new = {}
-        for (k, x), o, g in zip(latents.items(), outs, (self.guidance, self.audio_guidance)):
-            new[k] = fn(x, o, dt, np.float32(g))
+        for (k, x), o in zip(latents.items(), outs):
+            new[k] = fn(x, o, dt, np.float32(self.latent_guidance[k]))
         return new
 
     def initial(self) -> dict:
@@ -394,144 +315,3 @@ class CompileCounter:
             jax.monitoring.register_event_duration_secs_listener(cls._listener)
             cls._installed = True
         return cls._count
-
-
-# --------------------------------------------------------------------------
-# A contract-complete toy port (difflet_tpu.testing's model)
-# --------------------------------------------------------------------------
-
-
-class _ToyPortModule:
-    """docs/porting.md's contract over difflet_tpu.testing.ToyModel: latents
-    `[B, S, C]` as `hidden_states`, a `timestep` that scales the input."""
-
-    PRESETS = {
-        "tiny": dict(dim=32, heads=4, ffn=64, layers=2, in_channels=8, tokens=24),
-        "toy-small": dict(dim=256, heads=8, ffn=1024, layers=4, in_channels=64, tokens=1000),
-    }
-
-    def __init__(self):
-        from difflet_tpu import testing
-
-        self.PLAN = testing.PLAN
-
-    @staticmethod
-    def config_from_diffusers(cfg: dict, *, split_rope=True):
-        from difflet_tpu.testing import ToyConfig
-
-        return ToyConfig(**{k: v for k, v in cfg.items() if k != "tokens"}), cfg.get("tokens", 24)
-
-    @staticmethod
-    def build(config, *, dtype=None, rngs):
-        import jax.numpy as jnp
-        from flax import nnx
-        from difflet_tpu.testing import ToyModel
-
-        c, tokens = config
-        m = ToyModel(c, rngs)
-        if dtype is not None and dtype != jnp.float32:
-            state = nnx.state(m)
-            nnx.update(m, __import__("jax").tree.map(lambda x: x.astype(dtype), state))
-        m.tokens = tokens
-        return m
-
-    @staticmethod
-    def key_map(config, model):
-        from difflet_tpu import weights
-
-        return weights.default_key_map(model, stacked={"blocks": config[0].layers})
-
-    @staticmethod
-    def example_inputs(config, *, height=64, width=64, frames=1, batch=1, seed=0, dtype=np.float32):
-        c, tokens = config
-        rng = np.random.default_rng(seed)
-        return {"hidden_states": rng.standard_normal((batch, tokens, c.in_channels)).astype(dtype),
-                "timestep": np.full((batch,), 900.0, np.float32)}
-
-    @staticmethod
-    def flops(config, inputs):
-        c, _ = config
-        B, N, _ = inputs["hidden_states"].shape
-        D = c.dim
-        return float(B * c.layers * (8 * N * D * D + 4 * N * D * c.ffn + 4 * N * N * D))
-
-    class Runner:
-        def __init__(self, model, mesh=None, config=None, mode=None):
-            from difflet_tpu.config import Config
-            from difflet_tpu.parallel import Parallel
-
-            self.model, self.mesh = model, mesh
-            self.config = Config.from_env() if config is None else config
-            self.par = Parallel.for_mesh(mesh, self.config, mode=mode)
-            if mesh is not None:
-                from flax import nnx
-                import jax
-
-                leaves = jax.tree_util.tree_leaves(nnx.state(model))
-                if not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-                    from difflet_tpu import runtime
-                    from difflet_tpu.testing import PLAN
-
-                    runtime.place(model, mesh, PLAN)
-            self._step = None
-
-        def _compiled(self):
-            if self._step is None:
-                from jax.sharding import PartitionSpec as P
-                from difflet_tpu import runtime
-                from difflet_tpu.mesh import TP
-                from difflet_tpu.testing import PLAN
-
-                rows = P(None, TP, None) if self.par.seq_sharded else P()
-
-                def fn(m, par, x, t, mask):
-                    return m(par, x * (1.0 + t[:, None, None] / 1000.0).astype(x.dtype), mask)
-
-                self._step = runtime.compile_step(self.model, fn, self.par, self.mesh, PLAN,
-                                                  in_specs=(rows, P(), P()), out_specs=rows)
-            return self._step
-
-        def _pad(self, n):
-            mult = 2 * self.par.size if self.par.seq_sharded else 1
-            return -(-n // mult) * mult
-
-        def __call__(self, hidden_states, timestep):
-            import jax.numpy as jnp
-            from difflet_tpu import layout
-
-            n = hidden_states.shape[1]
-            x = layout.pad_tokens(hidden_states, 2 * self.par.size)[0] if self.par.seq_sharded else hidden_states
-            mask = layout.key_mask(n, x.shape[1], batch=x.shape[0])
-            step, state = self._compiled()
-            out = step(state, x, jnp.asarray(timestep, jnp.float32), mask)
-            return layout.unpad(out, n)
-
-        def trace(self, hidden_states, timestep):
-            import jax
-            import jax.numpy as jnp
-            from jax.sharding import NamedSharding, PartitionSpec as P
-            from difflet_tpu.mesh import TP
-
-            n = hidden_states.shape[1]
-            rows = self._pad(n)
-            step, state = self._compiled()
-            spec = P(None, TP, None) if self.par.seq_sharded else P()
-            sh = (lambda s: NamedSharding(self.mesh, s)) if self.mesh is not None else (lambda s: None)
-            x = jax.ShapeDtypeStruct((hidden_states.shape[0], rows, hidden_states.shape[2]), hidden_states.dtype,
-                                     sharding=sh(spec))
-            t = jax.ShapeDtypeStruct(timestep.shape, jnp.float32, sharding=sh(P()))
-            mask = jax.ShapeDtypeStruct((hidden_states.shape[0], rows), jnp.bool_, sharding=sh(P()))
-            return step.trace(state, x, t, mask)
-
-
-class _Lazy:
-    def __init__(self, factory):
-        self._factory, self._obj = factory, None
-
-    def __getattr__(self, name):
-        if self._obj is None:
-            self._obj = self._factory()
-        return getattr(self._obj, name)
-
-
-ToyPort = _Lazy(_ToyPortModule)

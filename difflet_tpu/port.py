@@ -51,7 +51,7 @@ class Pipeline:
     guidance_mult: float = 1.0
     timestep_scale: float = 1.0
     latent_keys: tuple = ("hidden_states",)
-    extra_guidance: dict = dataclasses.field(default_factory=dict)  # kwarg -> default scale (LTX-2 audio)
+    latent_guidance: dict = dataclasses.field(default_factory=dict)  # latent key -> its own default scale (LTX-2 audio)
 
 
 @dataclasses.dataclass(frozen=True)

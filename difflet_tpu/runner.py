@@ -83,7 +83,7 @@ class Runner:
         self.cfg = model.config
         self.mesh = mesh
         self.config = Config.from_env() if config is None else config
-        if getattr(self.config, "compile_cache", None):  # TODO(compile cache lands): plain attribute
+        if self.config.compile_cache:  # before the first compile
             from difflet_tpu import runtime
 
             runtime.enable_compile_cache(self.config.compile_cache)

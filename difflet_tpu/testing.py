@@ -114,3 +114,112 @@ def read_fixture_io(case_dir):
     inputs = {k[3:]: (z[k].item() if z[k].ndim == 0 else z[k]) for k in z.files if k.startswith("in.")}
     outputs = {k[4:]: z[k] for k in z.files if k.startswith("out.")}
     return inputs, outputs
+
+
+# --------------------------------------------------------------------------
+# The toy port: the worked example of docs/porting.md
+# --------------------------------------------------------------------------
+# A port is a PortSpec: the loader's contract (config_from_diffusers, presets,
+# build, plan, key_map) and the Runner's (prepare, forward). `register_toy_port()`
+# makes `--model toy:tiny` and `Runner(ToyModel(...))` work.
+
+TOY_PRESETS = {
+    "tiny": dict(dim=32, heads=4, ffn=64, layers=2, in_channels=8, tokens=24),
+    "toy-small": dict(dim=256, heads=8, ffn=1024, layers=4, in_channels=64, tokens=1000),
+}
+
+
+def _toy_config(cfg: dict, *, split_rope=True):
+    del split_rope  # the toy has no RoPE
+    return ToyConfig(**{k: v for k, v in cfg.items() if k not in ("tokens", "_class_name")}), cfg.get("tokens", 24)
+
+
+def _toy_build(config, *, dtype=jnp.float32, rngs):
+    import jax
+
+    c, tokens = config if isinstance(config, tuple) else (config, 24)
+    model = ToyModel(c, rngs)
+    if jnp.dtype(dtype) != jnp.float32:
+        nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model)))
+    return model
+
+
+def _toy_key_map(config, model):
+    from difflet_tpu import weights
+
+    c = config[0] if isinstance(config, tuple) else config
+    return weights.default_key_map(model, stacked={"blocks": c.layers})
+
+
+def _toy_prepare(run, kw):
+    """hidden_states `[B, S, C]` padded by the Runner's rule (pad keys masked);
+    the timestep scales the input (a stand-in for a timestep embedding)."""
+    import numpy as np
+
+    from difflet_tpu import layout
+    from difflet_tpu.port import Prepared
+    from jax.sharding import PartitionSpec as P
+
+    unknown = set(kw) - {"hidden_states", "timestep"}
+    if unknown:
+        raise TypeError(f"unexpected toy forward kwargs {sorted(unknown)}")
+    x = kw["hidden_states"]
+    if x.ndim != 3 or x.shape[-1] != run.cfg.in_channels:
+        raise ValueError(f"hidden_states: shape {x.shape}, expected (B, S, {run.cfg.in_channels})")
+    n = x.shape[1]
+    rows = run.rows(n)
+    inputs = dict(x=layout.pad_tokens(x, rows)[0], t=np.asarray(kw["timestep"], np.float32),
+                  mask=layout.key_mask(n, rows, batch=x.shape[0]))
+    specs = dict(x=run.row_spec(), t=P(), mask=P())
+    return Prepared(key=None, inputs=inputs, specs=specs, out_specs=run.row_spec(),
+                    finish=lambda out: layout.unpad(out, n))
+
+
+def _toy_forward(model, par, inputs, key):
+    x, t = inputs["x"], inputs["t"]
+    return model(par, x * (1.0 + t[:, None, None] / 1000.0).astype(x.dtype), inputs["mask"])
+
+
+def _toy_example_inputs(config, *, height=64, width=64, frames=1, batch=1, seed=0, dtype=None):
+    import numpy as np
+
+    c, tokens = config
+    rng = np.random.default_rng(seed)
+    return {"hidden_states": rng.standard_normal((batch, tokens, c.in_channels)).astype(dtype or np.float32),
+            "timestep": np.full((batch,), 900.0, np.float32)}
+
+
+def _toy_flops(config, inputs):
+    c, _ = config
+    B, N, _ = inputs["hidden_states"].shape
+    D = c.dim
+    return float(B * c.layers * (8 * N * D * D + 4 * N * D * c.ffn + 4 * N * N * D))
+
+
+def toy_spec():
+    """The toy port's PortSpec (built on first use; `register_toy_port` registers it)."""
+    import numpy as np
+
+    from difflet_tpu import schedulers as S
+    from difflet_tpu.port import Pipeline, PortSpec
+
+    return PortSpec(
+        name="toy", class_names=("ToyTransformer",), model_class=ToyModel,
+        config_from_diffusers=_toy_config, presets=TOY_PRESETS, build=_toy_build, plan=PLAN,
+        key_map=_toy_key_map, prepare=_toy_prepare, forward=_toy_forward,
+        forward_args=("hidden_states", "timestep"), heads=lambda c: {"heads": c.heads},
+        released="toy-small", bench_shape=dict(height=64, width=64, frames=1),
+        tiny_shape=dict(height=64, width=64, frames=1), example_inputs=_toy_example_inputs, flops=_toy_flops,
+        pipeline=Pipeline(schedule=lambda steps, inputs, preset: S.flow_match_euler(
+            S.SchedulerConfig(shift=1.0), steps, sigmas=np.linspace(1.0, 1 / steps, steps)),
+            steps=8, guidance=1.0, guidance_mode="none"))
+
+
+def register_toy_port():
+    """Registers the toy port (`difflet_tpu.models.register`) and returns its spec."""
+    from difflet_tpu import models
+
+    for s in models._EXTRA:
+        if s.name == "toy":
+            return s
+    return models.register(toy_spec())

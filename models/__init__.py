@@ -14,7 +14,10 @@ PORTS = ("flux", "wan", "hunyuan_video", "ltx2")
 
 
 def spec(name: str):
-    """The `PortSpec` of port `name` ("flux", "wan", ...)."""
+    """The `PortSpec` of port `name` ("flux", "wan", ..., or a registered test port)."""
+    for extra in _EXTRA:
+        if extra.name == name:
+            return extra
     if name not in PORTS:
         raise ValueError(f"unknown model port {name!r}; ports: {', '.join(PORTS)}")
     return importlib.import_module(f"difflet_tpu.models.{name}").SPEC
@@ -36,10 +39,7 @@ def spec_for_class(class_name: str):
 
 def spec_for_model(model):
     """The spec of the port whose model class `model` is (or a registered test port's)."""
-    import sys
-
-    loaded = [getattr(sys.modules.get(f"difflet_tpu.models.{n}"), "SPEC", None) for n in PORTS]
-    for s in (*[s for s in loaded if s is not None], *_EXTRA):
+    for s in (*specs().values(), *_EXTRA):
         if isinstance(model, s.model_class):
             return s
     raise TypeError(f"{type(model).__name__} is not a model of any port ({', '.join(PORTS)})")
@@ -56,11 +56,11 @@ def register(port_spec):
     return port_spec
 
 
-# diffusers `_class_name` -> port module, for the loader (transitional literal
-# while ports move to specs).
-REGISTRY = {
-    "FluxTransformer2DModel": "difflet_tpu.models.flux",
-    "WanTransformer3DModel": "difflet_tpu.models.wan",
-    "HunyuanVideoTransformer3DModel": "difflet_tpu.models.hunyuan_video",
-    "LTX2VideoTransformer3DModel": "difflet_tpu.models.ltx2",
-}
+def __getattr__(name):
+    # REGISTRY: diffusers `_class_name` -> port module, for the loader; built from
+    # the specs on first use, then one dict (tests patch it).
+    if name == "REGISTRY":
+        registry = {c: f"difflet_tpu.models.{n}" for n, s in specs().items() for c in s.class_names}
+        globals()["REGISTRY"] = registry
+        return registry
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,3 +13,7 @@ for var in [v for v in os.environ if v.startswith("DIFFLET_TPU_")]:
 from difflet_tpu.mesh import use_cpu_devices  # noqa: E402
 
 use_cpu_devices(4)
+
+from difflet_tpu.testing import register_toy_port  # noqa: E402
+
+register_toy_port()  # `--model toy:tiny` in the bench tests; Runner(ToyModel(...))

@@ -8,15 +8,10 @@ import sys
 
 import pytest
 
-from difflet_tpu import bench
-from difflet_tpu import pipeline as PL
+from difflet_tpu import bench, models
 
 ROW_FIELDS = ("model", "mode", "load_s", "compile_s", "step_ms", "denoise_s", "peak_memory_bytes", "sha256",
               "compilations_timed", "steps", "shape", "dtype")
-
-
-def _landed():
-    return [f for f, (p, _) in PL.landed_ports().items() if p is not None]
 
 
 def _run(tmp_path, *argv):
@@ -55,15 +50,12 @@ def test_toy_every_mode_json_and_parity(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["flux", "wan", "hunyuan_video", "ltx2"])
+@pytest.mark.parametrize("family", models.PORTS)
 def test_port_tiny_presets_every_mode(tmp_path, family):
-    if family not in _landed():
-        pytest.skip(f"the {family} port has not landed")
     rc, data = _run(tmp_path, "--model", f"{family}:tiny", "--mode", "all", "--steps", "2")
     assert rc == 0
     rows = _check_rows(data, ["tp", "sp", "sp-xla"])
-    fam = PL.FAMILIES[family]
-    assert rows[0]["cfg_batch2"] == (fam.guidance_mode == "cfg")
+    assert rows[0]["cfg_batch2"] == (models.spec(family).pipeline.guidance_mode == "cfg")
 
 
 def test_mode_default_follows_DIFFLET_TPU_SP(monkeypatch):
@@ -102,17 +94,19 @@ def test_unknown_model_and_impossible_shape(capsys):
     assert "unknown model 'sdxl'" in capsys.readouterr().err
     assert bench.main(["--model", "toy:huge"]) == 2
     assert "no preset 'huge'" in capsys.readouterr().err
-    if "flux" in _landed():
-        assert bench.main(["--model", "flux:tiny", "--frames", "9"]) == 2
-        assert "--frames must be 1" in capsys.readouterr().err
+    assert bench.main(["--model", "flux:tiny", "--frames", "9"]) == 2
+    assert "--frames must be 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_compile_only_on_a_small_config(tmp_path):
     out = tmp_path / "co.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "DIFFLET_TPU_"))}
-    proc = subprocess.run([sys.executable, "-m", "difflet_tpu.bench", "--compile-only", "--topology", "v5e:2x2",
-                           "--model", "toy:toy-small", "--mode", "tp,sp,sp-xla", "--json", str(out)],
+    argv = ["--compile-only", "--topology", "v5e:2x2", "--model", "toy:toy-small", "--mode", "tp,sp,sp-xla",
+            "--json", str(out)]
+    script = ("import sys; from difflet_tpu import bench, testing; testing.register_toy_port(); "
+              f"sys.exit(bench.main({argv!r}))")
+    proc = subprocess.run([sys.executable, "-c", script],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -135,16 +129,12 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 
 def test_weights_of_another_family_are_refused(capsys):
-    if "flux" not in _landed():
-        pytest.skip("the flux port has not landed")
     assert bench.main(["--model", "flux:tiny", "--weights", os.path.join(FIXTURES, "wan_t2v", "transformer")]) == 2
     assert "not a flux transformer" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_weights_and_embeddings_files(tmp_path):
-    if "wan" not in _landed():
-        pytest.skip("the wan port has not landed")
     import numpy as np
 
     emb = tmp_path / "emb.npz"
@@ -159,7 +149,7 @@ def test_weights_and_embeddings_files(tmp_path):
 
 
 @pytest.mark.slow
-def test_no_arguments_runs_every_landed_tiny_preset_in_tp_and_sp(tmp_path, monkeypatch, capsys):
+def test_no_arguments_runs_every_tiny_preset_in_tp_and_sp(tmp_path, monkeypatch, capsys):
     import time
 
     monkeypatch.delenv("DIFFLET_TPU_SP", raising=False)
@@ -168,8 +158,7 @@ def test_no_arguments_runs_every_landed_tiny_preset_in_tp_and_sp(tmp_path, monke
     assert bench.main([]) == 0
     print(f"no-argument run: {time.perf_counter() - t0:.1f} s")  # README's main command; < 2 min on 2 idle cores
     out = capsys.readouterr().out
-    landed = _landed() or ["toy"]
-    for fam in landed:
+    for fam in models.PORTS:
         for mode in ("tp", "sp"):
             assert any(line.startswith(f"{fam}:tiny") and f" {mode} " in line for line in out.splitlines()), (fam, mode)
 

@@ -47,19 +47,19 @@ def test_wan22_expert_switch_at_the_boundary():
 # The loop on the toy port (4 CPU devices)
 # --------------------------------------------------------------------------
 
-def _toy_denoiser(mode="tp", steps=3, family=None, guidance=1.0, runners=None, boundary=None):
-    import dataclasses
-
+def _toy_denoiser(mode="tp", steps=3, pipeline=None, guidance=1.0, runners=None, boundary=None):
     import jax.numpy as jnp
     from flax import nnx
 
     from difflet_tpu import pipeline as PL
     from difflet_tpu.config import Config
     from difflet_tpu.mesh import make_mesh
+    from difflet_tpu.runner import Runner
+    from difflet_tpu.testing import register_toy_port
 
-    port = PL.ToyPort
-    cfg = port.config_from_diffusers(port.PRESETS["tiny"])
-    fam = family or PL.FAMILIES["toy"]
+    port = register_toy_port()
+    cfg = port.config_from_diffusers(port.presets["tiny"])
+    fam = pipeline or port.pipeline
     inputs = port.example_inputs(cfg, batch=1, seed=0)
     cfg_inputs = None
     if fam.guidance_mode == "cfg":
@@ -67,7 +67,7 @@ def _toy_denoiser(mode="tp", steps=3, family=None, guidance=1.0, runners=None, b
         cfg_inputs["hidden_states"] = np.concatenate([inputs["hidden_states"]] * 2)
     mesh = make_mesh(4)
     if runners is None:
-        runners = [port.Runner(port.build(cfg, dtype=jnp.float32, rngs=nnx.Rngs(e)), mesh, Config(), mode=mode)
+        runners = [Runner(port.build(cfg, dtype=jnp.float32, rngs=nnx.Rngs(e)), mesh, Config(), mode=mode)
                    for e in range(2 if boundary else 1)]
     sched = fam.schedule(steps, inputs, "tiny")
     return PL.Denoiser(fam, runners, inputs, sched, guidance=guidance, cfg_inputs=cfg_inputs,
@@ -101,8 +101,10 @@ def test_euler_update_matches_numpy_and_cfg_is_one_batch2_call():
             h = np.asarray(hidden_states)
             return np.concatenate([h[:b] * 0.5, h[b:] * 2.0]) if b else h * 0.5
 
-    fam = dataclasses.replace(PL.FAMILIES["toy"], guidance_mode="cfg")
-    den = _toy_denoiser(family=fam, guidance=3.0, steps=2, runners=[Fake()])
+    from difflet_tpu.testing import register_toy_port
+
+    pipe = dataclasses.replace(register_toy_port().pipeline, guidance_mode="cfg")
+    den = _toy_denoiser(pipeline=pipe, guidance=3.0, steps=2, runners=[Fake()])
     x0 = den.latents0["hidden_states"]
     out = den.step(den.initial(), 0)["hidden_states"]
     assert calls[0][0][0] == 2 * x0.shape[0]            # one call, batch 2
@@ -125,9 +127,12 @@ def test_wan22_denoiser_switches_expert_once():
             used.append(self.k)
             return np.zeros(hidden_states.shape, np.float32)
 
-    fam = PL.FAMILIES["wan"]
-    den = _toy_denoiser(family=PL.FAMILIES["toy"], steps=10, runners=[Fake(0), Fake(1)], boundary=0.875)
-    den.schedule = fam.schedule(10, {}, "Wan2.2-T2V-A14B")
+    from difflet_tpu import models
+
+    wan = models.spec("wan")
+    preset = "Wan2.2-T2V-A14B"
+    den = _toy_denoiser(steps=10, runners=[Fake(0), Fake(1)], boundary=wan.experts[preset])
+    den.schedule = wan.pipeline.schedule(10, {}, preset)
     den.run()
     k = used.index(1)
     assert used == [0] * k + [1] * (10 - k) and 0 < k < 10
