@@ -28,8 +28,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from difflet_tpu import layout, nn
-from difflet_tpu.attention import attention
+from difflet_tpu import nn
+from difflet_tpu.layers import (FeedForward, PixArtAlphaTextProjection, RMSNorm, TimestepEmbedding, Weight, attend,
+                                modulate, rms_norm_across_heads)
+from difflet_tpu.layers import apply_rotary_emb as rotate
 from difflet_tpu.parallel import COLUMN, ROW, SHARDED
 
 from .config import LTX2Config
@@ -83,26 +85,18 @@ class Rope(NamedTuple):
     groups: int | None
 
 
-def _f32(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 def apply_rotary_emb(par, x, rope: Rope):
     """Rotates this rank's channels `[B, N, C]` of q or k (float32 math, cast back)."""
-    dt = _f32(x.dtype)
-    xf = x.astype(dt)
-    cos, sin = rope.cos.astype(dt), rope.sin.astype(dt)
     if rope.groups is None:  # diffusers' interleaved pairs (2i, 2i+1)
-        out = layout.apply_rope_interleaved(xf, cos, sin)
-    else:  # split halves within each group (diffusers' split, or permuted interleaved)
-        b, n, c = x.shape
-        g = rope.groups // par.size
-        xg = xf.reshape(b, n, g, c // g)
-        cos = cos.reshape(cos.shape[0], n, g, -1)
-        sin = sin.reshape(sin.shape[0], n, g, -1)
-        out = layout.apply_rope_split(xg, jnp.concatenate([cos, cos], -1),
-                                      jnp.concatenate([sin, sin], -1)).reshape(b, n, c)
-    return out.astype(x.dtype)
+        return rotate(x, rope.cos, rope.sin, split=False)
+    # split halves within each group (diffusers' split, or permuted interleaved)
+    b, n, c = x.shape
+    g = rope.groups // par.size
+    cos = rope.cos.reshape(rope.cos.shape[0], n, g, -1)
+    sin = rope.sin.reshape(rope.sin.shape[0], n, g, -1)
+    out = rotate(x.reshape(b, n, g, c // g), jnp.concatenate([cos, cos], -1), jnp.concatenate([sin, sin], -1),
+                 split=True)
+    return out.reshape(b, n, c)
 
 
 def torch_lerp(start, end, weight):
@@ -116,21 +110,12 @@ def torch_lerp(start, end, weight):
 
 def get_timestep_embedding(timesteps, embedding_dim=256, max_period=10000):
     """`Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)`: [cos, sin], float32."""
-    dt = _f32(timesteps.dtype)
+    dt = nn.fp32(timesteps.dtype)
     half = embedding_dim // 2
     exponent = -math.log(max_period) * jnp.arange(half, dtype=dt)
     exponent = exponent / half
     emb = timesteps.astype(dt)[:, None] * jnp.exp(exponent)[None, :]
     return jnp.concatenate([jnp.cos(emb), jnp.sin(emb)], axis=-1)
-
-
-class TimestepEmbedding(nnx.Module):
-    def __init__(self, in_channels, time_embed_dim, *, dtype, rngs):
-        self.linear_1 = nn.Linear(in_channels, time_embed_dim, dtype=dtype, rngs=rngs)
-        self.linear_2 = nn.Linear(time_embed_dim, time_embed_dim, dtype=dtype, rngs=rngs)
-
-    def __call__(self, sample):
-        return self.linear_2(jax.nn.silu(self.linear_1(sample)))
 
 
 class PixArtAlphaCombinedTimestepSizeEmbeddings(nnx.Module):
@@ -139,15 +124,6 @@ class PixArtAlphaCombinedTimestepSizeEmbeddings(nnx.Module):
 
     def __call__(self, timestep, hidden_dtype):
         return self.timestep_embedder(get_timestep_embedding(timestep).astype(hidden_dtype))
-
-
-class PixArtAlphaTextProjection(nnx.Module):
-    def __init__(self, in_features, hidden_size, *, dtype, rngs):
-        self.linear_1 = nn.Linear(in_features, hidden_size, dtype=dtype, rngs=rngs)
-        self.linear_2 = nn.Linear(hidden_size, hidden_size, dtype=dtype, rngs=rngs)
-
-    def __call__(self, caption):
-        return self.linear_2(nn.gelu_tanh(self.linear_1(caption)))
 
 
 class LTX2AdaLayerNormSingle(nnx.Module):
@@ -181,40 +157,6 @@ class LTX2AdaLayerNormSingle(nnx.Module):
 # Attention and feed-forward
 # --------------------------------------------------------------------------
 
-class RMSNorm(nnx.Module):
-    """diffusers RMSNorm (float32 variance); weight only if elementwise_affine."""
-
-    def __init__(self, dim, eps, elementwise_affine, *, dtype):
-        self.eps = eps
-        self.weight = nn.Weight(dim, dtype=dtype) if elementwise_affine else None
-
-    def __call__(self, x):
-        return nn.rms_norm(x, None if self.weight is None else self.weight.scale[...], self.eps)
-
-
-def rms_norm_across_heads(par, x, weight, eps, dim):
-    """torch.nn.RMSNorm over all heads' channels of `x` (this rank holds some):
-    the per-token sum of squares is summed over the `tp` ranks."""
-    xf = x.astype(_f32(x.dtype))
-    sum_sq = par.sum_over_ranks(jnp.sum(xf * xf, axis=-1, keepdims=True))
-    return nn.rms_norm(x, weight, eps, sum_sq=sum_sq, dim=dim)
-
-
-def _attention(par, q, k, v, kv_mask=None, bias=None):
-    """SDPA over `[B, S, H, D]`: pad keys dropped (`kv_mask`) or diffusers'
-    additive key bias `(B, 1, Skv)` (text mask, XLA attention with a bias)."""
-    if q.dtype == jnp.float64:  # XLA's attention takes its softmax in float32; keep float64 tests float64
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
-        if bias is not None:
-            s = s + bias[:, None]
-        if kv_mask is not None:
-            s = jnp.where(jnp.broadcast_to(kv_mask, (k.shape[0], k.shape[1]))[:, None, None], s, -jnp.inf)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
-    if bias is not None:
-        return jax.nn.dot_product_attention(q, k, v, bias=bias[:, None].astype(q.dtype), implementation="xla")
-    return attention(q, k, v, kv_mask, impl=par.attn_impl, interpret=par.interpret)
-
-
 class LTX2Attention(nnx.Module):
     def __init__(self, query_dim, heads, dim_head, *, cross_attention_dim=None, bias=True, out_bias=True,
                  norm_eps=1e-6, apply_gated_attention=False, dtype, rngs):
@@ -222,8 +164,8 @@ class LTX2Attention(nnx.Module):
         self.inner_dim = heads * dim_head
         self.norm_eps = norm_eps
         kv_dim = query_dim if cross_attention_dim is None else cross_attention_dim
-        self.norm_q = nn.Weight(self.inner_dim, dtype=dtype)
-        self.norm_k = nn.Weight(self.inner_dim, dtype=dtype)
+        self.norm_q = Weight(self.inner_dim, dtype=dtype)
+        self.norm_k = Weight(self.inner_dim, dtype=dtype)
         self.to_q = nn.Linear(query_dim, self.inner_dim, bias=bias, dtype=dtype, rngs=rngs)
         self.to_k = nn.Linear(kv_dim, self.inner_dim, bias=bias, dtype=dtype, rngs=rngs)
         self.to_v = nn.Linear(kv_dim, self.inner_dim, bias=bias, dtype=dtype, rngs=rngs)
@@ -258,7 +200,7 @@ class LTX2Attention(nnx.Module):
 
         heads = qpar.local_heads(self.heads)
         split = lambda t: t.reshape(*t.shape[:2], heads, self.head_dim)
-        out = _attention(qpar, split(query), split(key), split(value), kv_mask, attention_bias)
+        out = attend(qpar, split(query), split(key), split(value), kv_mask, attention_bias)
         out = out.reshape(*out.shape[:2], -1).astype(query.dtype)
         if perturbation is not None:
             out = torch_lerp(value, out, perturbation.astype(out.dtype))
@@ -266,18 +208,6 @@ class LTX2Attention(nnx.Module):
             gates = 2.0 * jax.nn.sigmoid(gate_logits)
             out = (split(out) * gates[..., None]).reshape(out.shape)
         return nn.row(qpar, [(out, self.to_out["0"])])
-
-
-class FeedForward(nnx.Module):
-    def __init__(self, dim, *, activation_fn="gelu-approximate", bias=True, dtype, rngs):
-        self.approximate = activation_fn == "gelu-approximate"
-        self.net = nnx.Dict({"0": nnx.Dict({"proj": nn.Linear(dim, 4 * dim, bias=bias, dtype=dtype, rngs=rngs)}),
-                             "2": nn.Linear(4 * dim, dim, bias=bias, dtype=dtype, rngs=rngs)})
-
-    def __call__(self, par, x):
-        act = lambda h: jax.nn.gelu(h, approximate=self.approximate)
-        (h,) = nn.column(par, x, [self.net["0"]["proj"]], [act])
-        return nn.row(par, [(h, self.net["2"])])
 
 
 # --------------------------------------------------------------------------
@@ -607,12 +537,12 @@ class LTX2VideoTransformer3DModel(nnx.Module):
         # 6. Output layers (embedded_timestep, not temb; [0] = shift, [1] = scale)
         scale_shift_values = self.scale_shift_table[...][None, None] + embedded_timestep[:, :, None]
         shift, scale = scale_shift_values[:, :, 0], scale_shift_values[:, :, 1]
-        hidden_states = nn.layer_norm(hidden_states, eps=1e-6) * (1 + scale) + shift
+        hidden_states = modulate(hidden_states, shift, scale)
         output = self.proj_out(hidden_states)
 
         audio_scale_shift_values = self.audio_scale_shift_table[...][None, None] + audio_embedded_timestep[:, :, None]
         audio_shift, audio_scale = audio_scale_shift_values[:, :, 0], audio_scale_shift_values[:, :, 1]
-        audio_hidden_states = nn.layer_norm(audio_hidden_states, eps=1e-6) * (1 + audio_scale) + audio_shift
+        audio_hidden_states = modulate(audio_hidden_states, audio_shift, audio_scale)
         audio_output = self.audio_proj_out(audio_hidden_states)
         return output, audio_output
 
