@@ -37,7 +37,7 @@ def resolve_model(name: str):
     "port:preset" (e.g. "wan:tiny") or a released preset name (e.g. "flux.1-dev")."""
     from difflet_tpu import models
 
-    ports = models.specs()
+    ports = {**models.specs(), **models.registered()}
     if ":" in name:
         fam, preset = name.split(":", 1)
     elif name in ports:
@@ -60,7 +60,8 @@ def model_names() -> list[str]:
     """"port:preset" names of every port's presets."""
     from difflet_tpu import models
 
-    return [f"{name}:{p}" for name, spec in models.specs().items() for p in spec.presets]
+    ports = {**models.specs(), **models.registered()}
+    return [f"{name}:{p}" for name, spec in ports.items() for p in spec.presets]
 
 
 # --------------------------------------------------------------------------

@@ -205,7 +205,12 @@ class Runner:
         """diffusers' forward arguments -> what diffusers returns as the sample."""
         if self.abstract:
             raise ValueError("this Runner holds an abstract model (ShapeDtypeStructs): use trace(), not a call")
-        prep = self.prepare(self.spec_kwargs(args, kwargs))
+        return self.run_prepared(self.prepare(self.spec_kwargs(args, kwargs)))
+
+    def run_prepared(self, prep):
+        """Places `prep.inputs`, runs the compiled step for `prep.key` (compiling it
+        once) and finishes: what `__call__` does after `prepare`. Ports use it for
+        extra steps (Wan's `encode_text`)."""
         step = self._step(prep.key, prep.specs, prep.out_specs)
         out = step(self._state, self._place(prep.inputs, prep.specs))
         if self.check_finite:

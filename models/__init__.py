@@ -48,6 +48,11 @@ def spec_for_model(model):
 _EXTRA = []
 
 
+def registered() -> dict:
+    """The registered out-of-tree specs (`register`), by name."""
+    return {s.name: s for s in _EXTRA}
+
+
 def register(port_spec):
     """Registers an out-of-tree spec for `spec_for_model` (e.g. the toy port of
     difflet_tpu.testing); in-tree ports are listed in PORTS."""

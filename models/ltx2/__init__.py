@@ -38,7 +38,7 @@ SPEC = PortSpec(
     # audio latents, schedulers.ltx2_schedule shifted by the video token count.
     pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedulers.ltx2_schedule(
         steps, inputs["hidden_states"].shape[1]), steps=30, guidance=3.0, guidance_mode="cfg",
-        latent_keys=("hidden_states", "audio_hidden_states"), extra_guidance={"audio_guidance": 7.0}),
+        latent_keys=("hidden_states", "audio_hidden_states"), latent_guidance={"audio_hidden_states": 7.0}),
     # The JAX ring under SP on TPU: the Pallas all-gather kernel measured flat
     # here in the reference PR (the step is ICI-bound).
     ag_default="jax",

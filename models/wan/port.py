@@ -252,8 +252,8 @@ def encode_text(run, encoder_hidden_states, encoder_hidden_states_image=None):
         inputs["encoder_hidden_states_image"] = encoder_hidden_states_image
     specs = {k: P() for k in inputs}
     # The Runner's step machinery: one compile per (key, specs), as for the denoise steps.
-    step = run._step("encode", specs, _kv_spec(run))
-    return step(run._state, run._place(inputs, specs))
+    return run.run_prepared(Prepared(key="encode", inputs=inputs, specs=specs, out_specs=_kv_spec(run),
+                                     finish=lambda kv: kv))
 
 
 def text_kv_shapes(run, batch: int, text_len: int, image_len: int | None = None, dtype=None):
