@@ -76,16 +76,30 @@ def stacked(make_block, num: int, rngs: nnx.Rngs):
     return build(rngs)
 
 
-def scan_blocks(blocks, carry, fn):
+def scan_blocks(blocks, carry, fn, xs=None):
     """Runs `fn(block, carry) -> carry` over stacked `blocks` with `lax.scan`,
-    so compile time does not grow with depth."""
+    so compile time does not grow with depth. With `xs` (stacked like the
+    blocks, e.g. each block's text K/V): `fn(block, carry, x)`."""
+    graphdef, state = nnx.split(blocks)
+
+    def body(c, s_x):
+        s, x = s_x
+        block = nnx.merge(graphdef, s)
+        return (fn(block, c) if xs is None else fn(block, c, x)), None
+
+    carry, _ = jax.lax.scan(body, carry, (state, xs))
+    return carry
+
+
+def map_blocks(blocks, fn):
+    """`fn(block) -> y` for every stacked block, the ys stacked (`lax.scan`)."""
     graphdef, state = nnx.split(blocks)
 
     def body(c, s):
-        return fn(nnx.merge(graphdef, s), c), None
+        return c, fn(nnx.merge(graphdef, s))
 
-    carry, _ = jax.lax.scan(body, carry, state)
-    return carry
+    _, ys = jax.lax.scan(body, None, state)
+    return ys
 
 
 # Moved to difflet_tpu.layers; re-exported until every port imports them from there.

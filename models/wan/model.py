@@ -26,11 +26,11 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import lax
 
 from difflet_tpu import layout, nn, weights
-from difflet_tpu.attention import attention, reference_attention
-from difflet_tpu.parallel import COLUMN, ROW, SHARDED, path_names
+from difflet_tpu.layers import (FeedForward, LayerNorm, PixArtAlphaTextProjection, TimestepEmbedding, Weight,
+                                apply_rotary_emb, attend, merge_heads, modulate, rms_norm_across_heads)
+from difflet_tpu.parallel import COLUMN, ROW, SHARDED, Parallel, path_names
 
 from difflet_tpu.models.wan.config import WanConfig
 
@@ -86,49 +86,8 @@ KEEP_FP32 = ("condition_embedder.time_embedder.", "scale_shift_table", "blocks.s
              "condition_embedder.image_embedder.norm2.")
 
 
-def _f32(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 def _keeps_fp32(path: str) -> bool:
     return any(path == p or path.startswith(p) for p in KEEP_FP32)
-
-
-class LayerNormAffine(nnx.Module):
-    """FP32LayerNorm with a weight (`scale`) and bias."""
-
-    def __init__(self, dim: int, eps: float, dtype):
-        self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
-
-    def __call__(self, x):
-        return nn.layer_norm(x, self.scale[...], self.bias[...], self.eps)
-
-
-def rms_norm_across_heads(par, x, scale, eps: float, dim: int):
-    """`torch.nn.RMSNorm(dim)` over all heads' channels, of which this rank holds a slice.
-
-    The per-token sum of squares is reduced over the tp axis in float32, so
-    every rank normalises by the full-width RMS (identity on one device).
-    """
-    f = _f32(x.dtype)
-    xf = x.astype(f)
-    sum_sq = par.sum_over_ranks(jnp.sum(xf * xf, axis=-1, keepdims=True))
-    y = xf * lax.rsqrt(sum_sq / dim + eps)
-    return (y * scale.astype(f)).astype(x.dtype)
-
-
-def apply_rotary_emb(x, cos, sin, split: bool):
-    """diffusers' Wan rotation of x `[B, S, H, d]` by tables `[S, d]`, in float32, cast back.
-
-    split=False: interleaved pairs (2i, 2i+1) (the checkpoint layout);
-    split=True: split halves, for q/k permuted at load and permuted tables.
-    """
-    f = jnp.promote_types(x.dtype, cos.dtype)
-    c, s = cos[:, None, :].astype(f), sin[:, None, :].astype(f)
-    rot = layout.apply_rope_split if split else layout.apply_rope_interleaved
-    return rot(x.astype(f), c, s).astype(x.dtype)
 
 
 def _chunks(mod, k: int):
@@ -153,12 +112,12 @@ class WanAttention(nnx.Module):
         self.to_k = nn.Linear(dim, dim, dtype=dtype, rngs=rngs)
         self.to_v = nn.Linear(dim, dim, dtype=dtype, rngs=rngs)
         self.to_out = nnx.Dict({"0": nn.Linear(dim, dim, dtype=dtype, rngs=rngs)})
-        self.norm_q = nn.Weight(dim, dtype=dtype)
-        self.norm_k = nn.Weight(dim, dtype=dtype)
+        self.norm_q = Weight(dim, dtype=dtype)
+        self.norm_k = Weight(dim, dtype=dtype)
         if added_kv_proj_dim is not None:
             self.add_k_proj = nn.Linear(added_kv_proj_dim, dim, dtype=dtype, rngs=rngs)
             self.add_v_proj = nn.Linear(added_kv_proj_dim, dim, dtype=dtype, rngs=rngs)
-            self.norm_added_k = nn.Weight(dim, dtype=dtype)
+            self.norm_added_k = Weight(dim, dtype=dtype)
         else:
             self.add_k_proj = self.add_v_proj = self.norm_added_k = None
 
@@ -169,11 +128,7 @@ class WanAttention(nnx.Module):
         return t.reshape(*t.shape[:-1], par.local_heads(self.heads), self.head_dim)
 
     def _attend(self, par, q, k, v, kv_mask=None):
-        if q.dtype == jnp.float64:  # XLA's attention takes its softmax in float32; keep float64 tests float64
-            o = reference_attention(q, k, v, kv_mask)
-        else:
-            o = attention(q, k, v, kv_mask, impl=par.attn_impl, interpret=par.interpret)
-        return o.reshape(*o.shape[:-2], -1)
+        return merge_heads(attend(par, q, k, v, kv_mask))
 
     def self_attention(self, par, x, cos, sin, kv_mask, split_rope: bool):
         """attn1: x this rank's rows (SP) or all rows; RoPE; pad keys dropped by kv_mask."""
@@ -181,8 +136,8 @@ class WanAttention(nnx.Module):
         q = self._heads(par, self._norm(par, q, self.norm_q))
         k = self._heads(par, self._norm(par, k, self.norm_k))
         v = self._heads(par, v)
-        q = apply_rotary_emb(q, cos, sin, split_rope)
-        k = apply_rotary_emb(k, cos, sin, split_rope)
+        q = apply_rotary_emb(q, cos[:, None], sin[:, None], split_rope)
+        k = apply_rotary_emb(k, cos[:, None], sin[:, None], split_rope)
         o = self._attend(par, q, k, v, kv_mask)
         return nn.row(par, [(o, self.to_out["0"])])
 
@@ -211,25 +166,6 @@ class WanAttention(nnx.Module):
         return nn.row(par, [(o, self.to_out["0"])])
 
 
-class FeedForward(nnx.Module):
-    """diffusers FeedForward: net.0 = GELU(proj) (tanh or exact), net.2 = Linear."""
-
-    def __init__(self, dim: int, inner: int, out: int, *, approximate: bool, dtype, rngs: nnx.Rngs):
-        self.approximate = approximate
-        self.net = nnx.Dict({"0": nnx.Dict({"proj": nn.Linear(dim, inner, dtype=dtype, rngs=rngs)}),
-                             "2": nn.Linear(inner, out, dtype=dtype, rngs=rngs)})
-
-    def _act(self, h):
-        return jax.nn.gelu(h, approximate=self.approximate)
-
-    def __call__(self, x):  # replicated (image embedder)
-        return self.net["2"](self._act(self.net["0"]["proj"](x)))
-
-    def parallel(self, par, x):  # the block FFN: AG in, RS out under SP
-        (h,) = nn.column(par, x, [self.net["0"]["proj"]], [self._act])
-        return nn.row(par, [(h, self.net["2"])])
-
-
 # --------------------------------------------------------------------------
 # Condition embeddings
 # --------------------------------------------------------------------------
@@ -242,46 +178,23 @@ def timesteps_proj(t, dim: int, dtype):
     return jnp.concatenate([jnp.cos(emb), jnp.sin(emb)], axis=-1)
 
 
-class TimestepEmbedding(nnx.Module):
-    def __init__(self, in_dim: int, dim: int, *, dtype, rngs: nnx.Rngs):
-        self.linear_1 = nn.Linear(in_dim, dim, dtype=dtype, rngs=rngs)
-        self.linear_2 = nn.Linear(dim, dim, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x):
-        return self.linear_2(jax.nn.silu(self.linear_1(x)))
-
-
-class PixArtAlphaTextProjection(nnx.Module):
-    """linear_1 -> GELU(tanh) -> linear_2; column then row parallel over replicated text."""
-
-    def __init__(self, in_dim: int, dim: int, *, dtype, rngs: nnx.Rngs):
-        self.linear_1 = nn.Linear(in_dim, dim, dtype=dtype, rngs=rngs)
-        self.linear_2 = nn.Linear(dim, dim, dtype=dtype, rngs=rngs)
-
-    def __call__(self, par, x):
-        h = nn.gelu_tanh(self.linear_1(x))  # local columns
-        y = jnp.matmul(h, self.linear_2.kernel[...], preferred_element_type=_f32(h.dtype))
-        y = par.sum_over_ranks(y).astype(h.dtype)  # the text is replicated: a psum, not a reduce-scatter
-        return self.linear_2.add_bias(y)
-
-
 class WanImageEmbedding(nnx.Module):
     """FP32LayerNorm -> FeedForward(exact GELU) -> FP32LayerNorm (eps 1e-5, diffusers' default)."""
 
     def __init__(self, in_dim: int, dim: int, *, dtype, rngs: nnx.Rngs):
-        self.norm1 = LayerNormAffine(in_dim, 1e-5, _f32(dtype))
-        self.ff = FeedForward(in_dim, in_dim, dim, approximate=False, dtype=dtype, rngs=rngs)
-        self.norm2 = LayerNormAffine(dim, 1e-5, _f32(dtype))
+        self.norm1 = LayerNorm(in_dim, 1e-5, dtype=nn.fp32(dtype))
+        self.ff = FeedForward(in_dim, dim_out=dim, mult=1, activation_fn="gelu", dtype=dtype, rngs=rngs)
+        self.norm2 = LayerNorm(dim, 1e-5, dtype=nn.fp32(dtype))
 
     def __call__(self, x):
-        return self.norm2(self.ff(self.norm1(x)))
+        return self.norm2(self.ff(Parallel(), self.norm1(x)))  # replicated (PLAN): local matmuls
 
 
 class WanTimeTextImageEmbedding(nnx.Module):
     def __init__(self, c: WanConfig, *, dtype, rngs: nnx.Rngs):
         dim = c.inner_dim
         self.freq_dim = c.freq_dim
-        self.time_embedder = TimestepEmbedding(c.freq_dim, dim, dtype=_f32(dtype), rngs=rngs)
+        self.time_embedder = TimestepEmbedding(c.freq_dim, dim, dtype=nn.fp32(dtype), rngs=rngs)
         self.time_proj = nn.Linear(dim, 6 * dim, dtype=dtype, rngs=rngs)
         self.text_embedder = PixArtAlphaTextProjection(c.text_dim, dim, dtype=dtype, rngs=rngs)
         self.image_embedder = (WanImageEmbedding(c.image_dim, dim, dtype=dtype, rngs=rngs)
@@ -291,7 +204,7 @@ class WanTimeTextImageEmbedding(nnx.Module):
         """temb (B, D) and timestep_proj (B, 6, D); per-token timesteps (B, n):
         temb (B, n, D) and timestep_proj (B, n, 6, D) for this rank's rows."""
         te_dtype = self.time_embedder.linear_1.kernel.dtype
-        temb = self.time_embedder(timesteps_proj(timestep, self.freq_dim, _f32(dtype)).astype(te_dtype))
+        temb = self.time_embedder(timesteps_proj(timestep, self.freq_dim, nn.fp32(dtype)).astype(te_dtype))
         temb = temb.astype(dtype)
         h = jax.nn.silu(temb)
         if timestep.ndim == 1:
@@ -305,7 +218,7 @@ class WanTimeTextImageEmbedding(nnx.Module):
         return temb, proj.reshape(*proj.shape[:-1], 6, -1)
 
     def text(self, par, encoder_hidden_states, encoder_hidden_states_image, dtype):
-        ctx = self.text_embedder(par, encoder_hidden_states.astype(dtype))
+        ctx = self.text_embedder.parallel(par, encoder_hidden_states.astype(dtype))
         img = None
         if encoder_hidden_states_image is not None:
             img = self.image_embedder(encoder_hidden_states_image.astype(dtype))
@@ -322,14 +235,14 @@ class WanTransformerBlock(nnx.Module):
         self.eps = c.eps
         self.attn1 = WanAttention(c, added_kv_proj_dim=None, dtype=dtype, rngs=rngs)
         self.attn2 = WanAttention(c, added_kv_proj_dim=c.added_kv_proj_dim, dtype=dtype, rngs=rngs)
-        self.norm2 = LayerNormAffine(dim, c.eps, _f32(dtype))  # cross_attn_norm=True
-        self.ffn = FeedForward(dim, c.ffn_dim, dim, approximate=True, dtype=dtype, rngs=rngs)
+        self.norm2 = LayerNorm(dim, c.eps, dtype=nn.fp32(dtype))  # cross_attn_norm=True
+        self.ffn = FeedForward(dim, inner_dim=c.ffn_dim, activation_fn="gelu-approximate", dtype=dtype, rngs=rngs)
         self.scale_shift_table = nnx.Param(
-            jax.random.normal(rngs.params(), (1, 6, dim), _f32(dtype)) / dim ** 0.5)
+            jax.random.normal(rngs.params(), (1, 6, dim), nn.fp32(dtype)) / dim ** 0.5)
 
     def __call__(self, par, x, kv, temb, cos, sin, kv_mask, split_rope: bool):
         """x (B, n, D); kv: this block's attn2 K/V; temb: timestep_proj (B, 6, D) or (B, n, 6, D)."""
-        f = _f32(x.dtype)
+        f = nn.fp32(x.dtype)
         table = self.scale_shift_table[...]
         if temb.ndim == 4:
             table = table[None]
@@ -337,7 +250,7 @@ class WanTransformerBlock(nnx.Module):
             table.astype(f) + temb.astype(f), 6)
 
         # 1. Self-attention
-        h = (nn.layer_norm(x.astype(f), eps=self.eps) * (1 + scale_msa) + shift_msa).astype(x.dtype)
+        h = modulate(x.astype(f), shift_msa, scale_msa, self.eps).astype(x.dtype)
         attn = self.attn1.self_attention(par, h, cos, sin, kv_mask, split_rope)
         x = (x.astype(f) + attn * gate_msa).astype(x.dtype)
 
@@ -346,32 +259,9 @@ class WanTransformerBlock(nnx.Module):
         x = x + self.attn2.cross_attention(par, h, kv)
 
         # 3. Feed-forward
-        h = (nn.layer_norm(x.astype(f), eps=self.eps) * (1 + c_scale_msa) + c_shift_msa).astype(x.dtype)
-        ff = self.ffn.parallel(par, h)
+        h = modulate(x.astype(f), c_shift_msa, c_scale_msa, self.eps).astype(x.dtype)
+        ff = self.ffn(par, h)
         return (x.astype(f) + ff.astype(f) * c_gate_msa).astype(x.dtype)
-
-
-def _scan(blocks, carry, xs, fn):
-    """`fn(block, carry, x) -> carry` over stacked blocks and a stacked `xs` (lax.scan)."""
-    graphdef, state = nnx.split(blocks)
-
-    def body(c, s_x):
-        s, x = s_x
-        return fn(nnx.merge(graphdef, s), c, x), None
-
-    carry, _ = lax.scan(body, carry, (state, xs))
-    return carry
-
-
-def _map(blocks, fn):
-    """`fn(block) -> y` for every stacked block, ys stacked (lax.scan)."""
-    graphdef, state = nnx.split(blocks)
-
-    def body(c, s):
-        return c, fn(nnx.merge(graphdef, s))
-
-    _, ys = lax.scan(body, None, state)
-    return ys
 
 
 # --------------------------------------------------------------------------
@@ -396,13 +286,13 @@ class WanTransformer3DModel(nnx.Module):
         # 4. Output norm & projection
         self.proj_out = nn.Linear(dim, c.out_channels * pt * ph * pw, dtype=dtype, rngs=rngs)
         self.scale_shift_table = nnx.Param(
-            jax.random.normal(rngs.params(), (1, 2, dim), _f32(dtype)) / dim ** 0.5)
+            jax.random.normal(rngs.params(), (1, 2, dim), nn.fp32(dtype)) / dim ** 0.5)
 
     def encode_text(self, par, encoder_hidden_states, encoder_hidden_states_image=None):
         """Every block's cross-attention K/V, stacked `[layers, B, L, D/P]` (this rank's heads)."""
         ctx, img = self.condition_embedder.text(par, encoder_hidden_states, encoder_hidden_states_image,
                                                 self.dtype)
-        return _map(self.blocks, lambda blk: blk.attn2.context_kv(par, ctx, img))
+        return nn.map_blocks(self.blocks, lambda blk: blk.attn2.context_kv(par, ctx, img))
 
     def __call__(self, par, patches, timestep, text_kv, cos, sin, kv_mask=None):
         """The denoiser on patch rows.
@@ -414,19 +304,19 @@ class WanTransformer3DModel(nnx.Module):
         Returns (B, n, C_out*pt*ph*pw), features (pt, ph, pw, c).
         """
         dtype = self.dtype
-        f = _f32(dtype)
+        f = nn.fp32(dtype)
         x = self.patch_embedding(patches.astype(dtype))
         temb, timestep_proj = self.condition_embedder.time(par, timestep, dtype)
 
         split = self.config.split_rope
-        x = _scan(self.blocks, x, text_kv,
-                  lambda blk, h, kv: blk(par, h, kv, timestep_proj, cos, sin, kv_mask, split))
+        x = nn.scan_blocks(self.blocks, x, lambda blk, h, kv: blk(par, h, kv, timestep_proj, cos, sin, kv_mask, split),
+                           xs=text_kv)
 
         # 5. Output norm, projection (uses temb, not timestep_proj)
         table = self.scale_shift_table[...]
         mod = table[None] + temb[:, :, None] if temb.ndim == 3 else table + temb[:, None]
         shift, scale = _chunks(mod.astype(f), 2)
-        x = (nn.layer_norm(x.astype(f), eps=self.config.eps) * (1 + scale) + shift).astype(dtype)
+        x = modulate(x.astype(f), shift, scale, self.config.eps).astype(dtype)
         return self.proj_out(x)
 
 
