@@ -175,10 +175,9 @@ def test_sp_pad_keys_never_change_the_output():
         inputs, nv = prep.inputs, ref_s.shape[1]
         assert "video_kv_mask" in inputs and inputs["hidden_states"].shape[1] == 32 and nv == 27
 
-        def run(inp):  # the prepared (padded) inputs through the Runner's compiled step
-            sp = {k: prep.specs[k] for k in inp}
-            s, a = r._step(prep.key, sp, prep.out_specs)(r._state, r._place(inp, sp))
-            return np.asarray(s)[:, :nv], np.asarray(a)
+        def run(inp):  # the prepared (padded) inputs through the compiled step; finish cuts to nv rows
+            s, a = r.run_prepared(dataclasses.replace(prep, inputs=inp, specs={k: prep.specs[k] for k in inp}))
+            return np.asarray(s), np.asarray(a)
 
         s, a = run(inputs)
         assert rel(s, ref_s) < 1e-12 and rel(a, ref_a) < 1e-12
