@@ -10,7 +10,7 @@ differs is a parameter here: the order of the streams in the joint sequence
 (FLUX `[text | image]`, HunyuanVideo `[image | text]`), which rows RoPE rotates
 (the tables given), FLUX's float16 clip, HunyuanVideo's token_replace
 modulation, and the order the submodules are built in (the ports' classes).
-How the single blocks' rows are laid out under SP stays each port's.
+Under SP both enter the single blocks the same way (`single_stream_rows`).
 
 Parallel layout (the ports' PLANs add their own rows to `PLAN`): q/k/v,
 `add_*_proj`, `proj_mlp` and `ff*.net.0.proj` column-parallel (heads / MLP
@@ -22,6 +22,7 @@ gathered (`normalization.AdaLN`).
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from difflet_tpu import nn
@@ -214,3 +215,39 @@ class SingleStreamBlock(nnx.Module):
         # proj_out(cat([attn_output, mlp_hidden_states])): two row-parallel pairs, one collective
         hidden_states = residual + gate * self.proj_out(par, attn_output, mlp_hidden_states)
         return clip_fp16(hidden_states) if self.clip_fp16 else hidden_states
+
+
+# --------------------------------------------------------------------------
+# The single blocks' rows under SP
+# --------------------------------------------------------------------------
+
+def single_stream_order(n_first: int, n_second: int, ranks: int) -> np.ndarray:
+    """Where the single blocks' gathered rows come from, as indices into the joint
+    sequence [first | second] (FLUX: [text | image]; HunyuanVideo: [image | text]).
+
+    Under SP each rank enters the single blocks with its own rows of both streams,
+    [first_r | second_r], concatenated locally: no communication. The all-gather
+    ring returns the ranks' rows in rank order, so row j of the gathered sequence
+    is joint row `order[j]`: [first_0, second_0, first_1, second_1, ...]. Per-token
+    inputs of attention (RoPE tables, key masks) are permuted to this order once
+    per step; attention is otherwise indifferent to the order of keys.
+    """
+    if n_first % ranks or n_second % ranks:
+        raise ValueError(f"streams of {n_first} and {n_second} rows do not split over {ranks} ranks")
+    a, b = n_first // ranks, n_second // ranks
+    return np.concatenate([np.concatenate([np.arange(r * a, (r + 1) * a), n_first + np.arange(r * b, (r + 1) * b)])
+                           for r in range(ranks)])
+
+
+def single_stream_rows(par, first, second, tables=(), masks=()):
+    """The single blocks' input: `[first | second]` rows (this rank's rows of each
+    under SP) with the per-token `tables` (`[S, ...]`) and key `masks` (`[..., S]`)
+    in the gathered order (`single_stream_order`); unchanged on one device and TP.
+    Returns (x, tables, masks); `x[:, :first.shape[1]]` are the first stream's rows."""
+    x = jnp.concatenate([first, second], axis=1)
+    if not par.seq_sharded:
+        return x, tuple(tables), tuple(masks)
+    order = single_stream_order(first.shape[1] * par.size, second.shape[1] * par.size, par.size)
+    tables = tuple(None if t is None else jnp.take(t, order, axis=0) for t in tables)
+    masks = tuple(None if m is None else jnp.take(m, order, axis=-1) for m in masks)
+    return x, tables, masks

@@ -10,7 +10,7 @@ from difflet_tpu.runner import Runner
 from .config import CLASS_NAME, PRESETS, FluxConfig, config_from_diffusers
 from .keys import key_map
 from .port import example_inputs, flops, forward, prepare, FORWARD_ARGS
-from .transformer_flux import PLAN, FluxTransformer2DModel, build, rope_tables, single_block_row_order
+from .transformer_flux import PLAN, FluxTransformer2DModel, build, rope_tables
 
 SPEC = PortSpec(
     name="flux",
@@ -40,5 +40,4 @@ SPEC = PortSpec(
 )
 
 __all__ = ["SPEC", "CLASS_NAME", "PRESETS", "FluxConfig", "config_from_diffusers", "key_map", "Runner",
-           "example_inputs", "flops", "PLAN", "FluxTransformer2DModel", "build", "rope_tables",
-           "single_block_row_order"]
+           "example_inputs", "flops", "PLAN", "FluxTransformer2DModel", "build", "rope_tables"]

@@ -28,7 +28,7 @@ an RS ring out. Single block under SP: this rank's rows are [txt_r | img_r]
 (its text rows then its image rows), one AG ring feeds q, k, v and proj_mlp
 together, so the gathered rows are in the order [txt_0, img_0, txt_1, img_1,
 ...]; the cos/sin rows and the key mask are permuted to that order once per
-forward (`single_block_row_order`; RoPE is per token, so no other change).
+forward (`layers.mmdit.single_stream_rows`; RoPE is per token, so no other change).
 proj_out is diffusers' one Linear over cat([attn (D), mlp (4D)]), held as two
 row-parallel kernels `proj_out.attn` and `proj_out.mlp` (the loader slices the
 packed weight's input features, `Key(in_range=...)`, keys.py), so rank r's
@@ -39,8 +39,6 @@ concatenation and nothing that depends on P in the parameters.
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -49,7 +47,8 @@ from difflet_tpu import nn
 from difflet_tpu.layers import (AdaLN, CombinedTimestepTextProjEmbeddings, PixArtAlphaTextProjection,
                                 TimestepEmbedding, get_timestep_embedding, modulate)
 from difflet_tpu.layers.mmdit import PLAN as MMDIT_PLAN
-from difflet_tpu.layers.mmdit import DoubleStreamBlock, JointAttention, PackedProjOut, SingleStreamBlock
+from difflet_tpu.layers.mmdit import (DoubleStreamBlock, JointAttention, PackedProjOut, SingleStreamBlock,
+                                      single_stream_rows)
 
 from .config import EPS, FluxConfig, ROPE_THETA
 
@@ -92,27 +91,17 @@ PLAN = dict(MMDIT_PLAN)
 # Embeddings (diffusers embeddings.py; the layers are difflet_tpu/layers/embeddings.py)
 # --------------------------------------------------------------------------
 
-def timestep_proj(timesteps, dtype, num_channels: int = 256, max_period: float = 10000.0) -> np.ndarray:
+def timestep_proj(timesteps, dtype) -> np.ndarray:
     """`Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)` of `timesteps * 1000`,
-    on the host: `[B, 256]` float32, [cos, sin].
+    eagerly before the step: `[B, 256]` float32, [cos, sin].
 
-    As diffusers: the timestep (or guidance) is first cast to the model dtype and
-    multiplied by 1000 in that dtype (so in bf16 it is rounded before the x1000),
-    then the sinusoid runs in float32. torch's float32 exp / sin / cos (CPU) are
-    correctly rounded for all but a few inputs (exp: 2 of the 128 frequencies);
-    XLA's differ more (15 of the 128 exp values by an ulp; sin/cos by up to 2.6e-5
-    at 750 rad), which moved the fixtures' outputs by ~1e-5 relative. So each
-    transcendental runs in float64 and is rounded to float32, and the products stay
-    float32 as torch's. The result is a (B, 256) input of the compiled step.
+    As diffusers' FLUX embedders: the timestep (or guidance) is cast to the model
+    dtype and multiplied by 1000 in that dtype (so in bf16 it is rounded before
+    the x1000); the sinusoid is `layers.get_timestep_embedding` (its float32
+    rounding policy).
     """
-    t = np.asarray(timesteps)
-    t = (t.astype(dtype) * np.asarray(1000, dtype)).astype(np.float32)
-    half = num_channels // 2
-    exponent = np.float32(-math.log(max_period)) * np.arange(half, dtype=np.float32)
-    exponent = exponent / np.float32(half)
-    freqs = np.exp(exponent.astype(np.float64)).astype(np.float32)
-    emb = (t[:, None] * freqs[None, :]).astype(np.float64)
-    return np.concatenate([np.cos(emb), np.sin(emb)], axis=-1).astype(np.float32)
+    t = (np.asarray(timesteps).astype(dtype) * np.asarray(1000, dtype)).astype(np.float32)
+    return np.asarray(get_timestep_embedding(t))
 
 
 class CombinedTimestepGuidanceTextProjEmbeddings(nnx.Module):
@@ -150,21 +139,6 @@ def rope_tables(ids, axes_dim, theta: float = ROPE_THETA):
     return np.concatenate(cos_out, axis=-1), np.concatenate(sin_out, axis=-1)
 
 
-def single_block_row_order(n_txt: int, n_img: int, ranks: int) -> np.ndarray:
-    """Where the single blocks' gathered rows come from, as indices into [txt | img].
-
-    Under SP rank r holds [txt_r | img_r] (its n_txt/P text rows, then its
-    n_img/P image rows); the all-gather ring returns the ranks' shards in rank
-    order, so row j of the gathered sequence is row `order[j]` of the joint
-    [txt | img] sequence: [txt_0, img_0, txt_1, img_1, ...]. One rank: identity.
-    """
-    if n_txt % ranks or n_img % ranks:
-        raise ValueError(f"streams of {n_txt} text and {n_img} image rows do not split over {ranks} ranks")
-    t, i = n_txt // ranks, n_img // ranks
-    return np.concatenate([np.concatenate([np.arange(r * t, (r + 1) * t), n_txt + np.arange(r * i, (r + 1) * i)])
-                           for r in range(ranks)])
-
-
 # --------------------------------------------------------------------------
 # Blocks (the MMDiT family, difflet_tpu/layers/mmdit.py)
 # --------------------------------------------------------------------------
@@ -172,7 +146,7 @@ def single_block_row_order(n_txt: int, n_img: int, ranks: int) -> np.ndarray:
 class FluxSingleTransformerBlock(SingleStreamBlock):
     """diffusers' order of submodules; the forward is `SingleStreamBlock`'s: under SP the
     rows are this rank's [txt_r | img_r], `rope` and `kv_mask` in the gathered order
-    (`single_block_row_order`)."""
+    (`layers.mmdit.single_stream_order`)."""
 
     def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_hidden_dim: int,
                  *, dtype, rngs):
@@ -244,16 +218,12 @@ class FluxTransformer2DModel(nnx.Module):
             self.transformer_blocks, (hidden_states, encoder_hidden_states),
             lambda block, carry: block(par, *carry, temb, rope, kv_mask))
 
-        # Single blocks: [txt | img] (under SP this rank's [txt_r | img_r]); the gathered
-        # rows are in single_block_row_order, so the tables and mask follow it.
+        # Single blocks on [txt | img] (under SP this rank's [txt_r | img_r], tables and mask
+        # in the gathered order: layers.mmdit.single_stream_rows)
         n_txt_local = encoder_hidden_states.shape[1]
-        ranks = par.size if par.seq_sharded else 1
-        if ranks > 1:
-            order = single_block_row_order(n_txt_local * ranks, hidden_states.shape[1] * ranks, ranks)
-            rope = (jnp.take(freqs_cos, order, axis=0), jnp.take(freqs_sin, order, axis=0), c.split_rope)
-            if kv_mask is not None:
-                kv_mask = jnp.take(kv_mask, order, axis=-1)
-        hidden_states = jnp.concatenate([encoder_hidden_states, hidden_states], axis=1)
+        hidden_states, (cos, sin), (kv_mask,) = single_stream_rows(
+            par, encoder_hidden_states, hidden_states, (freqs_cos, freqs_sin), (kv_mask,))
+        rope = (cos, sin, c.split_rope)
         hidden_states = nn.scan_blocks(self.single_transformer_blocks, hidden_states,
                                        lambda block, h: block(par, h, temb, rope, kv_mask))
         hidden_states = hidden_states[:, n_txt_local:]

@@ -11,8 +11,10 @@ go through `nn.column` / `par.column`, row-parallel outputs through
 
 Layout under SP (see `PLAN`): the dual-stream blocks keep the image stream
 and the text stream sequence-sharded each on its own; the single-stream
-blocks run on one contiguous chunk of the joint `[image | text]` sequence per
-rank (`Config.sp_single`; off: they run TP on the gathered sequence).
+blocks run on each rank's `[img_r | txt_r]`, joined locally with the RoPE
+tables and key mask permuted to the gathered order, as FLUX's do
+(`layers.mmdit.single_stream_rows`; `Config.sp_single` off: they run TP on
+the gathered sequence).
 
 Numerics as diffusers: timestep projections, RoPE tables and the rotation,
 LayerNorm / RMSNorm statistics and the refiner's masked mean in float32;
@@ -32,7 +34,8 @@ from difflet_tpu.layers import (AdaLN, CombinedTimestepTextProjEmbeddings, FeedF
                                 PixArtAlphaTextProjection, TimestepEmbedding, attend, get_timestep_embedding,
                                 merge_heads, modulate, split_heads)
 from difflet_tpu.layers.mmdit import PLAN as MMDIT_PLAN
-from difflet_tpu.layers.mmdit import DoubleStreamBlock, JointAttention, PackedProjOut, SingleStreamBlock
+from difflet_tpu.layers.mmdit import (DoubleStreamBlock, JointAttention, PackedProjOut, SingleStreamBlock,
+                                      single_stream_rows)
 
 from .config import HunyuanVideoConfig
 
@@ -64,8 +67,8 @@ EPS = 1e-6
 #
 # Sequence-sharded under SP (between layers): the dual blocks' image stream and
 # text stream, each on its own (rank r holds rows [r*n/P, (r+1)*n/P) of each,
-# padded by the Runner's rule); the single blocks' joint `[image | text]`
-# sequence as one contiguous chunk per rank (`Config.sp_single`).
+# padded by the Runner's rule); the single blocks' `[img_r | txt_r]` rows
+# (`layers.mmdit.single_stream_rows`, `Config.sp_single`).
 # --------------------------------------------------------------------------
 PLAN = dict(MMDIT_PLAN)  # the MMDiT blocks' (difflet_tpu/layers/mmdit.py)
 
@@ -238,7 +241,7 @@ class Geometry:
     n_img: int       # F'H'W' image tokens
     n_img_pad: int   # image rows in the step (padded to 2P under SP)
     n_txt_pad: int   # text rows in the step (padded to 2P under SP)
-    single_sp: bool  # single blocks on a joint-sequence chunk per rank (SP only)
+    single_sp: bool  # single blocks sequence-parallel too (SP only; `Config.sp_single`)
 
     @property
     def n_joint(self) -> int:
@@ -256,13 +259,6 @@ def joint_key_mask(encoder_attention_mask, geom: Geometry):
     count = encoder_attention_mask.astype(jnp.int32).sum(axis=1)
     pos = jnp.arange(geom.n_joint)[None, :]
     return (pos < geom.n_img) | ((pos >= geom.n_img_pad) & (pos < geom.n_img_pad + count[:, None]))
-
-
-def single_chunk_rows(par, n_joint: int):
-    """This rank's contiguous rows of the joint sequence for the single blocks under SP:
-    `[r * n/P, (r+1) * n/P)` with r = `par.rank()`, a runtime value (every rank one program)."""
-    rows = n_joint // par.size
-    return par.rank() * rows + jnp.arange(rows)
 
 
 class HunyuanVideoTransformer3DModel(nnx.Module):
@@ -295,11 +291,10 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
         guidance `(B,)` float32; encoder_hidden_states `[B, n_txt_pad, text_dim]`,
         encoder_attention_mask `[B, n_txt_pad]`, pooled_projections `[B, pooled_dim]`,
         freqs_cos, freqs_sin `[n_joint, head_dim]` float32 (`rope.joint_tables`)
-        (replicated). Returns `[B, rows, pt*p*p*C_out]`: this rank's joint-sequence
-        rows under SP, the image rows otherwise.
+        (replicated). Returns `[B, rows, pt*p*p*C_out]` for the image rows (this
+        rank's under SP).
         """
         c = self.config
-        P = par.size
         sp = par.seq_sharded
         single_sp = sp and geom.single_sp
         par_single = par if (single_sp or not sp) else dataclasses.replace(par, mode="tp")
@@ -319,34 +314,41 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
 
         # first-frame rows (token_replace), from each rank's offset at run time: they are
         # modulated with the t=0 embedding
-        tr_img = tr_joint = None
+        tr_img = first_img = None
         if c.token_replace:
             first_tokens = geom.height * geom.width
             rows_img = hidden_states.shape[1]
             offset_img = par.rank() * rows_img if sp else 0
-            tr_img = (offset_img + jnp.arange(rows_img) < first_tokens, token_replace_emb)
-            rows_joint = geom.n_joint // P if single_sp else geom.n_joint
-            offset_joint = par.rank() * rows_joint if single_sp else 0
-            tr_joint = (offset_joint + jnp.arange(rows_joint) < first_tokens, token_replace_emb)
+            first_img = offset_img + jnp.arange(rows_img) < first_tokens
+            tr_img = (first_img, token_replace_emb)
 
         # 4. Transformer blocks
         hidden_states, encoder_hidden_states = nn.scan_blocks(
             self.transformer_blocks, (hidden_states, encoder_hidden_states),
             lambda blk, carry: blk(par, *carry, temb, rope, key_mask, tr_img))
 
-        if single_sp:
-            # all 40 single blocks on a contiguous chunk of [image | text]; the first one
-            # cuts it with a gather by a per-rank row index (a runtime value)
-            joint = jnp.concatenate([par.gather_rows(hidden_states), par.gather_rows(encoder_hidden_states)], 1)
-            x = jnp.take(joint, single_chunk_rows(par, geom.n_joint), axis=1)
-        else:
+        # Single blocks on [image | text]: under SP this rank's [img_r | txt_r] with the
+        # tables and mask in the gathered order (layers.mmdit.single_stream_rows); with
+        # single-stream SP off, dense TP on the gathered sequence.
+        n_img_rows = hidden_states.shape[1]
+        if sp and not single_sp:
             x = jnp.concatenate([par.gather_rows(hidden_states), par.gather_rows(encoder_hidden_states)], 1)
+            mask_s, rope_s, n_img_rows = key_mask, rope, geom.n_img_pad
+            if c.token_replace:
+                first_img = jnp.arange(geom.n_img_pad) < first_tokens
+        else:
+            x, (cos, sin), (mask_s,) = single_stream_rows(par, hidden_states, encoder_hidden_states,
+                                                          (freqs_cos, freqs_sin), (key_mask,))
+            rope_s = (cos, sin, c.split_rope)
+        tr_joint = None
+        if c.token_replace:  # text rows are never first-frame rows
+            flags = jnp.concatenate([first_img, jnp.zeros((x.shape[1] - n_img_rows,), bool)])
+            tr_joint = (flags, token_replace_emb)
         x = nn.scan_blocks(self.single_transformer_blocks, x,
-                           lambda blk, h: blk(par_single, h, temb, rope, key_mask, tr_joint))
+                           lambda blk, h: blk(par_single, h, temb, rope_s, mask_s, tr_joint))
+        x = x[:, :n_img_rows]
         if sp and not single_sp:
             x = par.shard_rows(x)
-        elif not sp:
-            x = x[:, :geom.n_img_pad]
 
         # 5. Output projection (on this rank's rows; the runner gathers and cuts eagerly)
         scale, shift = self.norm_out(par, temb)

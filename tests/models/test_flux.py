@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from difflet_tpu.testing import read_fixture_io, rel_l2
 from difflet_tpu import deviceless, weights
 from difflet_tpu.config import Config
+from difflet_tpu.layers import mmdit
 from difflet_tpu.mesh import TP, make_mesh
 from difflet_tpu.models import flux
 from difflet_tpu.models.flux import transformer_flux as tf
@@ -247,10 +248,10 @@ def test_sp_refuses_unsplittable_streams_without_padding():
 
 def test_single_block_row_order():
     """Rank r holds [txt_r | img_r]; the all-gather ring returns [txt_0, img_0, txt_1, img_1, ...]."""
-    order = flux.single_block_row_order(8, 16, 4)
+    order = mmdit.single_stream_order(8, 16, 4)
     assert list(order[:6]) == [0, 1, 8, 9, 10, 11] and list(order[6:12]) == [2, 3, 12, 13, 14, 15]
     assert sorted(order) == list(range(24))
-    assert list(flux.single_block_row_order(8, 16, 1)) == list(range(24))
+    assert list(mmdit.single_stream_order(8, 16, 1)) == list(range(24))
     n_txt, n_img, D = 8, 16, 8
     joint = np.arange((n_txt + n_img) * D, dtype=np.float32).reshape(1, n_txt + n_img, D)
     par = Parallel(mode="sp", size=4)
@@ -270,7 +271,7 @@ def test_single_block_tables_follow_row_order_float64(plain64, monkeypatch):
     order (mechanism removed) the single blocks rotate tokens by other tokens' angles."""
     out, _ = run64("flux", 2, "sp")
     assert rel(out, plain64["flux"]) <= TOL64
-    monkeypatch.setattr(tf, "single_block_row_order", lambda n_txt, n_img, ranks: np.arange(n_txt + n_img))
+    monkeypatch.setattr(mmdit, "single_stream_order", lambda n_txt, n_img, ranks: np.arange(n_txt + n_img))
     bad, _ = run64("flux", 2, "sp")
     assert rel(bad, plain64["flux"]) > 1e-4
 
@@ -401,16 +402,12 @@ def test_timestep_cast_to_model_dtype_before_x1000():
     assert np.abs(no_cast - got).max() > 0.1
 
 
-def test_timestep_frequencies_are_correctly_rounded():
-    """The sinusoid's float32 exp/sin/cos are correctly rounded (as torch's, except 2 of
-    the 128 exp constants; see docs/models/flux.md), not XLA's."""
-    t = np.array([1.0], np.float32)  # 1000 rad at the first frequency
+def test_timestep_sinusoid_is_the_layers_policy():
+    """FLUX's sinusoid is `layers.get_timestep_embedding` of the scaled timestep (the one
+    float32 rounding policy of every port; tests/test_layers.py checks it)."""
+    t = np.array([1.0, 0.75], np.float32)
     got = flux.transformer_flux.timestep_proj(t, jnp.float32)
-    half = 128
-    e = (np.float32(-np.log(10000.0)) * np.arange(half, dtype=np.float32)) / np.float32(half)
-    f = np.exp(e.astype(np.float64)).astype(np.float32)
-    ang = (np.float32(1000.0) * f).astype(np.float64)
-    np.testing.assert_array_equal(got, np.concatenate([np.cos(ang), np.sin(ang)]).astype(np.float32)[None])
+    np.testing.assert_array_equal(got, np.asarray(tf.get_timestep_embedding(t * np.float32(1000))))
 
 
 # --------------------------------------------------------------------------

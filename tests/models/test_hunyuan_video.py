@@ -21,6 +21,7 @@ from flax import nnx
 from difflet_tpu.testing import read_fixture_io, rel_l2
 from difflet_tpu import deviceless, weights
 from difflet_tpu.config import Config
+from difflet_tpu.layers import mmdit
 from difflet_tpu.mesh import make_mesh
 from difflet_tpu.models import hunyuan_video as hv
 from difflet_tpu.models.hunyuan_video import model as hv_model
@@ -189,10 +190,10 @@ def f64_masks():
     return model, kwargs, plain
 
 
-def test_sp_padding_and_single_stream_chunks_float64(f64_masks):
+def test_sp_padding_and_single_stream_rows_float64(f64_masks):
     """SP on 2 devices, float64, against the plain model: 45 image tokens padded to 48
-    and 10 text tokens to 12; the single blocks' joint chunks are rows [0, 30) and
-    [30, 60), the second straddling image, image pad and text rows. Also the dense
+    and 10 text tokens to 12; the single blocks run on each rank's [img_r | txt_r]
+    (24 + 6 rows) with the tables and mask in the gathered order. Also the dense
     single blocks (TP on the gathered sequence)."""
     model, kwargs, plain = f64_masks
     with jax.enable_x64(True):
@@ -214,11 +215,12 @@ def test_without_pad_key_mask_sp_differs(f64_masks, monkeypatch):
     assert rel(out, plain) > 1e-3
 
 
-def test_single_stream_chunk_needs_the_rank_offset(f64_masks, monkeypatch):
-    """Mechanism removed: every rank cuts rows [0, n/P) (a rank-constant slice) for
-    the single blocks: the result is wrong."""
+def test_single_stream_tables_follow_the_gathered_order_float64(f64_masks, monkeypatch):
+    """Mechanism removed: the single blocks' RoPE tables and key mask left in joint
+    [image | text] order while the gathered rows are [img_0, txt_0, img_1, txt_1]:
+    tokens are rotated by other tokens' angles and the wrong keys are masked."""
     _, kwargs, plain = f64_masks
-    monkeypatch.setattr(hv_model, "single_chunk_rows", lambda par, n: jnp.arange(n // par.size))
+    monkeypatch.setattr(mmdit, "single_stream_order", lambda a, b, ranks: np.arange(a + b))
     with jax.enable_x64(True):
         out = run(load("hunyuan_video_masks", 2, dtype=jnp.float64), kwargs, 2, "sp")
     assert rel(out, plain) > 1e-3
