@@ -100,6 +100,23 @@ def _splash(q, k, v, kv_mask, interpret):
     vh = jnp.pad(v, ((0, 0), (0, skv - Skv), (0, 0), (0, 0)))
     qh, kh, vh = (jnp.swapaxes(t, 1, 2) for t in (qh, kh, vh))
     kernel = _splash_kernel(H, sq, skv, bool(interpret))
-    out = jax.vmap(lambda a, b, c, qs, ks: kernel(a, b, c, segment_ids=sk.SegmentIds(q=qs, kv=ks)))(
-        qh, kh, vh, q_seg, kv_seg)
+    out = _vma_untyped(jax.vmap(lambda a, b, c, qs, ks: kernel(a, b, c, segment_ids=sk.SegmentIds(q=qs, kv=ks))),
+                       qh, kh, vh, q_seg, kv_seg)
     return jnp.swapaxes(out, 1, 2)[:, :Sq]
+
+
+def _vma_untyped(fn, *args):
+    """`fn(*args)` for a Pallas kernel whose `out_shape` declares no manual-axis types
+    (jax's splash attention), inside `shard_map(check_vma=True)`: traced with the
+    check off, its output typed varying over every manual axis an input varies over
+    (a per-rank kernel's output does). Outside shard_map, or unchecked, a plain call."""
+    from jax._src import config as jax_config  # shard_map's own switch; no public API
+
+    if not jax_config._check_vma.value:
+        return fn(*args)
+    varying = set()
+    for a in jax.tree_util.tree_leaves(args):
+        varying |= set(jax.typeof(a).manual_axis_type.varying)
+    with jax_config._check_vma(False):
+        out = fn(*args)
+    return jax.lax.pcast(out, tuple(sorted(varying)), to="varying") if varying else out

@@ -134,8 +134,17 @@ class Parallel:
         return lax.psum(x, self.axis) if self.sharded else x
 
     def gather_columns(self, x):
-        """All columns of a column-sharded (small) activation, e.g. adaLN outputs."""
-        return lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True) if self.sharded else x
+        """All columns of a column-sharded (small) activation, e.g. adaLN outputs.
+
+        Only for values whose rows are the same on every rank (a replicated input
+        times a column-sharded weight, or the weight itself): the result is typed
+        rank-invariant for `shard_map`'s `check_vma`, so a replicated output built
+        from it may be declared `P()`. (A row-sharded input's columns would be
+        gathered but its rows still differ by rank: not for this function.)
+        """
+        if not self.sharded:
+            return x
+        return lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True, to="invarying")
 
     def gather_rows(self, x, axis: int = 1):
         """All rows of a sequence-sharded activation (identity unless SP)."""

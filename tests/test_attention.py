@@ -86,3 +86,25 @@ print(json.dumps(dict(mem=deviceless.memory_report(c), kernels=len(kernels))))
     assert out["mem"]["total"] < 16 * 2**30
     # q, k, v and the output at 4736x10x128 bf16 are 12.1 MB each; no S^2 score matrix
     assert out["mem"]["temporaries"] < 4736 * 4736 * 10 * 2
+
+
+def test_splash_under_shard_map_check_vma():
+    """jax's splash kernel declares no manual-axis types for its output; inside
+    shard_map(check_vma=True) (heads split over 2 ranks, interpret mode) it runs
+    and its output is typed varying over the ranks: declared replicated, it fails."""
+    from jax.sharding import PartitionSpec as P
+
+    from difflet_tpu.mesh import TP, make_mesh
+
+    q, k, v, mask = inputs(B=2, Sq=130, Skv=200, H=2, D=16, seed=2)
+    heads = P(None, None, TP)
+
+    def sharded(out_spec):
+        return jax.jit(jax.shard_map(lambda q, k, v, m: attention(q, k, v, m, impl="splash", interpret=True),
+                                     mesh=make_mesh(2), in_specs=(heads, heads, heads, P()), out_specs=out_spec,
+                                     check_vma=True))
+
+    got = np.asarray(sharded(heads)(q, k, v, mask))
+    np.testing.assert_allclose(got, numpy_attention(q, k, v, mask), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"out_specs.*replicated"):
+        sharded(P())(q, k, v, mask)
