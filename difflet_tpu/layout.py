@@ -16,6 +16,8 @@ concat. V and everything after attention are untouched.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import jax.numpy as jnp
 
@@ -79,21 +81,6 @@ def heads_permutation(num_heads: int, head_dim: int, rope_dim: int | None = None
     return (np.arange(num_heads)[:, None] * head_dim + per_head[None, :]).reshape(-1)
 
 
-def permute_heads(a, num_heads: int, head_dim: int, axis: int = -1, rope_dim: int | None = None):
-    """Permutes the head-major channel axis of `a` (a kernel's output axis,
-    a bias, or a norm weight) to split-halves order, on the host."""
-    perm = heads_permutation(num_heads, head_dim, rope_dim)
-    if a.shape[axis] != perm.size:
-        raise ValueError(f"permute_heads: axis {axis} of {a.shape} is not {num_heads}x{head_dim}")
-    return np.take(np.asarray(a), perm, axis=axis)
-
-
-def interleaved_to_split_table(table):
-    """An interleaved cos/sin table `[..., D]` (c0, c0, c1, c1, ...) in
-    split-halves order (c0, c1, ..., c0, c1, ...)."""
-    return jnp.take(table, rope_permutation(table.shape[-1]), axis=-1)
-
-
 def apply_rope_interleaved(x, cos, sin):
     """diffusers' `apply_rotary_emb(use_real_unbind_dim=-1)`: rotates pairs
     (2i, 2i+1). x `[B, S, H, D]`, cos/sin `[S, D]` (or broadcastable)."""
@@ -107,3 +94,47 @@ def apply_rope_split(x, cos, sin):
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeLayout:
+    """The split-halves RoPE layout of one attention's heads: the one object that
+    says how the checkpoint's q/k weights and the step's cos/sin tables are
+    permuted, so the two can never disagree.
+
+    `split=False` is the checkpoint's own (interleaved) order: nothing is permuted
+    and the rotation pairs (2i, 2i+1). `split=True`: each head's q/k channels
+    (projection rows, biases, q/k norm weights) are permuted once at load by
+    `heads_permutation`, the tables by `rope_permutation`, and the step rotates
+    split halves (`layers.attention.apply_rotary_emb(..., split=True)`).
+    """
+
+    heads: int
+    head_dim: int
+    split: bool = True
+
+    @property
+    def qk_channels(self):
+        """The permutation of q/k's `heads * head_dim` output channels (None: keep)."""
+        return tuple(int(i) for i in heads_permutation(self.heads, self.head_dim)) if self.split else None
+
+    @property
+    def head_channels(self):
+        """The permutation of one head's channels, for per-head q/k norm weights (None: keep)."""
+        return tuple(int(i) for i in rope_permutation(self.head_dim)) if self.split else None
+
+    def permute_keys(self, key_map: dict, qk=(), head_norms=()) -> dict:
+        """`key_map` with the q/k parameters `qk` (kernels, biases, across-heads norm
+        weights: `heads * head_dim` channels) and the per-head norm weights
+        `head_norms` (`head_dim` channels) given this layout's permutation."""
+        if not self.split:
+            return key_map
+        for paths, perm in ((qk, self.qk_channels), (head_norms, self.head_channels)):
+            for path in paths:
+                if path in key_map:
+                    key_map[path] = dataclasses.replace(key_map[path], perm=perm)
+        return key_map
+
+    def table(self, t: np.ndarray) -> np.ndarray:
+        """An interleaved cos/sin table `[..., head_dim]` (host) in this layout's order."""
+        return np.ascontiguousarray(np.asarray(t)[..., rope_permutation(t.shape[-1])]) if self.split else t

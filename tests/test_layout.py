@@ -48,10 +48,12 @@ def test_split_rope_gives_the_interleaved_attention_scores_float64():
         ki = layout.apply_rope_interleaved(jnp.asarray(k), cos[:, None], sin[:, None])
         ref = jnp.einsum("bqhd,bkhd->bhqk", qi, ki)
 
-        wq_p = layout.permute_heads(wq, H, D, axis=1)
-        wk_p = layout.permute_heads(wk, H, D, axis=1)
-        bq_p = layout.permute_heads(bq, H, D)
-        cs, ss = layout.interleaved_to_split_table(cos), layout.interleaved_to_split_table(sin)
+        rope = layout.RopeLayout(H, D)  # one object permutes the weights and the tables
+        assert rope.qk_channels == tuple(layout.heads_permutation(H, D))
+        wq_p = np.take(wq, rope.qk_channels, axis=1)
+        wk_p = np.take(wk, rope.qk_channels, axis=1)
+        bq_p = np.take(bq, rope.qk_channels)
+        cs, ss = rope.table(cos), rope.table(sin)
         qs = layout.apply_rope_split(jnp.asarray(heads(x @ wq_p + bq_p)), cs[:, None], ss[:, None])
         ks = layout.apply_rope_split(jnp.asarray(heads(x @ wk_p)), cs[:, None], ss[:, None])
         got = jnp.einsum("bqhd,bkhd->bhqk", qs, ks)

@@ -21,7 +21,6 @@ The loader reads each device's rows of each range only; nothing depends on P.
 
 from __future__ import annotations
 
-import dataclasses
 
 from difflet_tpu import layout, weights
 
@@ -45,18 +44,9 @@ def key_map(config: FluxConfig, model) -> dict[str, weights.Key]:
     km["single_transformer_blocks.proj_out.mlp.kernel"] = weights.Key(f"{packed}.weight", "linear", layers=L,
                                                                       in_range=(D, D + M))
     km["single_transformer_blocks.proj_out.mlp.bias"] = weights.Key(f"{packed}.bias", layers=L)
-    if not config.split_rope:
-        return km
-    heads, hd = config.num_attention_heads, config.attention_head_dim
-    qk_perm = tuple(int(i) for i in layout.heads_permutation(heads, hd))
-    norm_perm = tuple(int(i) for i in layout.rope_permutation(hd))
+    rope = layout.RopeLayout(config.num_attention_heads, config.attention_head_dim, config.split_rope)
     for prefix, qk, norms in (("transformer_blocks", _DOUBLE_QK, _DOUBLE_NORMS),
                               ("single_transformer_blocks", _SINGLE_QK, _SINGLE_NORMS)):
-        for m in qk:
-            for leaf in ("kernel", "bias"):
-                path = f"{prefix}.{m}.{leaf}"
-                km[path] = dataclasses.replace(km[path], perm=qk_perm)
-        for m in norms:
-            path = f"{prefix}.{m}.scale"
-            km[path] = dataclasses.replace(km[path], perm=norm_perm)
+        rope.permute_keys(km, qk=[f"{prefix}.{m}.{leaf}" for m in qk for leaf in ("kernel", "bias")],
+                          head_norms=[f"{prefix}.{m}.scale" for m in norms])
     return km

@@ -105,10 +105,8 @@ def _tables(run, txt_ids, img_ids, n_txt_pad, n_img_pad):
             ct, st = rope_tables(ids, c.axes_dims_rope)
             cos[start:start + len(ids)] = ct
             sin[start:start + len(ids)] = st
-        if c.split_rope:
-            perm = layout.rope_permutation(hd)
-            cos, sin = cos[:, perm], sin[:, perm]
-        return cos, sin
+        rope = layout.RopeLayout(c.num_attention_heads, hd, c.split_rope)
+        return rope.table(cos), rope.table(sin)
 
     return run.constant(("rope", h.hexdigest(), n_txt_pad, n_img_pad), make)
 

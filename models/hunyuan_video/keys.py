@@ -43,18 +43,11 @@ def key_map(config: HunyuanVideoConfig, model) -> dict[str, Key]:
     out["single_transformer_blocks.proj_out.mlp.kernel"] = Key(f"{packed}.weight", "linear", layers=Ls,
                                                                in_range=(D, D + F))
     out["single_transformer_blocks.proj_out.mlp.bias"] = Key(f"{packed}.bias", layers=Ls)
-    if c.split_rope:
-        heads = tuple(int(i) for i in layout.heads_permutation(c.num_attention_heads, c.attention_head_dim))
-        per_head = tuple(int(i) for i in layout.rope_permutation(c.attention_head_dim))
-        for prefix, n, names, norms in (
-                ("transformer_blocks", L, ("to_q", "to_k", "add_q_proj", "add_k_proj"),
-                 ("norm_q", "norm_k", "norm_added_q", "norm_added_k")),
-                ("single_transformer_blocks", Ls, ("to_q", "to_k"), ("norm_q", "norm_k"))):
-            for name in names:
-                for leaf in ("kernel", "bias"):
-                    k = out[f"{prefix}.attn.{name}.{leaf}"]
-                    out[f"{prefix}.attn.{name}.{leaf}"] = Key(k.template, k.transform, perm=heads, layers=n)
-            for name in norms:
-                k = out[f"{prefix}.attn.{name}.scale"]
-                out[f"{prefix}.attn.{name}.scale"] = Key(k.template, k.transform, perm=per_head, layers=n)
+    rope = layout.RopeLayout(c.num_attention_heads, c.attention_head_dim, c.split_rope)
+    for prefix, names, norms in (
+            ("transformer_blocks", ("to_q", "to_k", "add_q_proj", "add_k_proj"),
+             ("norm_q", "norm_k", "norm_added_q", "norm_added_k")),
+            ("single_transformer_blocks", ("to_q", "to_k"), ("norm_q", "norm_k"))):
+        rope.permute_keys(out, qk=[f"{prefix}.attn.{n}.{leaf}" for n in names for leaf in ("kernel", "bias")],
+                          head_norms=[f"{prefix}.attn.{n}.scale" for n in norms])
     return out

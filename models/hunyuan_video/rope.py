@@ -58,6 +58,5 @@ def joint_tables(c: HunyuanVideoConfig, frames: int, height: int, width: int, n_
     """cos, sin `[n_joint, head_dim]` float32 of the step's joint rows: the image rows'
     tables (split-halves order if `c.split_rope`), identity on the rest."""
     cos, sin = rope_tables(c, frames, height, width)
-    if c.split_rope:
-        cos, sin = (np.asarray(layout.interleaved_to_split_table(t), np.float32) for t in (cos, sin))
-    return pad_rope(cos, sin, n_joint)
+    rope = layout.RopeLayout(c.num_attention_heads, c.attention_head_dim, c.split_rope)
+    return pad_rope(rope.table(cos), rope.table(sin), n_joint)

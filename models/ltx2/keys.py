@@ -17,7 +17,6 @@ the checkpoint's order.
 
 from __future__ import annotations
 
-import dataclasses
 
 from difflet_tpu import layout, weights
 
@@ -31,14 +30,11 @@ def key_map(config: LTX2Config, model) -> dict:
     checkpoints with `split_rope`) each head's q/k rows, biases and q/k norm
     weights of the RoPE attentions permuted to split halves."""
     km = weights.default_key_map(model, stacked={"transformer_blocks": config.num_layers})
-    if config.split_rope:
-        heads = dict(attn1=(config.num_attention_heads, config.attention_head_dim))
-        for name in ROPE_ATTENTIONS[1:]:
-            heads[name] = (config.audio_num_attention_heads, config.audio_attention_head_dim)
-        for name, (h, d) in heads.items():
-            perm = tuple(int(i) for i in layout.heads_permutation(h, d))
-            for leaf in ("to_q.kernel", "to_q.bias", "to_k.kernel", "to_k.bias", "norm_q.scale", "norm_k.scale"):
-                path = f"transformer_blocks.{name}.{leaf}"
-                if path in km:
-                    km[path] = dataclasses.replace(km[path], perm=perm)
+    heads = dict(attn1=(config.num_attention_heads, config.attention_head_dim))
+    for name in ROPE_ATTENTIONS[1:]:
+        heads[name] = (config.audio_num_attention_heads, config.audio_attention_head_dim)
+    for name, (h, d) in heads.items():  # LTX-2's q/k norms are across heads: qk channels
+        layout.RopeLayout(h, d, config.split_rope).permute_keys(
+            km, qk=[f"transformer_blocks.{name}.{leaf}" for leaf in
+                    ("to_q.kernel", "to_q.bias", "to_k.kernel", "to_k.bias", "norm_q.scale", "norm_k.scale")])
     return km

@@ -41,7 +41,5 @@ def rope_tables(config: WanConfig, grid, rows: int | None = None, split: bool | 
     sin = np.zeros((rows, config.attention_head_dim), np.float32)
     cos[:n] = np.concatenate(parts_cos, axis=-1).reshape(n, -1)
     sin[:n] = np.concatenate(parts_sin, axis=-1).reshape(n, -1)
-    if split:
-        perm = layout.rope_permutation(config.attention_head_dim)
-        cos, sin = cos[:, perm], sin[:, perm]
-    return cos, sin
+    rope = layout.RopeLayout(config.num_attention_heads, config.attention_head_dim, split)
+    return rope.table(cos), rope.table(sin)
