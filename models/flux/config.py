@@ -1,6 +1,7 @@
 """The FLUX.1 port's config: built from a diffusers `config.json`, plus the released presets.
 
-Released configs (porting-brief section 2.4; diffusers class defaults):
+Released configs (the `transformer/config.json` of black-forest-labs/FLUX.1-dev and -schnell;
+diffusers `FluxTransformer2DModel` defaults):
 
 ================  ======  =====  ============  =========  ========  ===============
 preset            blocks  D      heads x dim   text dim   pooled    guidance embed
@@ -31,7 +32,7 @@ _RELEASED = dict(
 PRESETS: dict[str, dict] = {
     "flux.1-dev": dict(_RELEASED, guidance_embeds=True),
     "flux.1-schnell": dict(_RELEASED, guidance_embeds=False),
-    # The parity-fixture config (porting-brief section 9, tests/fixtures/flux*).
+    # The parity-fixture config (tests/fixtures/generate.py, tests/fixtures/flux*).
     "tiny": dict(_class_name=CLASS_NAME, patch_size=1, in_channels=16, out_channels=None, num_layers=2,
                  num_single_layers=2, attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
                  pooled_projection_dim=24, guidance_embeds=True, axes_dims_rope=[4, 6, 6]),

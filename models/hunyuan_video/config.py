@@ -103,7 +103,7 @@ _RELEASED = dict(
 )
 
 # Released configs (diffusers scripts/convert_hunyuan_video_to_diffusers.py TRANSFORMER_CONFIGS),
-# as diffusers config dicts, plus "tiny" (the fixtures' config, porting brief section 9).
+# as diffusers config dicts, plus "tiny" (the fixtures' config, tests/fixtures/generate.py).
 PRESETS: dict[str, dict] = {
     # hunyuanvideo-community/HunyuanVideo ("HYVideo-T/2-cfgdistill" = the class defaults)
     "hunyuan-video": {"_class_name": CLASS_NAME, **_RELEASED},

@@ -189,7 +189,7 @@ PRESETS: dict[str, dict] = {
     # LTX-2.3: gated attention, cross-attention (text-q) modulation, prompt AdaLN, STG processor.
     "ltx-2.3": dict(_LTX2_0, gated_attn=True, cross_attn_mod=True, audio_gated_attn=True,
                     audio_cross_attn_mod=True, use_prompt_embeddings=False, perturbed_attn=True),
-    # tests/fixtures/ltx2 (porting-brief section 9).
+    # tests/fixtures/ltx2 (tests/fixtures/generate.py).
     "tiny": dict(_LTX2_0, in_channels=16, out_channels=16, num_attention_heads=4, attention_head_dim=16,
                  cross_attention_dim=64, audio_in_channels=16, audio_out_channels=16,
                  audio_num_attention_heads=4, audio_attention_head_dim=8, audio_cross_attention_dim=32,

@@ -315,7 +315,7 @@ def test_experts_switch_at_the_boundary(tmp_path):
 # Presets, plan, FLOPs, bench inputs
 # --------------------------------------------------------------------------
 
-PARAMS = {  # porting-brief section 3.4 (counted from diffusers meta models)
+PARAMS = {  # counted from diffusers WanTransformer3DModel(**config) on the meta device
     "Wan2.1-T2V-1.3B": 1_418_996_800, "Wan2.1-T2V-14B": 14_288_491_584, "Wan2.1-I2V-14B-480P": 16_394_878_784,
     "Wan2.2-T2V-A14B": 14_288_491_584, "Wan2.2-I2V-A14B": 14_288_901_184, "Wan2.2-TI2V-5B": 4_999_787_712,
     "tiny": 154_832,
