@@ -10,7 +10,8 @@ from difflet_tpu.runner import Runner
 from .config import CLASS_NAME, PRESETS, FluxConfig, config_from_diffusers
 from .keys import key_map
 from .port import example_inputs, flops, forward, prepare, FORWARD_ARGS
-from .transformer_flux import PLAN, FluxTransformer2DModel, build, rope_tables
+from .model import PLAN, FluxTransformer2DModel, build
+from .rope import rope_tables
 
 SPEC = PortSpec(
     name="flux",

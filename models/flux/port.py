@@ -20,7 +20,8 @@ from difflet_tpu.port import Prepared
 from jax.sharding import PartitionSpec as P
 
 from .config import FluxConfig
-from .transformer_flux import rope_tables, timestep_proj
+from .model import timestep_proj
+from .rope import rope_tables
 
 FORWARD_ARGS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids",
                 "txt_ids", "guidance", "joint_attention_kwargs", "controlnet_block_samples",

@@ -27,7 +27,7 @@ from difflet_tpu.config import Config
 from difflet_tpu.layers import mmdit
 from difflet_tpu.mesh import TP, make_mesh
 from difflet_tpu.models import flux
-from difflet_tpu.models.flux import transformer_flux as tf
+from difflet_tpu.models.flux import model as tf
 from difflet_tpu.parallel import Parallel
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
@@ -392,13 +392,13 @@ def test_timestep_cast_to_model_dtype_before_x1000():
     """diffusers: timestep.to(dtype) * 1000 -- in bf16 the timestep is rounded first, and
     the product rounded to bf16 again; then the sinusoid in float32."""
     t = np.array([0.7531, 0.3], np.float32)
-    got = flux.transformer_flux.timestep_proj(t, jnp.bfloat16)
+    got = tf.timestep_proj(t, jnp.bfloat16)
     t_bf16 = (t.astype(jnp.bfloat16) * np.asarray(1000, jnp.bfloat16)).astype(np.float32)
     assert t_bf16[0] == 752.0  # bf16(0.7531) = 0.75390625, * 1000 = 753.90625 -> bf16 752
     freqs = np.exp(-np.log(10000.0) * np.arange(128) / 128)
     want = np.concatenate([np.cos(t_bf16[:, None] * freqs), np.sin(t_bf16[:, None] * freqs)], -1)
     assert np.abs(got - want).max() < 1e-3  # float32 vs float64 angles up to 752 rad
-    no_cast = flux.transformer_flux.timestep_proj(t, jnp.float32)  # mechanism removed: 753.1
+    no_cast = tf.timestep_proj(t, jnp.float32)  # mechanism removed: 753.1
     assert np.abs(no_cast - got).max() > 0.1
 
 
@@ -406,7 +406,7 @@ def test_timestep_sinusoid_is_the_layers_policy():
     """FLUX's sinusoid is `layers.get_timestep_embedding` of the scaled timestep (the one
     float32 rounding policy of every port; tests/test_layers.py checks it)."""
     t = np.array([1.0, 0.75], np.float32)
-    got = flux.transformer_flux.timestep_proj(t, jnp.float32)
+    got = tf.timestep_proj(t, jnp.float32)
     np.testing.assert_array_equal(got, np.asarray(tf.get_timestep_embedding(t * np.float32(1000))))
 
 

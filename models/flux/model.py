@@ -50,7 +50,7 @@ from difflet_tpu.layers.mmdit import PLAN as MMDIT_PLAN
 from difflet_tpu.layers.mmdit import (DoubleStreamBlock, JointAttention, PackedProjOut, SingleStreamBlock,
                                       single_stream_rows)
 
-from .config import EPS, FluxConfig, ROPE_THETA
+from .config import EPS, FluxConfig
 
 # --------------------------------------------------------------------------
 # Parallel plan (module path pattern over the NNX state, stacked blocks without
@@ -117,26 +117,6 @@ class CombinedTimestepGuidanceTextProjEmbeddings(nnx.Module):
         timesteps_emb = self.timestep_embedder(timesteps_proj.astype(pooled_projection.dtype))
         guidance_emb = self.guidance_embedder(guidance_proj.astype(pooled_projection.dtype))
         return timesteps_emb + guidance_emb + self.text_embedder(pooled_projection)
-
-
-# --------------------------------------------------------------------------
-# RoPE (FluxPosEmbed): tables on the host, as the reference computes them
-# --------------------------------------------------------------------------
-
-def rope_tables(ids, axes_dim, theta: float = ROPE_THETA):
-    """diffusers' `FluxPosEmbed(ids)`: cos, sin `[S, sum(axes_dim)]` float32, interleaved.
-
-    ids `[S, n_axes]` (numpy). As diffusers: positions cast to float32, then
-    frequencies, products, cos and sin in float64, cast to float32 at the end.
-    """
-    pos = np.asarray(ids, np.float32).astype(np.float64)
-    cos_out, sin_out = [], []
-    for i, dim in enumerate(axes_dim):
-        freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-        angles = np.outer(pos[:, i], freqs)
-        cos_out.append(np.repeat(np.cos(angles), 2, axis=1).astype(np.float32))
-        sin_out.append(np.repeat(np.sin(angles), 2, axis=1).astype(np.float32))
-    return np.concatenate(cos_out, axis=-1), np.concatenate(sin_out, axis=-1)
 
 
 # --------------------------------------------------------------------------
