@@ -32,10 +32,14 @@ def schedule(steps: int, image_seq_len: int, cfg: schedulers.SchedulerConfig = S
     return schedulers.flow_match_euler(cfg, steps, sigmas=sigmas, mu=mu)
 
 
-# The JAX rings under SP on TPU by default (the reference PR measured the Pallas
-# all-gather kernel 1% slower than the ring on Qwen-Image, 179.7 vs 178.0 ms a step
-# on v5e-4); DIFFLET_TPU_SP_KERNEL=pallas picks the kernel.
-AG_DEFAULT = "jax"
+# Under SP on TPU the image stream's all-gathers (to_q/to_k/to_v, img_mlp.net.0.proj)
+# run the Pallas all-gather-matmul kernel by default: in the deviceless v5e:2x2
+# compile at 1024x1024 it is the cheaper choice at both sites (estimated 207 ms a step
+# against 274 ms for the JAX rings with concat assembly and 233 ms with dus assembly;
+# docs/models/qwen_image.md). The reference PR measured the kernel 1% slower than the
+# ring on a v5e-4 (179.7 vs 178.0 ms); DIFFLET_TPU_SP_KERNEL=jax picks the ring. The
+# text stream's linears use plain collectives on TPU (`model.stream_par`).
+AG_DEFAULT = "pallas"
 
 SPEC = PortSpec(
     name="qwen_image",

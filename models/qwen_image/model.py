@@ -31,6 +31,8 @@ Every forward runs inside one `shard_map` over the mesh's `tp` axis (or plain
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -38,8 +40,9 @@ from flax import nnx
 from difflet_tpu import nn
 from difflet_tpu.layers import AdaLN, FeedForward, TimestepEmbedding, Weight, modulate, rms_norm
 from difflet_tpu.layers.embeddings import timestep_frequencies
+from difflet_tpu.layers.attention import split_heads
 from difflet_tpu.layers.mmdit import JointAttention, clip_fp16
-from difflet_tpu.parallel import COLUMN, ROW
+from difflet_tpu.parallel import COLUMN, ROW, Parallel
 
 from .config import EPS, QwenImageConfig
 
@@ -82,6 +85,36 @@ PLAN = {
     "transformer_blocks.txt_mlp.net.2": ROW,
     "norm_out.linear": COLUMN,
 }
+
+
+# --------------------------------------------------------------------------
+# How each stream's linears communicate under SP (per site, from the compiled estimate)
+# --------------------------------------------------------------------------
+# A ring hop multiplies rows/2P rows by the whole (column- or row-shard of the)
+# weight, so every hop reads that weight from HBM again. Below about 240 rows a
+# hop (v5e: 197 TFLOP/s / 819 GB/s) the hop is bound by that read, and the ring
+# (or the Pallas all-gather kernel, which streams the weight per hop too) costs
+# 2P weight reads where a plain all-gather + one matmul (or one matmul +
+# psum_scatter) costs one, plus a small synchronous collective. Qwen-Image's
+# text stream is such a stream (128 prompt tokens: 16 rows a hop at P = 4): in
+# the deviceless v5e:2x2 compile at 1024x1024 its rings cost ~45 ms a step of
+# weight reads (docs/models/qwen_image.md). So on TPU a stream with fewer rows
+# a hop than RING_MIN_ROWS runs its linears with plain collectives (the
+# `Parallel` impl "xla", the same functions as the sp-xla mode), still
+# sequence-sharded between layers; the image stream keeps the configured ring
+# or kernel. Off TPU (CPU tests) every stream takes the ring, so the tests run
+# the rings; tests/models/test_qwen_image.py forces the rule on CPU too.
+RING_MIN_ROWS = {"tpu": 256, "other": 0}
+
+
+def stream_par(par: Parallel, rows_held: int) -> Parallel:
+    """The Parallel for one sequence-sharded stream's linears, `rows_held` rows on this rank."""
+    if par.mode != "sp":
+        return par
+    min_rows = RING_MIN_ROWS["other" if par.interpret else "tpu"]
+    if rows_held // 2 >= min_rows:
+        return par
+    return dataclasses.replace(par, ag_impl="xla", rs_impl="xla")
 
 
 # --------------------------------------------------------------------------
@@ -131,6 +164,24 @@ class QwenTimestepProjEmbeddings(nnx.Module):
 # The dual-stream block
 # --------------------------------------------------------------------------
 
+class QwenJointAttention(JointAttention):
+    """`JointAttention` (added K/V, `[text | image]`) whose two streams may talk to the
+    other ranks differently: `txt_par` for add_q/add_k/add_v_proj and to_add_out
+    (`stream_par`)."""
+
+    def __call__(self, par, txt_par, hidden_states, encoder_hidden_states, rope, kv_mask):
+        par.local_heads(self.heads)
+        q, k, v = nn.column(par, hidden_states, [self.to_q, self.to_k, self.to_v])
+        eq, ek, ev = nn.column(txt_par, encoder_hidden_states, [self.add_q_proj, self.add_k_proj, self.add_v_proj])
+        img = (self._norm(q, self.norm_q), self._norm(k, self.norm_k), split_heads(v, self.head_dim))
+        txt = (self._norm(eq, self.norm_added_q), self._norm(ek, self.norm_added_k), split_heads(ev, self.head_dim))
+        n = txt[0].shape[1]
+        o = self.attend(par, *(jnp.concatenate(pair, axis=1) for pair in zip(txt, img)), rope, kv_mask)
+        hidden_out = nn.row(par, [(o[:, n:], self.to_out["0"])])
+        encoder_out = nn.row(txt_par, [(o[:, :n], self.to_add_out)])
+        return hidden_out, encoder_out
+
+
 class QwenImageTransformerBlock(nnx.Module):
     """diffusers' `QwenImageTransformerBlock`: per stream adaLN modulation (`img_mod`,
     `txt_mod`: shift, scale, gate for attention, then for the MLP), LayerNorms without
@@ -139,8 +190,8 @@ class QwenImageTransformerBlock(nnx.Module):
 
     def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, *, dtype, rngs: nnx.Rngs):
         self.img_mod = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
-        self.attn = JointAttention(dim, num_attention_heads, attention_head_dim, added_kv=True, context_first=True,
-                                   eps=EPS, dtype=dtype, rngs=rngs)
+        self.attn = QwenJointAttention(dim, num_attention_heads, attention_head_dim, added_kv=True,
+                                       context_first=True, eps=EPS, dtype=dtype, rngs=rngs)
         self.img_mlp = FeedForward(dim, dim_out=dim, activation_fn="gelu-approximate", dtype=dtype, rngs=rngs)
         self.txt_mod = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
         self.txt_mlp = FeedForward(dim, dim_out=dim, activation_fn="gelu-approximate", dtype=dtype, rngs=rngs)
@@ -150,19 +201,20 @@ class QwenImageTransformerBlock(nnx.Module):
         rank's rows under SP); `rope`, `kv_mask`: the joint [text | image] sequence's rows.
         token_replace: zero_cond_t's (bool `[image rows held]`, t = 0 embedding): those rows
         take the t = 0 modulation (diffusers' `modulate_index == 1`)."""
+        img_par, txt_par = stream_par(par, hidden_states.shape[1]), stream_par(par, encoder_hidden_states.shape[1])
         img_shift1, img_scale1, img_gate1, img_shift2, img_scale2, img_gate2 = self.img_mod(par, temb, token_replace)
         txt_shift1, txt_scale1, txt_gate1, txt_shift2, txt_scale2, txt_gate2 = self.txt_mod(par, temb)
 
         img_modulated = modulate(hidden_states, img_shift1, img_scale1, EPS)
         txt_modulated = modulate(encoder_hidden_states, txt_shift1, txt_scale1, EPS)
-        img_attn_output, txt_attn_output = self.attn(par, img_modulated, txt_modulated, rope, kv_mask)
+        img_attn_output, txt_attn_output = self.attn(img_par, txt_par, img_modulated, txt_modulated, rope, kv_mask)
         hidden_states = hidden_states + img_gate1 * img_attn_output
         encoder_hidden_states = encoder_hidden_states + txt_gate1 * txt_attn_output
 
         img_modulated2 = modulate(hidden_states, img_shift2, img_scale2, EPS)
-        hidden_states = hidden_states + img_gate2 * self.img_mlp(par, img_modulated2)
+        hidden_states = hidden_states + img_gate2 * self.img_mlp(img_par, img_modulated2)
         txt_modulated2 = modulate(encoder_hidden_states, txt_shift2, txt_scale2, EPS)
-        encoder_hidden_states = encoder_hidden_states + txt_gate2 * self.txt_mlp(par, txt_modulated2)
+        encoder_hidden_states = encoder_hidden_states + txt_gate2 * self.txt_mlp(txt_par, txt_modulated2)
         return clip_fp16(hidden_states), clip_fp16(encoder_hidden_states)
 
 
