@@ -22,11 +22,13 @@ Every forward runs inside one `shard_map` over the mesh's `tp` axis (or plain
   row-parallel matmul (to_out.0, to_add_out, img_mlp.net.2, txt_mlp.net.2);
 * SP: the image and the text stream are each sequence-sharded (every rank holds
   its rows of both, each padded eagerly to a multiple of 2P, pad keys masked);
-  one all-gather ring feeds to_q/to_k/to_v (image rows), one add_q/add_k/add_v
+  one all-gather feeds to_q/to_k/to_v (image rows), one add_q/add_k/add_v
   (text rows), attention runs on the full joint sequence for this rank's heads,
-  to_out.0 and to_add_out end in reduce-scatter rings, and each MLP is an AG
-  ring in and an RS ring out. No row reordering: the joint sequence is gathered
-  stream by stream.
+  to_out.0 and to_add_out end in reduce-scatters, and each MLP is an all-gather
+  in and a reduce-scatter out. No row reordering: the joint sequence is gathered
+  stream by stream. Per site (`stream_par`): the image stream's collectives are
+  fused into its matmuls (the Pallas AG kernel, TPU default, or the JAX rings);
+  on TPU the short text stream uses plain all-gather / psum_scatter.
 """
 
 from __future__ import annotations
@@ -57,10 +59,10 @@ from .config import EPS, QwenImageConfig
 # module                                      role        note
 # ==========================================  ==========  =========================================
 # transformer_blocks.img_mod / txt_mod        column      Linear(D, 6D) (`img_mod.1`); gather (B, 6D)
-# transformer_blocks.attn.to_q / to_k / to_v  column      heads; SP: one AG ring over image rows
-# transformer_blocks.attn.add_q/k/v_proj      column      heads; SP: one AG ring over text rows
-# transformer_blocks.attn.to_out.0            row         SP: a reduce-scatter ring
-# transformer_blocks.attn.to_add_out          row         SP: a reduce-scatter ring
+# transformer_blocks.attn.to_q / to_k / to_v  column      heads; SP: one all-gather (AG) over image rows
+# transformer_blocks.attn.add_q/k/v_proj      column      heads; SP: one AG over text rows
+# transformer_blocks.attn.to_out.0            row         SP: a reduce-scatter (RS)
+# transformer_blocks.attn.to_add_out          row         SP: an RS (text rows)
 # transformer_blocks.img_mlp / txt_mlp        column/row  net.0.proj (GELU-tanh epilogue) / net.2
 # norm_out.linear                             column      AdaLayerNormContinuous (D -> 2D)
 # attn.norm_q/norm_k/norm_added_q/norm_added_k replicated per-head RMSNorm ([head_dim])
@@ -97,8 +99,8 @@ PLAN = {
 # 2P weight reads where a plain all-gather + one matmul (or one matmul +
 # psum_scatter) costs one, plus a small synchronous collective. Qwen-Image's
 # text stream is such a stream (128 prompt tokens: 16 rows a hop at P = 4): in
-# the deviceless v5e:2x2 compile at 1024x1024 its rings cost ~45 ms a step of
-# weight reads (docs/models/qwen_image.md). So on TPU a stream with fewer rows
+# the deviceless v5e:2x2 compile at 1024x1024 moving it to plain collectives cut
+# 35-41 ms of estimated step time (docs/models/qwen_image.md). So on TPU a stream with fewer rows
 # a hop than RING_MIN_ROWS runs its linears with plain collectives (the
 # `Parallel` impl "xla", the same functions as the sp-xla mode), still
 # sequence-sharded between layers; the image stream keeps the configured ring
