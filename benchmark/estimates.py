@@ -36,6 +36,10 @@ CASES = {
     # the loop's actual step with classifier-free guidance: one batch-2 call
     "wan_cfg": ("wan:Wan2.1-T2V-14B", ["--height", "480", "--width", "832", "--frames", "9"], "tp,sp-pallas"),
     "ltx2_cfg": ("ltx2:ltx-2.0", ["--height", "480", "--width", "704", "--frames", "49"], "tp,sp-pallas"),
+    # Qwen-Image (issue 16): not in estimate.REFERENCE_PR, so not in the calibration fit
+    "qwen_image": ("qwen_image:qwen-image", ["--height", "1024", "--width", "1024", "--guidance", "1"], "all"),
+    "qwen_image_1328": ("qwen_image:qwen-image", ["--height", "1328", "--width", "1328", "--guidance", "1"],
+                        "tp,sp,sp-pallas"),
 }
 
 
@@ -140,7 +144,8 @@ def table(args):
            "cal. vs PR | x TP (cal.) | HBM GiB/chip | exposed transfer ms | non-matmul ms (cal.) | matmul ms | "
            "attention ms |")
     lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
-    for fam in ("wan", "flux", "hunyuan_video", "ltx2", "wan_81", "hunyuan_video_720p", "wan_cfg", "ltx2_cfg"):
+    for fam in ("wan", "flux", "hunyuan_video", "ltx2", "wan_81", "hunyuan_video_720p", "wan_cfg", "ltx2_cfg",
+                "qwen_image", "qwen_image_1328"):
         modes = res.get(fam, {})
         ref = E.REFERENCE_PR.get(fam)
         tp_cal = calibrated_ms(modes["tp"], k, fam) if "tp" in modes else None
@@ -166,7 +171,7 @@ def table(args):
     lines += ["", "Where the best SP variant's calibrated step goes beyond the ideal (ms):", "",
               "| model | best SP | est. ms | ideal ms | gap | matmul + attention beyond ideal | non-matmul | exposed transfer |",
               "|---|---|---|---|---|---|---|---|"]
-    for fam in ("wan", "flux", "hunyuan_video", "ltx2"):
+    for fam in ("wan", "flux", "hunyuan_video", "ltx2", "qwen_image"):
         modes = res.get(fam, {})
         sps = [m for m in ("sp", "sp-pallas") if m in modes]
         if not sps:

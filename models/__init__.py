@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-PORTS = ("flux", "wan", "hunyuan_video", "ltx2")
+PORTS = ("flux", "wan", "hunyuan_video", "ltx2", "qwen_image")
 
 
 def spec(name: str):

@@ -1,0 +1,71 @@
+"""Qwen-Image (diffusers `QwenImageTransformer2DModel`: Qwen-Image, -Edit, -Edit-2511's
+zero_cond_t, -Layered's flags) on TPU slices: one device, TP, SP.
+
+Run it with `difflet_tpu.Runner(model, mesh, config)`; notes: docs/models/qwen_image.md.
+"""
+
+import numpy as np
+
+from difflet_tpu import schedulers
+from difflet_tpu.port import Pipeline, PortSpec
+from difflet_tpu.runner import Runner
+
+from .config import CLASS_NAME, PRESETS, QwenImageConfig, config_from_diffusers
+from .keys import key_map
+from .model import PLAN, QwenImageTransformer2DModel, build, time_proj
+from .port import FORWARD_ARGS, example_inputs, flops, forward, image_shapes, prepare
+from .rope import joint_tables
+
+# Qwen/Qwen-Image's scheduler config (FlowMatchEulerDiscreteScheduler): dynamic shifting
+# with mu from the image token count over [256, 8192] -> [0.5, 0.9], stretched to a
+# terminal sigma of 0.02 (tests/fixtures/qwen_image/schedule.json holds diffusers' arrays).
+SCHEDULER = schedulers.SchedulerConfig(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                       base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02)
+
+
+def schedule(steps: int, image_seq_len: int, cfg: schedulers.SchedulerConfig = SCHEDULER) -> schedulers.Schedule:
+    """QwenImagePipeline's schedule: sigmas linspace(1, 1/N, N), mu = calculate_shift(image
+    tokens, 256, 8192, 0.5, 0.9), the scheduler's exponential time shift and terminal stretch."""
+    sigmas = np.linspace(1.0, 1 / steps, steps)
+    mu = schedulers.calculate_shift(image_seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift,
+                                    cfg.max_shift)
+    return schedulers.flow_match_euler(cfg, steps, sigmas=sigmas, mu=mu)
+
+
+# Under SP on TPU the image stream's all-gathers (to_q/to_k/to_v, img_mlp.net.0.proj)
+# run the Pallas all-gather-matmul kernel by default: in the deviceless v5e:2x2
+# compile at 1024x1024 it is the cheaper choice at both sites (estimated 207 ms a step
+# against 274 ms for the JAX rings with concat assembly and 233 ms with dus assembly;
+# docs/models/qwen_image.md). The reference PR measured the kernel 1% slower than the
+# ring on a v5e-4 (179.7 vs 178.0 ms); DIFFLET_TPU_SP_KERNEL=jax picks the ring. The
+# text stream's linears use plain collectives on TPU (`model.stream_par`).
+AG_DEFAULT = "pallas"
+
+SPEC = PortSpec(
+    name="qwen_image",
+    class_names=(CLASS_NAME,),
+    model_class=QwenImageTransformer2DModel,
+    config_from_diffusers=config_from_diffusers,
+    presets=PRESETS,
+    build=build,
+    plan=PLAN,
+    key_map=key_map,
+    prepare=prepare,
+    forward=forward,
+    forward_args=FORWARD_ARGS,
+    heads=lambda c: {"num_attention_heads": c.num_attention_heads},
+    released="qwen-image",
+    bench_shape=dict(height=1024, width=1024, frames=1),
+    tiny_shape=dict(height=64, width=96, frames=1),
+    example_inputs=example_inputs,
+    flops=flops,
+    # QwenImagePipeline: 50 steps, true CFG (true_cfg_scale 4.0, a negative prompt) as one
+    # batch-2 call with rows [negative, positive], timestep / 1000.
+    pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedule(steps, inputs["hidden_states"].shape[1]),
+                      steps=50, guidance=4.0, guidance_mode="cfg", timestep_scale=1e-3),
+    ag_default=AG_DEFAULT,
+)
+
+__all__ = ["AG_DEFAULT", "SCHEDULER", "SPEC", "CLASS_NAME", "PLAN", "PRESETS", "QwenImageConfig",
+           "QwenImageTransformer2DModel", "Runner", "build", "config_from_diffusers", "example_inputs", "flops",
+           "image_shapes", "joint_tables", "key_map", "schedule", "time_proj"]

@@ -1,0 +1,283 @@
+"""Qwen-Image (diffusers `QwenImageTransformer2DModel`) in Flax NNX, written once for one device, TP and SP.
+
+Reads top to bottom like diffusers' `transformer_qwenimage.py`: the timestep
+embedding (`QwenTimestepProjEmbeddings`), `txt_norm` + `txt_in` and `img_in`,
+60 dual-stream blocks (`QwenImageTransformerBlock`), `norm_out` and `proj_out`.
+It is an MMDiT with double-stream blocks only, composed from the shared layers
+(`difflet_tpu/layers/`): the joint attention is `JointAttention` (diffusers'
+`Attention(added_kv_proj_dim=dim, qk_norm="rms_norm")` with
+`QwenDoubleStreamAttnProcessor2_0`: per-head RMSNorm of q/k, RoPE, the joint
+sequence `[text | image]`, the text mask on the keys), `img_mlp` / `txt_mlp` are
+`FeedForward` (GELU-tanh), `img_mod` / `txt_mod` are `AdaLN(dim, 6)` (diffusers'
+`Sequential(SiLU, Linear(dim, 6 dim))` chunked into shift, scale, gate for the
+attention and for the MLP: keys.py maps `img_mod.1` to `img_mod.linear`), and
+zero_cond_t's per-token modulation (`modulate_index`) is AdaLN's
+`token_replace`.
+
+Every forward runs inside one `shard_map` over the mesh's `tp` axis (or plain
+`jit` on one device) and talks to the other ranks only through `Parallel`:
+
+* one device: everything local;
+* TP: weights sharded by `PLAN`, activations replicated, a psum after each
+  row-parallel matmul (to_out.0, to_add_out, img_mlp.net.2, txt_mlp.net.2);
+* SP: the image and the text stream are each sequence-sharded (every rank holds
+  its rows of both, each padded eagerly to a multiple of 2P, pad keys masked);
+  one all-gather feeds to_q/to_k/to_v (image rows), one add_q/add_k/add_v
+  (text rows), attention runs on the full joint sequence for this rank's heads,
+  to_out.0 and to_add_out end in reduce-scatters, and each MLP is an all-gather
+  in and a reduce-scatter out. No row reordering: the joint sequence is gathered
+  stream by stream. Per site (`stream_par`): the image stream's collectives are
+  fused into its matmuls (the Pallas AG kernel, TPU default, or the JAX rings);
+  on TPU the short text stream uses plain all-gather / psum_scatter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from difflet_tpu import nn
+from difflet_tpu.layers import AdaLN, FeedForward, TimestepEmbedding, Weight, modulate, rms_norm
+from difflet_tpu.layers.embeddings import timestep_frequencies
+from difflet_tpu.layers.attention import split_heads
+from difflet_tpu.layers.mmdit import JointAttention, clip_fp16
+from difflet_tpu.parallel import COLUMN, ROW, Parallel
+
+from .config import EPS, QwenImageConfig
+
+# --------------------------------------------------------------------------
+# Parallel plan (module path pattern over the NNX state, stacked blocks without
+# an index -> role; everything not listed is replicated). diffusers' `_tp_plan`
+# for the attention and MLPs, plus the modulation linears (replicated in
+# diffusers): at 20B they are a third of the weights (2 x 3072 x 18432 a block),
+# so they are column-parallel here and their small (B, 6D) outputs gathered.
+#
+# ==========================================  ==========  =========================================
+# module                                      role        note
+# ==========================================  ==========  =========================================
+# transformer_blocks.img_mod / txt_mod        column      Linear(D, 6D) (`img_mod.1`); gather (B, 6D)
+# transformer_blocks.attn.to_q / to_k / to_v  column      heads; SP: one all-gather (AG) over image rows
+# transformer_blocks.attn.add_q/k/v_proj      column      heads; SP: one AG over text rows
+# transformer_blocks.attn.to_out.0            row         SP: a reduce-scatter (RS)
+# transformer_blocks.attn.to_add_out          row         SP: an RS (text rows)
+# transformer_blocks.img_mlp / txt_mlp        column/row  net.0.proj (GELU-tanh epilogue) / net.2
+# norm_out.linear                             column      AdaLayerNormContinuous (D -> 2D)
+# attn.norm_q/norm_k/norm_added_q/norm_added_k replicated per-head RMSNorm ([head_dim])
+# img_in, txt_in, txt_norm, time_text_embed,  replicated  small; under SP img_in / txt_in run on
+# proj_out                                                this rank's rows
+# ==========================================  ==========  =========================================
+# --------------------------------------------------------------------------
+PLAN = {
+    "transformer_blocks.img_mod.linear": COLUMN,
+    "transformer_blocks.txt_mod.linear": COLUMN,
+    "transformer_blocks.attn.to_q": COLUMN,
+    "transformer_blocks.attn.to_k": COLUMN,
+    "transformer_blocks.attn.to_v": COLUMN,
+    "transformer_blocks.attn.add_q_proj": COLUMN,
+    "transformer_blocks.attn.add_k_proj": COLUMN,
+    "transformer_blocks.attn.add_v_proj": COLUMN,
+    "transformer_blocks.attn.to_out.0": ROW,
+    "transformer_blocks.attn.to_add_out": ROW,
+    "transformer_blocks.img_mlp.net.0.proj": COLUMN,
+    "transformer_blocks.img_mlp.net.2": ROW,
+    "transformer_blocks.txt_mlp.net.0.proj": COLUMN,
+    "transformer_blocks.txt_mlp.net.2": ROW,
+    "norm_out.linear": COLUMN,
+}
+
+
+# --------------------------------------------------------------------------
+# How each stream's linears communicate under SP (per site, from the compiled estimate)
+# --------------------------------------------------------------------------
+# A ring hop multiplies rows/2P rows by the whole (column- or row-shard of the)
+# weight, so every hop reads that weight from HBM again. Below about 240 rows a
+# hop (v5e: 197 TFLOP/s / 819 GB/s) the hop is bound by that read, and the ring
+# (or the Pallas all-gather kernel, which streams the weight per hop too) costs
+# 2P weight reads where a plain all-gather + one matmul (or one matmul +
+# psum_scatter) costs one, plus a small synchronous collective. Qwen-Image's
+# text stream is such a stream (128 prompt tokens: 16 rows a hop at P = 4): in
+# the deviceless v5e:2x2 compile at 1024x1024 moving it to plain collectives cut
+# 35-41 ms of estimated step time (docs/models/qwen_image.md). So on TPU a stream with fewer rows
+# a hop than RING_MIN_ROWS runs its linears with plain collectives (the
+# `Parallel` impl "xla", the same functions as the sp-xla mode), still
+# sequence-sharded between layers; the image stream keeps the configured ring
+# or kernel. Off TPU (CPU tests) every stream takes the ring, so the tests run
+# the rings; tests/models/test_qwen_image.py forces the rule on CPU too.
+RING_MIN_ROWS = {"tpu": 256, "other": 0}
+
+
+def stream_par(par: Parallel, rows_held: int) -> Parallel:
+    """The Parallel for one sequence-sharded stream's linears, `rows_held` rows on this rank."""
+    if par.mode != "sp":
+        return par
+    min_rows = RING_MIN_ROWS["other" if par.interpret else "tpu"]
+    if rows_held // 2 >= min_rows:
+        return par
+    return dataclasses.replace(par, ag_impl="xla", rs_impl="xla")
+
+
+# --------------------------------------------------------------------------
+# Embeddings
+# --------------------------------------------------------------------------
+
+def time_proj(timestep, dtype):
+    """`Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0, scale=1000)` of the
+    timestep as diffusers' forward passes it (`timestep.to(hidden_states.dtype)`):
+    `[B, 256]` = [cos, sin] of `1000 * (t * freqs)`, in float32 (float64 for float64
+    models). The x1000 comes after the product, as `get_timestep_embedding(scale=1000)`
+    applies it; the frequencies are torch's float32 bits (`timestep_frequencies`)."""
+    f = nn.fp32(dtype)
+    t = jnp.asarray(timestep).astype(dtype).astype(f)
+    emb = (t[:, None] * timestep_frequencies(128).astype(f)) * jnp.asarray(1000, f)
+    return jnp.concatenate([jnp.cos(emb), jnp.sin(emb)], axis=-1)
+
+
+class Embedding(nnx.Module):
+    """torch `nn.Embedding(num, dim)`: `weight [num, dim]`."""
+
+    def __init__(self, num: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (num, dim), dtype))
+
+    def __call__(self, ids):
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class QwenTimestepProjEmbeddings(nnx.Module):
+    """`timestep_embedder(time_proj(t))` (+ `addition_t_embedding(additional_t_cond)`
+    with use_additional_t_cond): temb `[B, D]`, replicated."""
+
+    def __init__(self, embedding_dim: int, use_additional_t_cond: bool, *, dtype, rngs: nnx.Rngs):
+        self.timestep_embedder = TimestepEmbedding(256, embedding_dim, dtype=dtype, rngs=rngs)
+        self.use_additional_t_cond = use_additional_t_cond
+        if use_additional_t_cond:
+            self.addition_t_embedding = Embedding(2, embedding_dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, timestep, dtype, addition_t_cond=None):
+        conditioning = self.timestep_embedder(time_proj(timestep, dtype).astype(dtype))
+        if self.use_additional_t_cond:
+            conditioning = conditioning + self.addition_t_embedding(addition_t_cond).astype(dtype)
+        return conditioning
+
+
+# --------------------------------------------------------------------------
+# The dual-stream block
+# --------------------------------------------------------------------------
+
+class QwenJointAttention(JointAttention):
+    """`JointAttention` (added K/V, `[text | image]`) whose two streams may talk to the
+    other ranks differently: `txt_par` for add_q/add_k/add_v_proj and to_add_out
+    (`stream_par`)."""
+
+    def __call__(self, par, txt_par, hidden_states, encoder_hidden_states, rope, kv_mask):
+        par.local_heads(self.heads)
+        q, k, v = nn.column(par, hidden_states, [self.to_q, self.to_k, self.to_v])
+        eq, ek, ev = nn.column(txt_par, encoder_hidden_states, [self.add_q_proj, self.add_k_proj, self.add_v_proj])
+        img = (self._norm(q, self.norm_q), self._norm(k, self.norm_k), split_heads(v, self.head_dim))
+        txt = (self._norm(eq, self.norm_added_q), self._norm(ek, self.norm_added_k), split_heads(ev, self.head_dim))
+        n = txt[0].shape[1]
+        o = self.attend(par, *(jnp.concatenate(pair, axis=1) for pair in zip(txt, img)), rope, kv_mask)
+        hidden_out = nn.row(par, [(o[:, n:], self.to_out["0"])])
+        encoder_out = nn.row(txt_par, [(o[:, :n], self.to_add_out)])
+        return hidden_out, encoder_out
+
+
+class QwenImageTransformerBlock(nnx.Module):
+    """diffusers' `QwenImageTransformerBlock`: per stream adaLN modulation (`img_mod`,
+    `txt_mod`: shift, scale, gate for attention, then for the MLP), LayerNorms without
+    affine (`img_norm1/2`, `txt_norm1/2`), joint attention, gated residuals, a GELU-tanh
+    MLP per stream (`img_mlp`, `txt_mlp`); float16 activations clipped."""
+
+    def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, *, dtype, rngs: nnx.Rngs):
+        self.img_mod = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
+        self.attn = QwenJointAttention(dim, num_attention_heads, attention_head_dim, added_kv=True,
+                                       context_first=True, eps=EPS, dtype=dtype, rngs=rngs)
+        self.img_mlp = FeedForward(dim, dim_out=dim, activation_fn="gelu-approximate", dtype=dtype, rngs=rngs)
+        self.txt_mod = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
+        self.txt_mlp = FeedForward(dim, dim_out=dim, activation_fn="gelu-approximate", dtype=dtype, rngs=rngs)
+
+    def __call__(self, par, hidden_states, encoder_hidden_states, temb, rope, kv_mask, token_replace=None):
+        """hidden_states: the image stream, encoder_hidden_states: the text stream (each this
+        rank's rows under SP); `rope`, `kv_mask`: the joint [text | image] sequence's rows.
+        token_replace: zero_cond_t's (bool `[image rows held]`, t = 0 embedding): those rows
+        take the t = 0 modulation (diffusers' `modulate_index == 1`)."""
+        img_par, txt_par = stream_par(par, hidden_states.shape[1]), stream_par(par, encoder_hidden_states.shape[1])
+        img_shift1, img_scale1, img_gate1, img_shift2, img_scale2, img_gate2 = self.img_mod(par, temb, token_replace)
+        txt_shift1, txt_scale1, txt_gate1, txt_shift2, txt_scale2, txt_gate2 = self.txt_mod(par, temb)
+
+        img_modulated = modulate(hidden_states, img_shift1, img_scale1, EPS)
+        txt_modulated = modulate(encoder_hidden_states, txt_shift1, txt_scale1, EPS)
+        img_attn_output, txt_attn_output = self.attn(img_par, txt_par, img_modulated, txt_modulated, rope, kv_mask)
+        hidden_states = hidden_states + img_gate1 * img_attn_output
+        encoder_hidden_states = encoder_hidden_states + txt_gate1 * txt_attn_output
+
+        img_modulated2 = modulate(hidden_states, img_shift2, img_scale2, EPS)
+        hidden_states = hidden_states + img_gate2 * self.img_mlp(img_par, img_modulated2)
+        txt_modulated2 = modulate(encoder_hidden_states, txt_shift2, txt_scale2, EPS)
+        encoder_hidden_states = encoder_hidden_states + txt_gate2 * self.txt_mlp(txt_par, txt_modulated2)
+        return clip_fp16(hidden_states), clip_fp16(encoder_hidden_states)
+
+
+# --------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------
+
+class QwenImageTransformer2DModel(nnx.Module):
+    """diffusers' QwenImageTransformer2DModel in Flax NNX; run it through `Runner`."""
+
+    def __init__(self, config: QwenImageConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        D = c.inner_dim
+        self.time_text_embed = QwenTimestepProjEmbeddings(D, c.use_additional_t_cond, dtype=dtype, rngs=rngs)
+        self.txt_norm = Weight(c.joint_attention_dim, dtype=dtype)  # RMSNorm(joint_attention_dim, eps=1e-6)
+        self.img_in = nn.Linear(c.in_channels, D, dtype=dtype, rngs=rngs)
+        self.txt_in = nn.Linear(c.joint_attention_dim, D, dtype=dtype, rngs=rngs)
+        self.transformer_blocks = nn.stacked(
+            lambda r: QwenImageTransformerBlock(D, c.num_attention_heads, c.attention_head_dim, dtype=dtype, rngs=r),
+            c.num_layers, rngs)
+        self.norm_out = AdaLN(D, 2, dtype=dtype, rngs=rngs)  # AdaLayerNormContinuous: scale, shift
+        self.proj_out = nn.Linear(D, c.out_features, dtype=dtype, rngs=rngs)
+
+    @property
+    def dtype(self):
+        return self.img_in.kernel.dtype
+
+    def __call__(self, par, hidden_states, encoder_hidden_states, timestep, freqs_cos, freqs_sin, kv_mask=None,
+                 additional_t_cond=None, cond_rows=None):
+        """One forward inside the step.
+
+        hidden_states `[B, N_img, in_channels]` (packed latents) and encoder_hidden_states
+        `[B, N_txt, joint_attention_dim]`: every row (one device, TP) or this rank's rows
+        of each stream (SP; each padded to a multiple of 2P). timestep `[B]` float32 as
+        diffusers takes it (t / 1000). freqs_cos / freqs_sin `[S, head_dim]` for the
+        joint [text | image] sequence (`rope.joint_tables`). kv_mask: None, or bool
+        `[S]` / `[B, S]` (False for masked text and pad keys). additional_t_cond `[B]`
+        int32 (use_additional_t_cond). cond_rows: bool `[image rows held]`, True for
+        the condition images' tokens (zero_cond_t). Returns proj_out's output for the
+        image rows held.
+        """
+        c = self.config
+        dtype = self.dtype
+        hidden_states = self.img_in(hidden_states.astype(dtype))
+        temb = self.time_text_embed(timestep, dtype, additional_t_cond)
+        token_replace = None
+        if c.zero_cond_t:  # diffusers: cat([t, 0 * t]), image rows picked by modulate_index
+            token_replace = (cond_rows, self.time_text_embed(jnp.zeros_like(timestep), dtype))
+        encoder_hidden_states = rms_norm(encoder_hidden_states.astype(dtype), self.txt_norm.scale[...], EPS)
+        encoder_hidden_states = self.txt_in(encoder_hidden_states)
+
+        rope = (freqs_cos, freqs_sin, c.split_rope)
+        hidden_states, encoder_hidden_states = nn.scan_blocks(
+            self.transformer_blocks, (hidden_states, encoder_hidden_states),
+            lambda block, carry: block(par, *carry, temb, rope, kv_mask, token_replace))
+
+        scale, shift = self.norm_out(par, temb)
+        return self.proj_out(modulate(hidden_states, shift, scale, EPS))
+
+
+def build(config: QwenImageConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> QwenImageTransformer2DModel:
+    """The model with random parameters (load a checkpoint with difflet_tpu.weights.load_transformer)."""
+    return QwenImageTransformer2DModel(config, dtype=dtype, rngs=rngs)
