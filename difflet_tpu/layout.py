@@ -11,7 +11,7 @@ q and k. q . k is invariant under one channel permutation applied to both, so
 each head's q/k projection rows (and biases, and q/k norm weights) are
 permuted once at load to [0, 2, 4, ..., 1, 3, 5, ...]; the cos/sin tables are
 permuted the same way, and the rotation becomes split halves: a slice and a
-concat. V and everything after attention are untouched.
+concat (`layers.apply_rotary_emb`). V and everything after attention are untouched.
 """
 
 from __future__ import annotations
@@ -79,21 +79,6 @@ def heads_permutation(num_heads: int, head_dim: int, rope_dim: int | None = None
     rope_dim = head_dim if rope_dim is None else rope_dim
     per_head = np.concatenate([rope_permutation(rope_dim), np.arange(rope_dim, head_dim)])
     return (np.arange(num_heads)[:, None] * head_dim + per_head[None, :]).reshape(-1)
-
-
-def apply_rope_interleaved(x, cos, sin):
-    """diffusers' `apply_rotary_emb(use_real_unbind_dim=-1)`: rotates pairs
-    (2i, 2i+1). x `[B, S, H, D]`, cos/sin `[S, D]` (or broadcastable)."""
-    xr = x.reshape(*x.shape[:-1], -1, 2)
-    rotated = jnp.stack([-xr[..., 1], xr[..., 0]], axis=-1).reshape(x.shape)
-    return x * cos + rotated * sin
-
-
-def apply_rope_split(x, cos, sin):
-    """Split-halves rotation: x `[..., D]` in split order, cos/sin in split order."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
 
 
 @dataclasses.dataclass(frozen=True)

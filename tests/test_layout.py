@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from difflet_tpu import layout
+from difflet_tpu import layers, layout
 
 
 def test_pad_and_unpad_numpy_and_jax():
@@ -44,8 +44,8 @@ def test_split_rope_gives_the_interleaved_attention_scores_float64():
         heads = lambda t: t.reshape(B, S, H, D)
         q = heads(x @ wq + bq)
         k = heads(x @ wk)
-        qi = layout.apply_rope_interleaved(jnp.asarray(q), cos[:, None], sin[:, None])
-        ki = layout.apply_rope_interleaved(jnp.asarray(k), cos[:, None], sin[:, None])
+        qi = layers.apply_rotary_emb(jnp.asarray(q), cos[:, None], sin[:, None], split=False)
+        ki = layers.apply_rotary_emb(jnp.asarray(k), cos[:, None], sin[:, None], split=False)
         ref = jnp.einsum("bqhd,bkhd->bhqk", qi, ki)
 
         rope = layout.RopeLayout(H, D)  # one object permutes the weights and the tables
@@ -54,8 +54,8 @@ def test_split_rope_gives_the_interleaved_attention_scores_float64():
         wk_p = np.take(wk, rope.qk_channels, axis=1)
         bq_p = np.take(bq, rope.qk_channels)
         cs, ss = rope.table(cos), rope.table(sin)
-        qs = layout.apply_rope_split(jnp.asarray(heads(x @ wq_p + bq_p)), cs[:, None], ss[:, None])
-        ks = layout.apply_rope_split(jnp.asarray(heads(x @ wk_p)), cs[:, None], ss[:, None])
+        qs = layers.apply_rotary_emb(jnp.asarray(heads(x @ wq_p + bq_p)), cs[:, None], ss[:, None], split=True)
+        ks = layers.apply_rotary_emb(jnp.asarray(heads(x @ wk_p)), cs[:, None], ss[:, None], split=True)
         got = jnp.einsum("bqhd,bkhd->bhqk", qs, ks)
         assert got.dtype == jnp.float64
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-12, atol=1e-12)
@@ -63,8 +63,8 @@ def test_split_rope_gives_the_interleaved_attention_scores_float64():
         np.testing.assert_allclose(np.asarray(qs), np.asarray(qi)[..., layout.rope_permutation(D)], atol=1e-12)
         # Without permuting the weights the scores differ: the test can fail.
         bad = jnp.einsum("bqhd,bkhd->bhqk",
-                         layout.apply_rope_split(jnp.asarray(q), cs[:, None], ss[:, None]),
-                         layout.apply_rope_split(jnp.asarray(k), cs[:, None], ss[:, None]))
+                         layers.apply_rotary_emb(jnp.asarray(q), cs[:, None], ss[:, None], split=True),
+                         layers.apply_rotary_emb(jnp.asarray(k), cs[:, None], ss[:, None], split=True))
         assert np.abs(np.asarray(bad) - np.asarray(ref)).max() > 1e-3
 
 
@@ -73,7 +73,7 @@ def test_interleaved_matches_diffusers_formula():
     x = rng.standard_normal((1, 4, 2, 6))
     cos, sin = _interleaved_tables(4, 6, rng)
     with jax.enable_x64(True):
-        got = np.asarray(layout.apply_rope_interleaved(jnp.asarray(x), cos[:, None], sin[:, None]))
+        got = np.asarray(layers.apply_rotary_emb(jnp.asarray(x), cos[:, None], sin[:, None], split=False))
     # diffusers: x_real, x_imag = x.reshape(..., -1, 2).unbind(-1); rotated = stack([-imag, real]).flatten
     xr = x.reshape(1, 4, 2, 3, 2)
     rot = np.stack([-xr[..., 1], xr[..., 0]], axis=-1).reshape(x.shape)

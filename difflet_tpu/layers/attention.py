@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from difflet_tpu import layout, nn
+from difflet_tpu import nn
 from difflet_tpu.attention import attention, reference_attention
 
 
@@ -24,17 +24,27 @@ def merge_heads(t):
 
 
 def apply_rotary_emb(x, cos, sin, split: bool):
-    """diffusers' `apply_rotary_emb(use_real=True)` on x `[..., D]` in float32, cast back.
-
+    """diffusers' `apply_rotary_emb(use_real=True)` on x `[..., D]` in float32, cast back;
     cos / sin broadcast against x (e.g. `[S, 1, D]` for x `[B, S, H, D]`).
-    `split=False`: diffusers' interleaved pairs (2i, 2i+1). `split=True`: q/k
-    and tables permuted per head to split halves at load (`difflet_tpu/layout.py`),
-    the rotation `[x1 c - x2 s, x2 c + x1 s]` on the halves: the same products
-    and sums as the pairwise form, without a minor-axis relayout.
+
+    `split=False`: diffusers' interleaved pairs (2i, 2i+1), `x cos + rot(x) sin` with
+    `rot(x)` = (-x[2i+1], x[2i]) (`use_real_unbind_dim=-1`). `split=True`: q/k and
+    the tables permuted per head to split halves at load (`layout.RopeLayout`; the
+    tables' two halves are equal), the rotation `[x1 c - x2 s, x2 c + x1 s]` on the
+    halves: the same products and sums as the pairwise form in one elementwise
+    pass, without a minor-axis relayout or a rotated copy of x.
     """
     f = nn.fp32(x.dtype)
-    rotate = layout.apply_rope_split if split else layout.apply_rope_interleaved
-    return rotate(x.astype(f), cos.astype(f), sin.astype(f)).astype(x.dtype)
+    xf, cos, sin = x.astype(f), cos.astype(f), sin.astype(f)
+    if split:
+        half = x.shape[-1] // 2
+        c, s = cos[..., :half], sin[..., :half]
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    else:
+        xr = xf.reshape(*xf.shape[:-1], -1, 2)
+        out = xf * cos + jnp.stack([-xr[..., 1], xr[..., 0]], axis=-1).reshape(xf.shape) * sin
+    return out.astype(x.dtype)
 
 
 def attend(par, q, k, v, kv_mask=None, bias=None):
