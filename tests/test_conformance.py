@@ -62,7 +62,8 @@ def _fixture_cases() -> dict:
 
 CASES = _fixture_cases()
 # One case per port whose token streams SP pads on 4 devices (not a multiple of 2P = 8).
-PADDED = {"flux": "flux_pad", "wan": "wan_t2v_pad", "hunyuan_video": "hunyuan_video_masks", "ltx2": "ltx2_pad"}
+PADDED = {"flux": "flux_pad", "wan": "wan_t2v_pad", "hunyuan_video": "hunyuan_video_masks", "ltx2": "ltx2_pad",
+          "qwen_image": "qwen_image_pad"}
 
 
 # --------------------------------------------------------------------------
@@ -314,6 +315,8 @@ def test_deviceless_v5e_2x2_compile_fits(port, monkeypatch):
               f"({out['params'] / 1e9:.2f} B params; attention {rep['attn_impl']}, {rep['kernels']} Pallas calls, "
               f"AG {rep['ag_impl']}; {rep['seconds']} s)")
         assert hbm < 16 * gib
-        # the big linears are sharded over the 4 chips: about a quarter of the weights per chip
-        assert weight_bytes / 4 <= rep["arguments"] < 0.35 * weight_bytes
+        # the big linears (adaLN too) are sharded over the 4 chips: a quarter of the weights
+        # per chip plus small replicated ones (0.25-0.27 of them measured; FLUX's adaLN,
+        # 27% of its weights, left replicated would make it 0.46)
+        assert weight_bytes / 4 <= rep["arguments"] < 0.29 * weight_bytes
         assert rep["attn_impl"] == "splash" and rep["kernels"] >= 1
