@@ -26,6 +26,7 @@ import glob
 import hashlib
 import json
 import math
+import numbers
 import os
 import sys
 import time
@@ -117,8 +118,10 @@ def validate(args, ap):
         v = getattr(args, name)
         if v is not None and v < 1:
             ap.error(f"--{name} must be positive")
-    if args.guidance is not None and args.guidance < 0:
-        ap.error("--guidance must be >= 0")
+    if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 0):
+        ap.error(f"--guidance {args.guidance}: must be a finite number >= 0")
+    if not 0 <= args.seed < 2**32:
+        ap.error(f"--seed {args.seed}: must be in [0, 2**32)")
     if args.compile_only:
         if not args.topology:
             ap.error("--compile-only needs --topology (e.g. v5e:2x2)")
@@ -142,6 +145,25 @@ def validate(args, ap):
             args.modes = list(COMPILE_VARIANTS)
     elif "sp-pallas" in args.modes:
         ap.error("--mode sp-pallas is a --compile-only variant; on a device set DIFFLET_TPU_SP_KERNEL=pallas")
+    # Outputs are checked before any work (a run must not end in a traceback over its report).
+    from difflet_tpu import checks
+
+    try:
+        if args.json:
+            checks.writable_file(args.json, "--json")
+        for flag in ("profile", "dump_hlo"):
+            if getattr(args, flag):
+                checks.writable_dir(getattr(args, flag), "--" + flag.replace("_", "-"))
+    except ValueError as e:
+        ap.error(str(e))
+    args.embedding_arrays = None
+    if args.embeddings:
+        from difflet_tpu.pipeline import read_embeddings
+
+        try:
+            args.embedding_arrays = read_embeddings(args.embeddings)
+        except ValueError as e:
+            ap.error(str(e))
 
 
 # --------------------------------------------------------------------------
@@ -211,55 +233,153 @@ def build_config(port, preset):
 # --------------------------------------------------------------------------
 
 
-def run_model(fam, preset, args, mesh, dtype, results, hlo_dir=None):
-    """Loads (or initialises) one model and times its denoise loop in each requested mode."""
-    import jax
+def weights_model(path, ports, cpu: bool) -> tuple[str, str]:
+    """The (family, preset) of `--weights DIR` given without `--model`: the family from
+    the checkpoint's `_class_name`, the preset "tiny" on CPU (its shapes; the
+    checkpoint's config decides the model), the released one on TPU."""
+    from difflet_tpu import pipeline as PL
+    from difflet_tpu import weights
+    from difflet_tpu.models import REGISTRY
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        if os.path.isdir(os.path.join(path, "transformer_2")):
+            raise BenchError(f"--weights {path} holds two experts (transformer/, transformer_2/): name the "
+                             "pipeline with --model (wan:Wan2.2-T2V-A14B or wan:Wan2.2-I2V-A14B)")
+        raise BenchError(f"--weights {path}: no config.json (expected a diffusers transformer directory)")
+    cls = weights.read_config(path)["_class_name"]
+    module = REGISTRY.get(cls)
+    fam = next((f for f, m in PL.PORT_MODULES.items() if m == module), None)
+    if fam is None:
+        raise BenchError(f"--weights {path} holds a {cls}, which no port supports "
+                         f"(supported: {', '.join(sorted(REGISTRY))})")
+    if ports[fam][0] is None:
+        raise BenchError(f"--weights {path} holds a {cls}, but the {fam} port has not landed ({ports[fam][1]})")
+    preset = "tiny" if cpu else PL.FAMILIES[fam].released
+    print(f"--weights {path}: a {cls}; running {fam}:{preset} (give --model to choose)", file=sys.stderr)
+    return fam, preset
+
+
+def resolve_models(args, ports) -> list[tuple[str, str]]:
+    """--model (or --weights' own model, or every landed port) as (family, preset) pairs."""
+    from difflet_tpu import pipeline as PL
+
+    if args.model:
+        return [PL.resolve_model(m, ports) for m in args.model]
+    if args.weights:
+        return [weights_model(args.weights, ports, args.cpu)]
+    models = [(f, "tiny" if args.cpu else PL.FAMILIES[f].released) for f, (p, _) in ports.items() if p is not None]
+    if not models:
+        print("no model port has landed yet; running the toy model", file=sys.stderr)
+        models = [("toy", "tiny" if args.cpu else "toy-small")]
+    for f, (p, why) in ports.items():
+        if p is None:
+            print(f"skipping {f}: {why}", file=sys.stderr)
+    return models
+
+
+def weight_dirs(args, family, preset) -> list[str]:
+    """The transformer directories `--weights` names for a model (two for Wan2.2-A14B)."""
+    if family.boundaries.get(preset) is None:
+        return [args.weights]
+    return [os.path.join(args.weights, "transformer"), os.path.join(args.weights, "transformer_2")]
+
+
+def prepare(fam, preset, args, mesh, dtype) -> dict:
+    """Everything about one model that can be refused, before any model runs: the
+    config (the checkpoint's, validated without reading a tensor), the memory it
+    needs on CPU, the shape, the embeddings and the inputs. Raises BenchError."""
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
     from difflet_tpu import pipeline as PL
     from difflet_tpu.config import Config
 
     family = PL.FAMILIES[fam]
     port = PL.load_port(fam)
-    cfg = build_config(port, preset)
-    if args.weights:  # the checkpoint's own config decides the shapes
-        from difflet_tpu import weights
-        from difflet_tpu.config import Config as _C
-        from difflet_tpu.models import REGISTRY
-
-        wdir = args.weights if not family.boundaries.get(preset) else os.path.join(args.weights, "transformer")
-        wcfg = weights.read_config(wdir)
-        if REGISTRY.get(wcfg["_class_name"]) != PL.PORT_MODULES.get(fam):
-            raise BenchError(f"--weights {args.weights} holds a {wcfg['_class_name']}, not a {fam} transformer "
-                             f"(--model {fam}:{preset})")
-        cfg = port.config_from_diffusers(wcfg, split_rope=_C.from_env().split_rope)
-    shape = shape_for(fam, preset, args)
-    guidance = family.guidance if args.guidance is None else args.guidance
-    cfg_batch = family.guidance_mode == "cfg" and guidance != 1.0
-    steps = args.steps or (4 if args.cpu else family.steps)
-    np_dtype = np.float32 if dtype == jnp.float32 else jnp.bfloat16
-    inputs = port.example_inputs(cfg, **shape, batch=1, seed=args.seed, dtype=np_dtype)
-    cfg_inputs = port.example_inputs(cfg, **shape, batch=2, seed=args.seed + 1, dtype=np_dtype) if cfg_batch else None
-    if cfg_inputs is not None:  # conditional rows second, the same latents
-        for k in family.latent_keys:
-            if k in cfg_inputs:
-                cfg_inputs[k] = np.concatenate([inputs[k], inputs[k]])
-    if args.embeddings:
-        emb = PL.read_embeddings(args.embeddings)
-        if cfg_batch:
-            cfg_inputs = PL.apply_embeddings(cfg_inputs, emb, True)
-        else:
-            inputs = PL.apply_embeddings(inputs, emb, False)
-    schedule = family.schedule(steps, inputs, preset)
     boundary = family.boundaries.get(preset)
     n_experts = 2 if boundary is not None else 1
+    try:
+        cfg = build_config(port, preset)
+        dirs = weight_dirs(args, family, preset) if args.weights else []
+        if dirs:  # the checkpoint's own config decides the shapes
+            from difflet_tpu import weights
+            from difflet_tpu.models import REGISTRY
+
+            wcfg = weights.read_config(dirs[0])
+            if REGISTRY.get(wcfg["_class_name"]) != PL.PORT_MODULES.get(fam):
+                raise BenchError(f"--weights {args.weights} holds a {wcfg['_class_name']}, not a {fam} transformer "
+                                 f"(--model {fam}:{preset})")
+            for d in dirs:  # every check of load_transformer, nothing read
+                _, cfg = weights.check_transformer(d, dtype=dtype, mesh=mesh, config=Config.from_env())
+        from flax import nnx
+
+        from difflet_tpu import weights
+
+        params = nnx.state(nnx.eval_shape(lambda: port.build(cfg, dtype=dtype, rngs=nnx.Rngs(0))), nnx.Param)
+        bad = weights.mesh_problems(cfg, params, mesh, port.PLAN)
+        if bad:
+            raise BenchError(f"{fam}:{preset} does not divide over the {mesh.shape['tp']} devices:\n  "
+                             + "\n  ".join(bad))
+        if args.cpu:
+            count, nbytes = param_bytes(params)
+            mem = host_memory_bytes()
+            if mem and n_experts * nbytes > mem // 2:
+                name = f"{fam}:{preset}"
+                raise BenchError(
+                    f"{name}{' (--weights)' if dirs else ''} on CPU: {count / 1e9:.2f} B parameters"
+                    f"{' per expert, 2 experts,' if n_experts > 1 else ''} need "
+                    f"{n_experts * nbytes / 2**30:.1f} GiB as {jnp.dtype(dtype).name}, more than half of this "
+                    f"machine's {mem / 2**30:.1f} GiB. It needs a TPU; here, plan it with --compile-only --topology "
+                    f"v5e:2x2 --model {name}, or run a tiny preset (--model {fam}:tiny)")
+        shape = shape_for(fam, preset, args)
+        guidance = family.guidance if args.guidance is None else args.guidance
+        cfg_batch = family.guidance_mode == "cfg" and guidance != 1.0
+        steps = args.steps or (4 if args.cpu else family.steps)
+        np_dtype = np.float32 if dtype == jnp.float32 else jnp.bfloat16
+        inputs = port.example_inputs(cfg, **shape, batch=1, seed=args.seed, dtype=np_dtype)
+        cfg_inputs = (port.example_inputs(cfg, **shape, batch=2, seed=args.seed + 1, dtype=np_dtype)
+                      if cfg_batch else None)
+        if cfg_inputs is not None:  # conditional rows second, the same latents
+            for k in family.latent_keys:
+                if k in cfg_inputs:
+                    cfg_inputs[k] = np.concatenate([inputs[k], inputs[k]])
+        emb = args.embedding_arrays
+        if emb is not None:
+            if cfg_batch:
+                cfg_inputs = PL.apply_embeddings(cfg_inputs, emb, True)
+            else:
+                inputs = PL.apply_embeddings(inputs, emb, False)
+                unused = sorted(k for k in emb if k.startswith("negative_"))
+                if unused:
+                    print(f"note: --embeddings: {unused} not used: {fam} runs without classifier-free guidance "
+                          f"({'embedded guidance' if family.guidance_mode != 'cfg' else '--guidance 1'})",
+                          file=sys.stderr)
+        schedule = family.schedule(steps, inputs, preset)
+    except ValueError as e:  # WeightsError included
+        raise BenchError(str(e)) from None
+    return dict(fam=fam, preset=preset, family=family, port=port, cfg=cfg, dirs=dirs, shape=shape,
+                guidance=guidance, cfg_batch=cfg_batch, steps=steps, np_dtype=np_dtype, inputs=inputs,
+                cfg_inputs=cfg_inputs, schedule=schedule, boundary=boundary, n_experts=n_experts)
+
+
+def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
+    """Loads (or initialises) one prepared model and times its denoise loop in each requested mode.
+    A mode whose final latents are not finite is a failed row (`error`), not a result."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from difflet_tpu import checks
+    from difflet_tpu import pipeline as PL
+    from difflet_tpu.config import Config
+
+    fam, preset, family, port, cfg = plan["fam"], plan["preset"], plan["family"], plan["port"], plan["cfg"]
+    inputs, cfg_inputs, cfg_batch, guidance = plan["inputs"], plan["cfg_inputs"], plan["cfg_batch"], plan["guidance"]
     analytic = float(port.flops(cfg, cfg_inputs if cfg_batch else inputs))
-    base = dict(model=f"{fam}:{preset}", family=fam, preset=preset, shape=shape, steps=steps,
-                guidance=guidance, cfg_batch2=cfg_batch, experts=n_experts, dtype=str(np.dtype(np_dtype)),
-                devices=mesh.devices.size, platform=mesh.devices.flat[0].platform,
-                analytic_tflops_per_step=analytic / 1e12, seed=args.seed,
+    base = dict(model=f"{fam}:{preset}", family=fam, preset=preset, shape=plan["shape"], steps=plan["steps"],
+                guidance=guidance, cfg_batch2=cfg_batch, experts=plan["n_experts"],
+                dtype=str(np.dtype(plan["np_dtype"])), devices=mesh.devices.size,
+                platform=mesh.devices.flat[0].platform, analytic_tflops_per_step=analytic / 1e12, seed=args.seed,
                 weights=args.weights or "random", embeddings=args.embeddings or "random")
     finals = {}
     for mode in args.modes:
@@ -267,19 +387,17 @@ def run_model(fam, preset, args, mesh, dtype, results, hlo_dir=None):
         label = f"{fam}:{preset} {mode}"
         t0 = time.perf_counter()
         models = []
-        for e in range(n_experts):
-            if args.weights:
+        for e in range(plan["n_experts"]):
+            if plan["dirs"]:
                 from difflet_tpu import weights
 
-                path = args.weights if n_experts == 1 else os.path.join(
-                    args.weights, "transformer" if e == 0 else "transformer_2")
-                models.append(weights.load_transformer(path, dtype=dtype, mesh=mesh))
+                models.append(weights.load_transformer(plan["dirs"][e], dtype=dtype, mesh=mesh))
             else:
                 models.append(port.build(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed + e)))
         runners = [port.Runner(m, mesh, Config.from_env(), mode=mode) for m in models]
         jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(models[0]))[:1])
         row["load_s"] = time.perf_counter() - t0
-        den = PL.Denoiser(family, runners, inputs, schedule, guidance=guidance, boundary=boundary,
+        den = PL.Denoiser(family, runners, inputs, plan["schedule"], guidance=guidance, boundary=plan["boundary"],
                           cfg_inputs=cfg_inputs, dtype=dtype,
                           audio_guidance=7.0 if fam == "ltx2" and args.guidance is None else None)
         c0 = PL.CompileCounter.count()
@@ -295,10 +413,17 @@ def run_model(fam, preset, args, mesh, dtype, results, hlo_dir=None):
         row["step_ms"] = dict(median=ms(float(np.median(times))), min=ms(min(times)), max=ms(max(times)))
         row["compile_s"] = w.compile_s(float(np.median(times)))
         row["peak_memory_bytes"] = peak_memory(mesh)
-        row["sha256"] = sha256(final)
         row["profile"] = prof
         if hlo_dir:
             row["hlo"] = dump_hlo(hlo_dir, f"{fam}-{preset}-{mode}", runners[0], den, mode)
+        try:
+            checks.check_finite(final, "final latents")
+        except checks.NonFiniteError as e:
+            row["sha256"] = None
+            row["error"] = f"NonFiniteError: {e}"
+            results.append(row)
+            continue
+        row["sha256"] = sha256(final)
         finals[mode] = final
         results.append(row)
     ref = "tp" if "tp" in finals else None
@@ -308,6 +433,46 @@ def run_model(fam, preset, args, mesh, dtype, results, hlo_dir=None):
             tp_row = next(r for r in results if r["model"] == base["model"] and r["mode"] == ref)
             row["vs_tp"] = compare(final, finals[ref])
             row["vs_tp"]["step_ratio"] = row["step_ms"]["median"] / tp_row["step_ms"]["median"]
+
+
+def json_safe(obj):
+    """`obj` with every non-finite float replaced (NaN -> None, inf -> "inf" / "-inf"), so the
+    report is valid JSON (`json.dump` would write bare NaN / Infinity)."""
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, numbers.Real) and not isinstance(obj, numbers.Integral):  # floats, numpy floats
+        f = float(obj)
+        if math.isnan(f):
+            return None
+        if math.isinf(f):
+            return "inf" if f > 0 else "-inf"
+        return f
+    return obj
+
+
+def write_json(path, data):
+    with open(path, "w") as f:
+        json.dump(json_safe(data), f, indent=1, default=str, allow_nan=False)
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this machine (None if unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def param_bytes(params) -> tuple[int, int]:
+    """(parameter count, bytes) of a model's (abstract) parameters."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves = jax.tree_util.tree_leaves(params)
+    count = sum(int(math.prod(x.shape)) for x in leaves)
+    return count, sum(int(math.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
 
 def peak_memory(mesh):
@@ -375,36 +540,20 @@ def run_bench(args):
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype or ("float32" if args.cpu else "bfloat16")]
     ports = PL.landed_ports()
-    if args.model:
-        models = [PL.resolve_model(m, ports) for m in args.model]
-    else:
-        models = [(f, "tiny" if args.cpu else PL.FAMILIES[f].released) for f, (p, _) in ports.items() if p is not None]
-        if not models:
-            print("no model port has landed yet; running the toy model", file=sys.stderr)
-            models = [("toy", "tiny" if args.cpu else "toy-small")]
-        for f, (p, why) in ports.items():
-            if p is None:
-                print(f"skipping {f}: {why}", file=sys.stderr)
+    models = resolve_models(args, ports)
     mesh = make_mesh(min(CPU_DEVICES, jax.device_count()) if args.cpu else None)
+    plans = [prepare(fam, preset, args, mesh, dtype) for fam, preset in models]  # every refusal before any work
     results = []
-    failed = False
-    for fam, preset in models:
+    for plan in plans:
         try:
-            run_model(fam, preset, args, mesh, dtype, results, hlo_dir=args.dump_hlo)
-        except BenchError:
-            raise
+            run_model(plan, args, mesh, dtype, results, hlo_dir=args.dump_hlo)
         except Exception as e:  # noqa: BLE001 - report per model, keep going
-            if type(e).__name__ == "WeightsError":
-                raise BenchError(str(e)) from e
-            failed = True
-            results.append(dict(model=f"{fam}:{preset}", error=f"{type(e).__name__}: {str(e)[:300]}"))
+            results.append(dict(model=f"{plan['fam']}:{plan['preset']}", error=f"{type(e).__name__}: {str(e)[:300]}"))
     print_table(results)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(kind="bench", platform="cpu" if args.cpu else "tpu",
-                           libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS"), results=results), f, indent=1,
-                      default=str)
-    return 1 if failed else 0
+        write_json(args.json, dict(kind="bench", platform="cpu" if args.cpu else "tpu",
+                                   libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS"), results=results))
+    return 1 if any("error" in r for r in results) else 0
 
 
 # --------------------------------------------------------------------------
@@ -504,10 +653,9 @@ def run_compile_only(args):
             r["ratio_vs_tp"] = round(r["estimate_ms"] / tp["estimate_ms"], 3)
     print_compile_table(results, args.topology, chip, calibration)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(kind="compile-only", topology=args.topology, chip=chip.to_dict(),
-                           calibration=calibration.__dict__, note="estimates from the compiled schedule, not measurements",
-                           results=results), f, indent=1, default=str)
+        write_json(args.json, dict(kind="compile-only", topology=args.topology, chip=chip.to_dict(),
+                                   calibration=calibration.__dict__,
+                                   note="estimates from the compiled schedule, not measurements", results=results))
     return 1 if failed else 0
 
 
