@@ -442,7 +442,9 @@ def json_safe(obj):
         return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
-    if isinstance(obj, numbers.Real) and not isinstance(obj, numbers.Integral):  # floats, numpy floats
+    if isinstance(obj, numbers.Integral):  # ints, numpy ints, bools
+        return obj if isinstance(obj, (bool, int)) else int(obj)
+    if isinstance(obj, numbers.Real):  # floats, numpy floats
         f = float(obj)
         if math.isnan(f):
             return None
