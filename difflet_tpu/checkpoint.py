@@ -98,15 +98,8 @@ def source_fingerprint(src_path) -> dict | None:
     src = pathlib.Path(src_path)
     try:
         config = (src / "config.json").read_bytes()
-        index = src / weights.INDEX_FILE
-        if index.exists():
-            index_bytes = index.read_bytes()
-            files = sorted(set(json.loads(index_bytes)["weight_map"].values()))
-            index_hash = _sha256(index_bytes)
-        elif (src / weights.SINGLE_FILE).exists():
-            files, index_hash = [weights.SINGLE_FILE], None
-        else:
-            return None
+        files, weight_map = weights.checkpoint_files(src)  # shard names checked: never outside `src`
+        index_hash = None if weight_map is None else _sha256((src / weights.INDEX_FILE).read_bytes())
         return {"config_sha256": _sha256(config), "index_sha256": index_hash,
                 "files": [_file_fingerprint(src / f) for f in files]}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

@@ -363,6 +363,20 @@ def interrupted_save_never_restores(c: Ctx) -> str:
     return f"partial entries {left} never restored"
 
 
+def outside_shard_never_opened(c: Ctx) -> str:
+    """An index naming ../x.safetensors (which exists) is refused, and with a cache_dir its
+    header is not even read to fingerprint the checkpoint."""
+    path = toy_index({"diffusion_pytorch_model-00002-of-00002.safetensors": "../outside.safetensors"})(c)
+    shutil.copy(path / "diffusion_pytorch_model-00002-of-00002.safetensors", c.tmp / "outside.safetensors")
+    opened = []
+    orig = checkpoint._file_fingerprint
+    c.monkeypatch.setattr(checkpoint, "_file_fingerprint", lambda p: opened.append(p) or orig(p))
+    with pytest.raises(WeightsError) as e:
+        weights.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=c.tmp / "cache")
+    assert not [p for p in opened if "outside" in str(p)], opened
+    return str(e.value)
+
+
 def explicit_restore_refuses_damage(c: Ctx) -> str:
     path = toy(c)
     model = weights.load_transformer(path, dtype=jnp.float32, config=Config())
@@ -540,6 +554,8 @@ CASES = [
     Case("index-dotdot-shard", "loader",
          loads(toy_index({"diffusion_pytorch_model-00002-of-00002.safetensors": "../x.safetensors"})),
          r"'../x.safetensors' leaves the directory"),
+    Case("index-dotdot-shard-not-fingerprinted", "loader", outside_shard_never_opened,
+         r"'../outside.safetensors' leaves the directory"),
     Case("index-weight-map-not-object", "loader",
          loads(lambda c: (toy(c, sharded=True) / weights.INDEX_FILE).write_text('{"weight_map": [1]}')
                and c.tmp / "toy"),
