@@ -50,6 +50,7 @@ import pathlib
 import shutil
 import struct
 import sys
+import time
 import uuid
 
 import jax
@@ -232,17 +233,56 @@ def _one_line(e: BaseException, limit: int = 200) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+class _DropOrbaxOrphans(logging.Filter):
+    """asyncio's 'Task / Future exception was never retrieved' for the array reads a failed
+    orbax restore abandoned (logged when they are collected: during the restore, or later,
+    possibly at exit). Active while a restore runs and once one failed in this process,
+    and only for orbax / TensorStore errors."""
+
+    armed = False      # a restore failed: its orphans may be collected at any later time
+    restoring = False  # a restore is running
+
+    def filter(self, record):
+        if not (self.armed or self.restoring):
+            return True
+        msg = record.getMessage()
+        exc = record.exc_info[1] if record.exc_info else None
+        text = msg + " " + (str(exc) if exc is not None else "")
+        return not ("exception was never retrieved" in msg
+                    and ("async_deserialize" in text or "orbax" in text or '"zarr" driver' in text
+                         or "TensorStore" in text))
+
+
+_ORPHAN_FILTER = _DropOrbaxOrphans()
+
+
 @contextlib.contextmanager
-def _quiet_unraisable():
-    """Swallows the 'Exception ignored in <coroutine ...>' tracebacks orbax's abandoned
-    read coroutines print when a restore fails (the failure itself is reported once)."""
-    old = sys.unraisablehook
+def _quiet_restore_noise():
+    """A failed orbax restore is reported once, by the caller, in one line. Its background
+    noise is dropped: the reads it abandoned print 'Exception ignored in <coroutine ...>'
+    (sys.unraisablehook), TensorStore callbacks that hit the closed event loop print
+    'RuntimeError: Event loop is closed' tracebacks (sys.excepthook, from their threads, a
+    moment after the failure), and the abandoned tasks log 'Task exception was never
+    retrieved' when collected, during or after the restore (a filter on the asyncio
+    logger for exactly those records, left in place)."""
+    hooks = sys.unraisablehook, sys.excepthook
     sys.unraisablehook = lambda unraisable: None
+    sys.excepthook = lambda *exc: None  # only while the restore runs (nothing is uncaught here)
+    logging.getLogger("asyncio").addFilter(_ORPHAN_FILTER)  # idempotent; drops only those records
+    _ORPHAN_FILTER.restoring = True
+    failed = False
     try:
         yield
+    except BaseException:
+        failed = True
+        _ORPHAN_FILTER.armed = True
+        raise
     finally:
+        if failed:
+            time.sleep(0.2)  # the callbacks of reads still in flight arrive now
         gc.collect()
-        sys.unraisablehook = old
+        _ORPHAN_FILTER.restoring = False
+        sys.unraisablehook, sys.excepthook = hooks
 
 
 def _files(root) -> list:
@@ -494,7 +534,7 @@ def restore_if_cached(cache_dir, src_path, port, port_config, *, dtype, mesh, ab
         return None
     d = entry_dir(cache_dir, digest)
     try:
-        with _quiet_unraisable():
+        with _quiet_restore_noise():
             model = restore_params(d, abstract, mesh, port.PLAN, verify=False)  # verified above
     except Exception as e:  # a damaged entry the digest did not catch: convert again (and replace it)
         if _num_processes() > 1:  # the processes could disagree: stop instead
