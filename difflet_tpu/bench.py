@@ -26,6 +26,7 @@ import glob
 import hashlib
 import json
 import math
+import numbers
 import os
 import sys
 import time
@@ -118,8 +119,10 @@ def validate(args, ap):
         v = getattr(args, name)
         if v is not None and v < 1:
             ap.error(f"--{name} must be positive")
-    if args.guidance is not None and args.guidance < 0:
-        ap.error("--guidance must be >= 0")
+    if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 0):
+        ap.error(f"--guidance {args.guidance}: must be a finite number >= 0")
+    if not 0 <= args.seed < 2**32:
+        ap.error(f"--seed {args.seed}: must be in [0, 2**32)")
     if args.compile_only:
         if not args.topology:
             ap.error("--compile-only needs --topology (e.g. v5e:2x2)")
@@ -146,6 +149,25 @@ def validate(args, ap):
             args.modes = list(COMPILE_VARIANTS)
     elif "sp-pallas" in args.modes:
         ap.error("--mode sp-pallas is a --compile-only variant; on a device set DIFFLET_TPU_SP_KERNEL=pallas")
+    # Outputs are checked before any work (a run must not end in a traceback over its report).
+    from difflet_tpu import checks
+
+    try:
+        if args.json:
+            checks.writable_file(args.json, "--json")
+        for flag in ("profile", "dump_hlo"):
+            if getattr(args, flag):
+                checks.writable_dir(getattr(args, flag), "--" + flag.replace("_", "-"))
+    except ValueError as e:
+        ap.error(str(e))
+    args.embedding_arrays = None
+    if args.embeddings:
+        from difflet_tpu.pipeline import read_embeddings
+
+        try:
+            args.embedding_arrays = read_embeddings(args.embeddings)
+        except ValueError as e:
+            ap.error(str(e))
 
 
 # --------------------------------------------------------------------------
@@ -213,55 +235,144 @@ def build_config(spec, preset):
 # --------------------------------------------------------------------------
 
 
-def run_model(spec, preset, args, mesh, dtype, results, hlo_dir=None):
-    """Loads (or initialises) one model and times its denoise loop in each requested mode."""
-    import jax
+def weights_model(path, cpu: bool):
+    """The (spec, preset) of `--weights DIR` given without `--model`: the port from
+    the checkpoint's `_class_name`, the preset "tiny" on CPU (its shapes; the
+    checkpoint's config decides the model), the released one on TPU."""
+    from difflet_tpu import models, weights
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        if os.path.isdir(os.path.join(path, "transformer_2")):
+            raise BenchError(f"--weights {path} holds two experts (transformer/, transformer_2/): name the "
+                             "pipeline with --model (wan:Wan2.2-T2V-A14B or wan:Wan2.2-I2V-A14B)")
+        raise BenchError(f"--weights {path}: no config.json (expected a diffusers transformer directory)")
+    cls = weights.read_config(path)["_class_name"]
+    try:
+        spec = models.spec_for_class(cls)
+    except ValueError:
+        raise BenchError(f"--weights {path} holds a {cls}, which no port supports "
+                         f"(supported: {', '.join(sorted(models.REGISTRY))})") from None
+    preset = "tiny" if cpu else spec.released
+    print(f"--weights {path}: a {cls}; running {spec.name}:{preset} (give --model to choose)", file=sys.stderr)
+    return spec, preset
+
+
+def resolve_models(args):
+    """--model (or --weights' own model, or every port) as (spec, preset) pairs."""
+    from difflet_tpu import models
+    from difflet_tpu import pipeline as PL
+
+    if args.model:
+        return [PL.resolve_model(m) for m in args.model]
+    if args.weights:
+        return [weights_model(args.weights, args.cpu)]
+    return [(s, "tiny" if args.cpu else s.released) for s in models.specs().values()]
+
+
+def weight_dirs(args, spec, preset) -> list[str]:
+    """The transformer directories `--weights` names for a model (two for Wan2.2-A14B)."""
+    if spec.experts.get(preset) is None:
+        return [args.weights]
+    return [os.path.join(args.weights, "transformer"), os.path.join(args.weights, "transformer_2")]
+
+
+def prepare(spec, preset, args, mesh, dtype) -> dict:
+    """Everything about one model that can be refused, before any model runs: the
+    config (the checkpoint's, validated without reading a tensor), the memory it
+    needs on CPU, the shape, the embeddings and the inputs. Raises BenchError."""
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
     from difflet_tpu import pipeline as PL
     from difflet_tpu import runtime
     from difflet_tpu.config import Config
 
-    from difflet_tpu.runner import Runner
-
     fam, pipe = spec.name, spec.pipeline
     boundary = spec.experts.get(preset)
-    cfg = build_config(spec, preset)
-    if args.weights:  # the checkpoint's own config decides the shapes
+    n_experts = 2 if boundary is not None else 1
+    try:
+        cfg = build_config(spec, preset)
+        dirs = weight_dirs(args, spec, preset) if args.weights else []
+        if dirs:  # the checkpoint's own config decides the shapes
+            from difflet_tpu import weights
+
+            wcfg = weights.read_config(dirs[0])
+            if wcfg["_class_name"] not in spec.class_names:
+                raise BenchError(f"--weights {args.weights} holds a {wcfg['_class_name']}, not a {fam} transformer "
+                                 f"(--model {fam}:{preset})")
+            for d in dirs:  # every check of load_transformer, nothing read
+                _, cfg = weights.check_transformer(d, dtype=dtype, mesh=mesh, config=Config.from_env())
+        from flax import nnx
+
         from difflet_tpu import weights
 
-        wdir = args.weights if boundary is None else os.path.join(args.weights, "transformer")
-        wcfg = weights.read_config(wdir)
-        if wcfg["_class_name"] not in spec.class_names:
-            raise BenchError(f"--weights {args.weights} holds a {wcfg['_class_name']}, not a {fam} transformer "
-                             f"(--model {fam}:{preset})")
-        cfg = spec.config_from_diffusers(wcfg, split_rope=Config.from_env().split_rope)
-    shape = shape_for(spec, preset, args)
-    guidance = pipe.guidance if args.guidance is None else args.guidance
-    cfg_batch = pipe.guidance_mode == "cfg" and guidance != 1.0
-    steps = args.steps or (4 if args.cpu else pipe.steps)
-    np_dtype = np.float32 if dtype == jnp.float32 else jnp.bfloat16
-    inputs = spec.example_inputs(cfg, **shape, batch=1, seed=args.seed, dtype=np_dtype)
-    cfg_inputs = spec.example_inputs(cfg, **shape, batch=2, seed=args.seed + 1, dtype=np_dtype) if cfg_batch else None
-    if cfg_inputs is not None:  # conditional rows second, the same latents
-        for k in pipe.latent_keys:
-            if k in cfg_inputs:
-                cfg_inputs[k] = np.concatenate([inputs[k], inputs[k]])
-    if args.embeddings:
-        emb = PL.read_embeddings(args.embeddings)
-        if cfg_batch:
-            cfg_inputs = PL.apply_embeddings(cfg_inputs, emb, True)
-        else:
-            inputs = PL.apply_embeddings(inputs, emb, False)
-    schedule = pipe.schedule(steps, inputs, preset)
-    n_experts = 2 if boundary is not None else 1
+        params = nnx.state(nnx.eval_shape(lambda: spec.build(cfg, dtype=dtype, rngs=nnx.Rngs(0))), nnx.Param)
+        bad = weights.mesh_problems(cfg, params, mesh, spec.plan)
+        if bad:
+            raise BenchError(f"{fam}:{preset} does not divide over the {mesh.shape['tp']} devices:\n  "
+                             + "\n  ".join(bad))
+        if args.cpu:
+            count, nbytes = param_bytes(params)
+            mem = host_memory_bytes()
+            if mem and n_experts * nbytes > mem // 2:
+                name = f"{fam}:{preset}"
+                raise BenchError(
+                    f"{name}{' (--weights)' if dirs else ''} on CPU: {count / 1e9:.2f} B parameters"
+                    f"{' per expert, 2 experts,' if n_experts > 1 else ''} need "
+                    f"{n_experts * nbytes / 2**30:.1f} GiB as {jnp.dtype(dtype).name}, more than half of this "
+                    f"machine's {mem / 2**30:.1f} GiB. It needs a TPU; here, plan it with --compile-only --topology "
+                    f"v5e:2x2 --model {name}, or run a tiny preset (--model {fam}:tiny)")
+        shape = shape_for(spec, preset, args)
+        guidance = pipe.guidance if args.guidance is None else args.guidance
+        cfg_batch = pipe.guidance_mode == "cfg" and guidance != 1.0
+        steps = args.steps or (4 if args.cpu else pipe.steps)
+        np_dtype = np.float32 if dtype == jnp.float32 else jnp.bfloat16
+        inputs = spec.example_inputs(cfg, **shape, batch=1, seed=args.seed, dtype=np_dtype)
+        cfg_inputs = (spec.example_inputs(cfg, **shape, batch=2, seed=args.seed + 1, dtype=np_dtype)
+                      if cfg_batch else None)
+        if cfg_inputs is not None:  # conditional rows second, the same latents
+            for k in pipe.latent_keys:
+                if k in cfg_inputs:
+                    cfg_inputs[k] = np.concatenate([inputs[k], inputs[k]])
+        emb = args.embedding_arrays
+        if emb is not None:
+            if cfg_batch:
+                cfg_inputs = PL.apply_embeddings(cfg_inputs, emb, True)
+            else:
+                inputs = PL.apply_embeddings(inputs, emb, False)
+                unused = sorted(k for k in emb if k.startswith("negative_"))
+                if unused:
+                    print(f"note: --embeddings: {unused} not used: {fam} runs without classifier-free guidance "
+                          f"({'embedded guidance' if pipe.guidance_mode != 'cfg' else '--guidance 1'})",
+                          file=sys.stderr)
+        schedule = pipe.schedule(steps, inputs, preset)
+    except ValueError as e:  # WeightsError included
+        raise BenchError(str(e)) from None
+    return dict(fam=fam, preset=preset, spec=spec, cfg=cfg, dirs=dirs, shape=shape,
+                guidance=guidance, cfg_batch=cfg_batch, steps=steps, np_dtype=np_dtype, inputs=inputs,
+                cfg_inputs=cfg_inputs, schedule=schedule, boundary=boundary, n_experts=n_experts)
+
+
+def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
+    """Loads (or initialises) one prepared model and times its denoise loop in each requested mode.
+    A mode whose final latents are not finite is a failed row (`error`), not a result."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from difflet_tpu import checks, runtime
+    from difflet_tpu import pipeline as PL
+    from difflet_tpu.config import Config
+    from difflet_tpu.runner import Runner
+
+    fam, preset, spec, cfg = plan["fam"], plan["preset"], plan["spec"], plan["cfg"]
+    pipe = spec.pipeline
+    inputs, cfg_inputs, cfg_batch, guidance = plan["inputs"], plan["cfg_inputs"], plan["cfg_batch"], plan["guidance"]
     analytic = float(spec.flops(cfg, cfg_inputs if cfg_batch else inputs))
-    base = dict(model=f"{fam}:{preset}", family=fam, preset=preset, shape=shape, steps=steps,
-                guidance=guidance, cfg_batch2=cfg_batch, experts=n_experts, dtype=str(np.dtype(np_dtype)),
-                devices=mesh.devices.size, platform=mesh.devices.flat[0].platform,
-                analytic_tflops_per_step=analytic / 1e12, seed=args.seed,
+    base = dict(model=f"{fam}:{preset}", family=fam, preset=preset, shape=plan["shape"], steps=plan["steps"],
+                guidance=guidance, cfg_batch2=cfg_batch, experts=plan["n_experts"],
+                dtype=str(np.dtype(plan["np_dtype"])), devices=mesh.devices.size,
+                platform=mesh.devices.flat[0].platform, analytic_tflops_per_step=analytic / 1e12, seed=args.seed,
                 weights=args.weights or "random", embeddings=args.embeddings or "random")
     finals = {}
     for mode in args.modes:
@@ -270,13 +381,11 @@ def run_model(spec, preset, args, mesh, dtype, results, hlo_dir=None):
         t0 = time.perf_counter()
         stats0 = runtime.compile_stats()
         models = []
-        for e in range(n_experts):
-            if args.weights:
+        for e in range(plan["n_experts"]):
+            if plan["dirs"]:
                 from difflet_tpu import weights
 
-                path = args.weights if n_experts == 1 else os.path.join(
-                    args.weights, "transformer" if e == 0 else "transformer_2")
-                models.append(weights.load_transformer(path, dtype=dtype, mesh=mesh))
+                models.append(weights.load_transformer(plan["dirs"][e], dtype=dtype, mesh=mesh))
             else:
                 models.append(spec.build(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed + e)))
         # sp-xla on TPU: XLA's collective-matmul decomposition of the plain all_gather/psum_scatter + dot
@@ -284,7 +393,7 @@ def run_model(spec, preset, args, mesh, dtype, results, hlo_dir=None):
         runners = [Runner(m, mesh, Config.from_env(), mode=mode, compiler_options=options) for m in models]
         jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(models[0]))[:1])
         row["load_s"] = time.perf_counter() - t0
-        den = PL.Denoiser(pipe, runners, inputs, schedule, guidance=guidance, boundary=boundary,
+        den = PL.Denoiser(pipe, runners, inputs, plan["schedule"], guidance=guidance, boundary=plan["boundary"],
                           cfg_inputs=cfg_inputs, dtype=dtype,
                           latent_guidance=pipe.latent_guidance if args.guidance is None else None)
         c0 = PL.CompileCounter.count()
@@ -300,12 +409,19 @@ def run_model(spec, preset, args, mesh, dtype, results, hlo_dir=None):
         row["step_ms"] = dict(median=ms(float(np.median(times))), min=ms(min(times)), max=ms(max(times)))
         row["compile_s"] = w.compile_s(float(np.median(times)))
         row["peak_memory_bytes"] = peak_memory(mesh)
-        row["sha256"] = sha256(final)
         row["profile"] = prof
         # every XLA compile of this row (cache loads included) and the compile cache's answers
         row["xla_compile"] = runtime.stats_since(stats0)
         if hlo_dir:
             row["hlo"] = dump_hlo(hlo_dir, f"{fam}-{preset}-{mode}", runners[0], den, mode)
+        try:
+            checks.check_finite(final, "final latents")
+        except checks.NonFiniteError as e:
+            row["sha256"] = None
+            row["error"] = f"NonFiniteError: {e}"
+            results.append(row)
+            continue
+        row["sha256"] = sha256(final)
         finals[mode] = final
         results.append(row)
     ref = "tp" if "tp" in finals else None
@@ -315,6 +431,48 @@ def run_model(spec, preset, args, mesh, dtype, results, hlo_dir=None):
             tp_row = next(r for r in results if r["model"] == base["model"] and r["mode"] == ref)
             row["vs_tp"] = compare(final, finals[ref])
             row["vs_tp"]["step_ratio"] = row["step_ms"]["median"] / tp_row["step_ms"]["median"]
+
+
+def json_safe(obj):
+    """`obj` with every non-finite float replaced (NaN -> None, inf -> "inf" / "-inf"), so the
+    report is valid JSON (`json.dump` would write bare NaN / Infinity)."""
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, numbers.Integral):  # ints, numpy ints, bools
+        return obj if isinstance(obj, (bool, int)) else int(obj)
+    if isinstance(obj, numbers.Real):  # floats, numpy floats
+        f = float(obj)
+        if math.isnan(f):
+            return None
+        if math.isinf(f):
+            return "inf" if f > 0 else "-inf"
+        return f
+    return obj
+
+
+def write_json(path, data):
+    with open(path, "w") as f:
+        json.dump(json_safe(data), f, indent=1, default=str, allow_nan=False)
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this machine (None if unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def param_bytes(params) -> tuple[int, int]:
+    """(parameter count, bytes) of a model's (abstract) parameters."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves = jax.tree_util.tree_leaves(params)
+    count = sum(int(math.prod(x.shape)) for x in leaves)
+    return count, sum(int(math.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
 
 def peak_memory(mesh):
@@ -383,34 +541,23 @@ def run_bench(args):
         os.environ["DIFFLET_TPU_COMPILE_CACHE"] = cache_dir
     cache_before = runtime.cache_entries(cache_dir) if cache_dir else None
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype or ("float32" if args.cpu else "bfloat16")]
-    if args.model:
-        models = [PL.resolve_model(m) for m in args.model]
-    else:
-        from difflet_tpu.models import specs
-
-        models = [(s, "tiny" if args.cpu else s.released) for s in specs().values()]
+    models = resolve_models(args)
     mesh = make_mesh(min(CPU_DEVICES, jax.device_count()) if args.cpu else None)
+    plans = [prepare(spec, preset, args, mesh, dtype) for spec, preset in models]  # every refusal before any work
     results = []
-    failed = False
-    for spec, preset in models:
+    for plan in plans:
         try:
-            run_model(spec, preset, args, mesh, dtype, results, hlo_dir=args.dump_hlo)
-        except BenchError:
-            raise
+            run_model(plan, args, mesh, dtype, results, hlo_dir=args.dump_hlo)
         except Exception as e:  # noqa: BLE001 - report per model, keep going
-            if type(e).__name__ == "WeightsError":
-                raise BenchError(str(e)) from e
-            failed = True
-            results.append(dict(model=f"{spec.name}:{preset}", error=f"{type(e).__name__}: {str(e)[:300]}"))
+            results.append(dict(model=f"{plan['fam']}:{plan['preset']}", error=f"{type(e).__name__}: {str(e)[:300]}"))
     print_table(results)
     if args.json:
-        with open(args.json, "w") as f:
-            cache = None if not cache_dir else dict(
-                dir=cache_dir, entries_before=cache_before, entries_after=runtime.cache_entries(cache_dir))
-            json.dump(dict(kind="bench", platform="cpu" if args.cpu else "tpu",
-                           libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS"), compile_cache=cache,
-                           results=results), f, indent=1, default=str)
-    return 1 if failed else 0
+        cache = None if not cache_dir else dict(
+            dir=cache_dir, entries_before=cache_before, entries_after=runtime.cache_entries(cache_dir))
+        write_json(args.json, dict(kind="bench", platform="cpu" if args.cpu else "tpu",
+                                   libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS"), compile_cache=cache,
+                                   results=results))
+    return 1 if any("error" in r for r in results) else 0
 
 
 # --------------------------------------------------------------------------
@@ -514,10 +661,9 @@ def run_compile_only(args):
             r["ratio_vs_tp"] = round(r["estimate_ms"] / tp["estimate_ms"], 3)
     print_compile_table(results, args.topology, chip, calibration)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(kind="compile-only", topology=args.topology, chip=chip.to_dict(),
-                           calibration=calibration.__dict__, note="estimates from the compiled schedule, not measurements",
-                           results=results), f, indent=1, default=str)
+        write_json(args.json, dict(kind="compile-only", topology=args.topology, chip=chip.to_dict(),
+                                   calibration=calibration.__dict__,
+                                   note="estimates from the compiled schedule, not measurements", results=results))
     return 1 if failed else 0
 
 

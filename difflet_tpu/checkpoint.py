@@ -24,11 +24,24 @@ A cache entry is keyed by everything the converted values depend on:
 Any difference is a cache miss (the checkpoint is converted again and saved
 under a new entry), never a silent wrong load. The mesh is not part of the
 key: an entry restores onto any mesh (orbax reads each device's slice).
+
+Every save records a digest of its own data (`data_sha256`: sha256 over the
+orbax files), checked before a restore: a damaged entry (a flipped bit in a
+data file restores as wrong values, not as an error: orbax 0.12's zarr
+layouts checksum the shard index at most, not the chunk data, and it offers no
+option for one) is a one-line warning and a re-conversion in the cache, and an
+error from `restore_params`. Cache writes go to a temporary entry that is
+renamed into place (local directories), so an interrupted save never leaves a
+half-entry; on gs:// / s3:// (no directory rename) `difflet_meta.json` is
+written last, after the digest, and an entry without it is never used.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -36,6 +49,9 @@ import os
 import pathlib
 import shutil
 import struct
+import sys
+import time
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +64,11 @@ from difflet_tpu.parallel import check_divisible, param_specs, path_names
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2               # 2: difflet_meta.json records data_sha256
 PARAMS_DIR = "params"           # the orbax checkpoint inside a saved directory
 META_FILE = "difflet_meta.json"  # written last: its presence marks a complete save
+# The remote stores orbax writes to (orbax tensorstore_utils._REMOTE_URL_PREFIXES).
+REMOTE_PREFIXES = ("gs://", "s3://")
 
 
 # --------------------------------------------------------------------------
@@ -81,15 +99,8 @@ def source_fingerprint(src_path) -> dict | None:
     src = pathlib.Path(src_path)
     try:
         config = (src / "config.json").read_bytes()
-        index = src / weights.INDEX_FILE
-        if index.exists():
-            index_bytes = index.read_bytes()
-            files = sorted(set(json.loads(index_bytes)["weight_map"].values()))
-            index_hash = _sha256(index_bytes)
-        elif (src / weights.SINGLE_FILE).exists():
-            files, index_hash = [weights.SINGLE_FILE], None
-        else:
-            return None
+        files, weight_map = weights.checkpoint_files(src)  # shard names checked: never outside `src`
+        index_hash = None if weight_map is None else _sha256((src / weights.INDEX_FILE).read_bytes())
         return {"config_sha256": _sha256(config), "index_sha256": index_hash,
                 "files": [_file_fingerprint(src / f) for f in files]}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -177,6 +188,159 @@ def _path(p):
     return epath.Path(s if "://" in s else os.path.abspath(s))
 
 
+def _is_remote(p) -> bool:
+    return "://" in os.fspath(p)
+
+
+def check_cache_dir(cache_dir, *, write: bool = False) -> None:
+    """A usable `cache_dir`: a local path or a gs:// / s3:// URL; with `write`,
+    one where an entry can be written (a local directory is created if needed).
+    Raises WeightsError naming the directory and the reason."""
+    from difflet_tpu import checks
+
+    try:
+        s = os.fspath(cache_dir)
+    except TypeError:
+        raise weights.WeightsError(f"cache_dir: {cache_dir!r} is not a path") from None
+    if "://" in s and not s.startswith(REMOTE_PREFIXES):
+        raise weights.WeightsError(f"cache_dir {s!r}: unsupported URL scheme {s.split('://', 1)[0] + '://'!r}; use "
+                                   f"a local path or {' / '.join(REMOTE_PREFIXES)} (the stores orbax writes to)")
+    if not _is_remote(s) and os.path.exists(s) and not os.path.isdir(s):
+        raise weights.WeightsError(f"cache_dir {s}: exists and is not a directory")
+    if not write:
+        return
+    hint = "; fix it, or pass cache_dir=None to load without caching"
+    if not _is_remote(s):
+        try:
+            checks.writable_dir(s, "cache_dir")
+        except ValueError as e:
+            raise weights.WeightsError(f"{e}{hint}") from None
+        return
+    probe = _path(s) / f".difflet-write-test-{uuid.uuid4().hex}"
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except Exception as e:  # noqa: BLE001 - any store error
+        raise weights.WeightsError(f"cache_dir {s}: cannot write there ({_one_line(e)}){hint}") from None
+
+
+def _one_line(e: BaseException, limit: int = 200) -> str:
+    """An exception as one short line (TensorStore errors carry a ~60-line spec)."""
+    text = str(e).split("See full TensorStore details")[0].strip()
+    text = (text.splitlines() or [""])[0].strip().rstrip(".")
+    if len(text) > limit:
+        text = text[:limit - 3] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+class _DropOrbaxOrphans(logging.Filter):
+    """asyncio's 'Task / Future exception was never retrieved' for the array reads a failed
+    orbax restore abandoned (logged when they are collected: during the restore, or later,
+    possibly at exit). Active while a restore runs and once one failed in this process,
+    and only for orbax / TensorStore errors."""
+
+    armed = False      # a restore failed: its orphans may be collected at any later time
+    restoring = False  # a restore is running
+
+    def filter(self, record):
+        if not (self.armed or self.restoring):
+            return True
+        msg = record.getMessage()
+        exc = record.exc_info[1] if record.exc_info else None
+        text = msg + " " + (str(exc) if exc is not None else "")
+        return not ("exception was never retrieved" in msg
+                    and ("async_deserialize" in text or "orbax" in text or '"zarr" driver' in text
+                         or "TensorStore" in text))
+
+
+_ORPHAN_FILTER = _DropOrbaxOrphans()
+
+
+@contextlib.contextmanager
+def _quiet_restore_noise():
+    """A failed orbax restore is reported once, by the caller, in one line. Its background
+    noise is dropped: the reads it abandoned print 'Exception ignored in <coroutine ...>'
+    (sys.unraisablehook), TensorStore callbacks that hit the closed event loop print
+    'RuntimeError: Event loop is closed' tracebacks (sys.excepthook, from their threads, a
+    moment after the failure), and the abandoned tasks log 'Task exception was never
+    retrieved' when collected, during or after the restore (a filter on the asyncio
+    logger for exactly those records, left in place)."""
+    hooks = sys.unraisablehook, sys.excepthook
+    sys.unraisablehook = lambda unraisable: None
+    sys.excepthook = lambda *exc: None  # only while the restore runs (nothing is uncaught here)
+    logging.getLogger("asyncio").addFilter(_ORPHAN_FILTER)  # idempotent; drops only those records
+    _ORPHAN_FILTER.restoring = True
+    failed = False
+    try:
+        yield
+    except BaseException:
+        failed = True
+        _ORPHAN_FILTER.armed = True
+        raise
+    finally:
+        if failed:
+            time.sleep(0.2)  # the callbacks of reads still in flight arrive now
+        gc.collect()
+        _ORPHAN_FILTER.restoring = False
+        sys.unraisablehook, sys.excepthook = hooks
+
+
+def _files(root) -> list:
+    """Every file under `root` (an epath), recursively, as (relative posix path, path)."""
+    out = []
+
+    def walk(d, prefix):
+        for p in d.iterdir():
+            rel = f"{prefix}{p.name}"
+            if p.is_dir():
+                walk(p, rel + "/")
+            else:
+                out.append((rel, p))
+
+    walk(root, "")
+    return sorted(out, key=lambda t: t[0])
+
+
+def _file_sha256(p) -> str:
+    with p.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def data_digest(directory) -> str:
+    """sha256 over every file of a saved orbax checkpoint (relative path, size and
+    content of each, in sorted order). Files are hashed in parallel threads."""
+    files = _files(_path(directory))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(lambda t: _file_sha256(t[1]), files))
+    h = hashlib.sha256()
+    for (rel, _), d in zip(files, digests):
+        h.update(f"{rel}\0{d}\n".encode())
+    return h.hexdigest()
+
+
+def _data_problem(directory, meta: dict) -> str | None:
+    """Why the saved data of `directory` cannot be trusted (None: its digest matches)."""
+    want = meta.get("data_sha256")
+    if not want:
+        return "no data digest recorded"
+    try:
+        got = data_digest(_path(directory) / PARAMS_DIR)
+    except OSError as e:
+        return f"its files cannot be read ({_one_line(e)})"
+    if got != want:
+        return "data digest mismatch (the saved files changed: damaged or edited)"
+    return None
+
+
+def _agree_flag(flag: bool) -> bool:
+    """Process 0's bool for every process."""
+    if _num_processes() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray([flag], np.uint8)))[0])
+
+
 # --------------------------------------------------------------------------
 # The explicit pair
 # --------------------------------------------------------------------------
@@ -206,7 +370,8 @@ def save_params(directory, model, *, extra: dict | None = None):
     Every process of a multi-host job must call it, with a shared `directory`
     (e.g. a gs:// bucket). Overwrites an earlier save. Records each
     parameter's shape and dtype and the model's `config` (a dataclass), so that
-    `restore_params` refuses a model built differently (e.g. other `split_rope`).
+    `restore_params` refuses a model built differently (e.g. other `split_rope`),
+    and a digest of the saved files (`data_sha256`), checked by `restore_params`.
     """
     import orbax.checkpoint as ocp
 
@@ -222,13 +387,14 @@ def save_params(directory, model, *, extra: dict | None = None):
     ckptr.wait_until_finished()
     ckptr.close()
     if jax.process_index() == 0:
+        meta["data_sha256"] = data_digest(directory / PARAMS_DIR)  # the files as written, finalised
         tmp = directory / (META_FILE + ".tmp")
         tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
         tmp.rename(directory / META_FILE)
     return directory
 
 
-def restore_params(directory, abstract_model, mesh=None, plan=None):
+def restore_params(directory, abstract_model, mesh=None, plan=None, *, verify: bool = True):
     """The parameters saved in `directory`, restored onto `mesh` with `plan`'s
     shardings (None: one device), merged into `abstract_model`.
 
@@ -236,6 +402,9 @@ def restore_params(directory, abstract_model, mesh=None, plan=None):
     shapes must match `abstract_model`'s and, if both the saved and the given
     model have a dataclass `config`, those must be equal. Non-parameter state
     is taken from `abstract_model` as is (see `weights.fill_state`).
+    verify: check the saved files against their recorded digest first (process
+    0 reads every file once; the others follow its verdict); a mismatch is a
+    WeightsError.
     """
     import orbax.checkpoint as ocp
 
@@ -261,6 +430,11 @@ def restore_params(directory, abstract_model, mesh=None, plan=None):
                                     for k in diff))
     if problems:
         raise weights.WeightsError(f"{directory}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+    if verify:
+        problem = _data_problem(directory, meta) if jax.process_index() == 0 else None
+        if not _agree_flag(problem is None):
+            raise weights.WeightsError(f"{directory}: {problem or 'data digest mismatch on process 0'}; "
+                                       "save it again")
 
     if mesh is not None:
         check_divisible(plan, params, mesh.shape["tp"])
@@ -290,49 +464,89 @@ def restore_params(directory, abstract_model, mesh=None, plan=None):
 # The cache used by load_transformer
 # --------------------------------------------------------------------------
 
+def _sync(name: str):
+    if _num_processes() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def save(cache_dir, src_path, port, port_config, model, *, dtype):
     """Saves a freshly converted `model` as the cache entry for its source and
-    conversion; returns the entry directory (None if the source has no identity)."""
+    conversion; returns the entry directory (None if the source has no identity).
+
+    Local cache: written to a temporary directory next to the entry and renamed
+    into place (replacing a damaged entry of the same key), so an interrupted
+    save leaves only a `.<digest>.partial-*` directory that is never restored.
+    """
     key = cache_key(src_path, port, port_config, dtype=dtype, key_map=port.key_map(port_config, model))
     digest, _ = _agree(None if key is None else key_digest(key), False)
     if digest is None:
         log.warning("%s: cannot fingerprint the checkpoint, not caching it", src_path)
         return None
     d = entry_dir(cache_dir, digest)
-    save_params(d, model, extra={"cache_key": key, "source_path": os.path.abspath(src_path)})
+    extra = {"cache_key": key, "source_path": os.path.abspath(src_path)}
+    if _is_remote(cache_dir):  # no directory rename: difflet_meta.json, written last, marks it complete
+        save_params(d, model, extra=extra)
+        log.info("cached the converted parameters of %s in %s", src_path, d)
+        return d
+    token = uuid.uuid4().hex[:12] if _num_processes() == 1 else "shared"  # the same name on every process
+    tmp = d.parent / f".{digest}.partial-{token}"
+    if jax.process_index() == 0 and tmp.exists():
+        shutil.rmtree(tmp)
+    _sync("difflet cache: partial entry cleared")
+    save_params(tmp, model, extra=extra)
+    if jax.process_index() == 0:
+        if d.exists():  # an entry of this key that did not restore (damaged): replaced
+            shutil.rmtree(d, ignore_errors=True)
+        try:
+            os.rename(tmp, d)
+        except OSError:  # another process saved the same entry meanwhile: keep it
+            shutil.rmtree(tmp, ignore_errors=True)
+    _sync("difflet cache: entry in place")
     log.info("cached the converted parameters of %s in %s", src_path, d)
     return d
 
 
-def restore_if_cached(cache_dir, src_path, port, port_config, *, dtype, mesh):
+def restore_if_cached(cache_dir, src_path, port, port_config, *, dtype, mesh, abstract=None):
     """The model restored from the cache entry matching this source and conversion,
-    placed on `mesh`; None on a miss (no entry, or any part of the key differs).
+    placed on `mesh`; None on a miss (no entry, any part of the key differs, or
+    the entry's data does not match its digest: one warning line, then the
+    caller converts again and the entry is replaced).
 
     On several hosts, process 0's checkpoint identity and decision count for all.
     """
-    abstract = weights.abstract_port_model(port, port_config, dtype=dtype)
+    if abstract is None:
+        abstract = weights.abstract_port_model(port, port_config, dtype=dtype)
     key = cache_key(src_path, port, port_config, dtype=dtype, key_map=port.key_map(port_config, abstract))
     hit = False
-    if key is not None:
-        meta = _read_meta(entry_dir(cache_dir, key))
+    if key is not None and jax.process_index() == 0:  # only process 0's decision counts
+        d = entry_dir(cache_dir, key)
+        meta = _read_meta(d)
         hit = meta is not None and meta.get("cache_key") == key
+        if hit:
+            problem = _data_problem(d, meta)
+            if problem is not None:
+                log.warning("cache entry %s: %s; converting %s again", d, problem, src_path)
+                hit = False
     digest, hit = _agree(None if key is None else key_digest(key), hit)
     if not hit:
         return None
     d = entry_dir(cache_dir, digest)
     try:
-        model = restore_params(d, abstract, mesh, port.PLAN)
-    except Exception as e:  # a damaged entry: convert again (and overwrite it)
+        with _quiet_restore_noise():
+            model = restore_params(d, abstract, mesh, port.PLAN, verify=False)  # verified above
+    except Exception as e:  # a damaged entry the digest did not catch: convert again (and replace it)
         if _num_processes() > 1:  # the processes could disagree: stop instead
-            raise weights.WeightsError(f"cache entry {d} cannot be restored ({e}); delete it") from e
-        log.warning("cache entry %s cannot be restored (%s); converting %s again", d, e, src_path)
+            raise weights.WeightsError(f"cache entry {d} cannot be restored ({_one_line(e)}); delete it") from None
+        log.warning("cache entry %s cannot be restored (%s); converting %s again", d, _one_line(e), src_path)
         return None
     log.info("restored %s from the cache entry %s", src_path, d)
     return weights.fill_state(model, port, port_config, dtype=dtype, mesh=mesh, plan=port.PLAN)
 
 
 def clear(cache_dir) -> None:
-    """Removes every cache entry under `cache_dir` (local paths)."""
+    """Removes every cache entry under `cache_dir` (local paths), partial ones included."""
     d = pathlib.Path(cache_dir)
     if d.exists():
         for entry in d.iterdir():

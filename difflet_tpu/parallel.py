@@ -235,8 +235,8 @@ def param_specs(params, plan: dict):
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def check_divisible(plan: dict, params, size: int):
-    """Every sharded axis divides by `size`; a clear error listing all that do not."""
+def divisibility_problems(plan: dict, params, size: int) -> list[str]:
+    """Every sharded axis that does not divide by `size`, one line each."""
     bad = []
 
     def check(path, leaf, spec):
@@ -247,5 +247,11 @@ def check_divisible(plan: dict, params, size: int):
 
     specs = param_specs(params, plan)
     jax.tree_util.tree_map_with_path(check, params, specs)
+    return bad
+
+
+def check_divisible(plan: dict, params, size: int):
+    """Every sharded axis divides by `size`; a clear error listing all that do not."""
+    bad = divisibility_problems(plan, params, size)
     if bad:
         raise ValueError("parameters do not divide over the tp axis:\n  " + "\n  ".join(bad))

@@ -83,16 +83,28 @@ def read_embeddings(path: str) -> dict:
     """Precomputed text embeddings: a .safetensors or .npz whose keys are
     diffusers' argument names (transformer forward names such as
     `encoder_hidden_states`, or pipeline names such as `prompt_embeds`), plus
-    `negative_*` for the unconditional half of classifier-free guidance."""
-    if path.endswith(".safetensors"):
-        from safetensors.numpy import load_file
+    `negative_*` for the unconditional half of classifier-free guidance.
 
-        raw = load_file(path)
-    elif path.endswith(".npz"):
-        with np.load(path) as f:
-            raw = {k: f[k] for k in f.files}
-    else:
-        raise ValueError(f"--embeddings {path}: expected a .safetensors or .npz file")
+    Raises ValueError naming the file for a file that cannot be read, an empty
+    one, and arrays with NaN or inf."""
+    from difflet_tpu.checks import NonFiniteError, check_finite
+
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.numpy import load_file
+
+            raw = load_file(path)
+        elif path.endswith(".npz"):
+            with np.load(path, allow_pickle=False) as f:
+                raw = {k: f[k] for k in f.files}
+        else:
+            raise ValueError(f"--embeddings {path}: expected a .safetensors or .npz file")
+    except ValueError as e:
+        if str(e).startswith("--embeddings"):
+            raise
+        raise ValueError(f"--embeddings {path}: cannot read it ({type(e).__name__}: {e})") from None
+    except Exception as e:  # noqa: BLE001 - zipfile, safetensors and OS errors, all with the path
+        raise ValueError(f"--embeddings {path}: cannot read it ({type(e).__name__}: {e})") from None
     out = {}
     for k, v in raw.items():
         neg = k.startswith("negative_")
@@ -101,6 +113,10 @@ def read_embeddings(path: str) -> dict:
         out[("negative_" if neg else "") + base] = np.asarray(v)
     if not out:
         raise ValueError(f"--embeddings {path}: no arrays")
+    try:
+        check_finite(raw, f"--embeddings {path}:")
+    except NonFiniteError as e:
+        raise ValueError(str(e)) from None
     return out
 
 
@@ -112,6 +128,10 @@ def apply_embeddings(inputs: dict, emb: dict, cfg_batch: bool) -> dict:
     unknown = [k for k in emb if k.removeprefix("negative_") not in cond_keys]
     if unknown:
         raise ValueError(f"--embeddings: unknown arrays {unknown}; this model takes {cond_keys}")
+    orphans = sorted(k for k in emb if k.startswith("negative_") and k.removeprefix("negative_") not in emb)
+    if orphans:
+        raise ValueError(f"--embeddings: {orphans} without {[k.removeprefix('negative_') for k in orphans]}: "
+                         "a negative_* array only gives the unconditional rows of its positive one")
     for k in cond_keys:
         if k not in emb:
             continue

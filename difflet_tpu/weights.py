@@ -29,8 +29,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import logging
 import os
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +40,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from difflet_tpu.parallel import check_divisible, param_specs, path_names
+from difflet_tpu.parallel import divisibility_problems, param_specs, path_names
+
+log = logging.getLogger(__name__)
 
 SINGLE_FILE = "diffusion_pytorch_model.safetensors"
 INDEX_FILE = "diffusion_pytorch_model.safetensors.index.json"
 TRANSFORMS = ("identity", "linear", "conv_as_linear")
+# safetensors dtypes a floating-point parameter is read from (cast to the load dtype). Integer,
+# bool and quantised (F8_*, and any dtype a later safetensors adds) tensors are refused: a cast
+# would load wrong values silently, and there is no quantised path (scales) yet.
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+INT_DTYPES = ("I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64")
 
 
 class WeightsError(ValueError):
@@ -146,23 +155,8 @@ class Checkpoint:
         from safetensors import safe_open
 
         self.path = pathlib.Path(path)
+        files, weight_map = checkpoint_files(self.path)
         index = self.path / INDEX_FILE
-        single = self.path / SINGLE_FILE
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise WeightsError(f"{index}: not a safetensors index ({e})") from None
-            files = sorted(set(weight_map.values()))
-            missing = [f for f in files if not (self.path / f).exists()]
-            if missing:
-                raise WeightsError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
-        elif single.exists():
-            files, weight_map = [SINGLE_FILE], None
-        else:
-            found = sorted(p.name for p in self.path.glob("*.safetensors"))
-            raise WeightsError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE}"
-                               + (f" (found {found})" if found else ""))
         self.handles = {}
         for f in files:
             try:
@@ -186,6 +180,10 @@ class Checkpoint:
     def shape(self, key) -> tuple:
         return tuple(self.handles[self.where[key]].get_slice(key).get_shape())
 
+    def dtype(self, key) -> str:
+        """The safetensors dtype name of a tensor ("F32", "BF16", "I8", "BOOL", ...)."""
+        return self.handles[self.where[key]].get_slice(key).get_dtype()
+
     def read(self, key, index=None) -> np.ndarray:
         """A tensor, or only `index` (a tuple of slices) of it."""
         sl = self.handles[self.where[key]].get_slice(key)
@@ -196,6 +194,75 @@ class Checkpoint:
         except Exception as e:
             raise WeightsError(f"{self.path / self.where[key]}: cannot read {key} "
                                f"(truncated or corrupt file?): {e}") from None
+
+
+def _shard_name_problem(name) -> str | None:
+    """Why an index's shard name is refused (None: it names a file inside the directory)."""
+    if not isinstance(name, str) or not name:
+        return f"{name!r} is not a file name"
+    parts = pathlib.PurePosixPath(name).parts
+    if pathlib.PurePosixPath(name).is_absolute() or pathlib.PureWindowsPath(name).is_absolute():
+        return f"{name!r} is an absolute path"
+    if ".." in parts:
+        return f"{name!r} leaves the directory"
+    return None
+
+
+def checkpoint_files(path) -> tuple[list[str], dict | None]:
+    """The safetensors files of a transformer directory (sorted) and the index's
+    key -> file map (None for a single file). Refuses an unreadable index, shard
+    names that leave the directory (absolute, `..`) and missing shards. Symlinks
+    inside the directory (the Hugging Face cache's blobs) are followed as usual."""
+    path = pathlib.Path(path)
+    index = path / INDEX_FILE
+    single = path / SINGLE_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"weight_map is a {type(weight_map).__name__}, not an object")
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise WeightsError(f"{index}: not a safetensors index ({e})") from None
+        bad = sorted({p for p in map(_shard_name_problem, weight_map.values()) if p})
+        if bad:
+            raise WeightsError(f"{index}: refusing shard name(s) that do not name a file in {path}: "
+                               + "; ".join(bad))
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise WeightsError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
+        return files, weight_map
+    if single.exists():
+        return [SINGLE_FILE], None
+    if not path.is_dir():
+        raise WeightsError(f"{path}: not a directory")
+    found = sorted(p.name for p in path.glob("*.safetensors"))
+    raise WeightsError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}" + (f" (found {found})" if found else ""))
+
+
+def ignored_key(name: str, patterns) -> bool:
+    """Whether a checkpoint key matches one of a port's IGNORED_KEYS (diffusers'
+    `_keys_to_ignore_on_load_unexpected`: regexes applied with `re.search`)."""
+    return any(re.search(p, name) for p in patterns)
+
+
+def summarize_keys(keys) -> str:
+    """Keys with their layer index folded: `blocks.{0..39}.attn2.norm_added_q.weight`."""
+    groups: dict[str, list[int]] = {}
+    singles = []
+    for k in sorted(keys):
+        m = re.search(r"\.(\d+)\.", k)
+        if m is None:
+            singles.append(k)
+            continue
+        groups.setdefault(k[:m.start()] + ".{i}." + k[m.end():], []).append(int(m.group(1)))
+    out = list(singles)
+    for template, idx in sorted(groups.items()):
+        idx = sorted(idx)
+        span = (f"{idx[0]}..{idx[-1]}" if idx == list(range(idx[0], idx[-1] + 1)) and len(idx) > 1
+                else ",".join(map(str, idx)))
+        out.append(template.replace("{i}", "{" + span + "}"))
+    return ", ".join(out)
 
 
 def _norm_index(index, shape):
@@ -254,14 +321,31 @@ def _range_problem(key: Key, per_layer: tuple) -> str | None:
     return None
 
 
-def validate(ckpt: Checkpoint, key_map: dict[str, Key], shapes: dict[str, tuple], where: str):
-    """Missing, unexpected and mis-shaped keys, all at once (one WeightsError listing every problem).
+def _dtype_problem(ckpt, name: str, path: str, float_param: bool) -> str | None:
+    got = ckpt.dtype(name)
+    if float_param and got not in FLOAT_DTYPES:
+        return (f"wrong dtype for {name} in {ckpt.where[name]}: checkpoint {got}, expected a float tensor "
+                f"({', '.join(FLOAT_DTYPES)}) for {path}; integer, bool and quantised tensors are not "
+                f"converted (no quantised path yet)")
+    if not float_param and got not in INT_DTYPES + ("BOOL",):
+        return f"wrong dtype for {name} in {ckpt.where[name]}: checkpoint {got}, expected an integer tensor for {path}"
+    return None
+
+
+def validate(ckpt: Checkpoint, key_map: dict[str, Key], shapes: dict[str, tuple], where: str, *,
+             ignore=(), float_params: dict[str, bool] | None = None) -> list[str]:
+    """Missing, unexpected, mis-shaped and mis-typed keys, all at once (one WeightsError
+    listing every problem). Returns the checkpoint keys left unused on purpose
+    (those matching a pattern of `ignore`, the port's IGNORED_KEYS).
 
     A checkpoint key may feed several parameters (Keys with `in_range`, slices of
     one packed Linear): it is expected once, must have each kernel's output
     features, and the ranges must cover its input features exactly once.
+    Dtypes: a floating-point parameter (all of them unless `float_params` says
+    otherwise) is read from F16 / BF16 / F32 / F64 only.
     """
-    problems, expected, missing = [], set(), set()
+    float_params = float_params or {}
+    problems, expected, missing, typed = [], set(), set(), set()
     ranged: dict[str, list] = {}  # checkpoint key -> [(in_range, path, out features)]
     for path in sorted(set(key_map) - set(shapes)):
         problems.append(f"key map entry {path} names no parameter of the model")
@@ -285,6 +369,11 @@ def validate(ckpt: Checkpoint, key_map: dict[str, Key], shapes: dict[str, tuple]
                     missing.add(name)
                     problems.append(f"missing key {name} (for {path})")
                 continue
+            if name not in typed:  # once per checkpoint key (a packed one feeds several parameters)
+                typed.add(name)
+                bad_dtype = _dtype_problem(ckpt, name, path, float_params.get(path, True))
+                if bad_dtype is not None:
+                    problems.append(bad_dtype)
             got = ckpt.shape(name)
             if key.in_range is not None:
                 a, b = (int(v) for v in key.in_range)
@@ -303,10 +392,12 @@ def validate(ckpt: Checkpoint, key_map: dict[str, Key], shapes: dict[str, tuple]
                                 f"[{per_layer[-1]}, ...] with {int(np.prod(per_layer))} elements "
                                 f"(for {path} {shapes[path]})")
     problems += _coverage_problems(ranged, key_map, ckpt)
-    unexpected = sorted(set(ckpt.keys()) - expected)
-    problems += [f"unexpected key {k} in {ckpt.where[k]}" for k in unexpected]
+    unused = sorted(set(ckpt.keys()) - expected)
+    ignored = [k for k in unused if ignored_key(k, ignore)]
+    problems += [f"unexpected key {k} in {ckpt.where[k]}" for k in unused if k not in set(ignored)]
     if problems:
         raise WeightsError(f"{where}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+    return ignored
 
 
 def _coverage_problems(ranged, key_map, ckpt) -> list[str]:
@@ -386,8 +477,10 @@ def read_config(path) -> dict:
         raise WeightsError(f"{path}: no config.json (expected a diffusers transformer directory)")
     try:
         cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise WeightsError(f"{cfg_path}: not JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise WeightsError(f"{cfg_path}: not a JSON object")
     if "_class_name" not in cfg:
         raise WeightsError(f"{cfg_path}: no _class_name")
     return cfg
@@ -417,20 +510,60 @@ def place_from_callback(shape: tuple, sharding, cb) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
+def _float_params(params) -> dict[str, bool]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = path_names(path)
+        out[".".join(names[:-1] if names[-1] == "value" else names)] = bool(
+            jnp.issubdtype(jnp.dtype(leaf.dtype), jnp.inexact))
+    return out
+
+
+# Port config fields that count attention heads (TP and SP give each rank whole heads).
+_HEAD_FIELD = re.compile(r"(^|_)(num_attention_heads|heads)$")
+
+
+def mesh_problems(port_config, params, mesh, plan) -> list[str]:
+    """Head counts (port config fields `*num_attention_heads` / `heads`) and sharded
+    parameter axes that do not divide over the mesh's `tp` axis."""
+    if mesh is None:
+        return []
+    size = mesh.shape["tp"]
+    bad = []
+    if dataclasses.is_dataclass(port_config):
+        for f in dataclasses.fields(port_config):
+            v = getattr(port_config, f.name)
+            if _HEAD_FIELD.search(f.name) and isinstance(v, int) and v % size:
+                bad.append(f"{f.name}: {v} heads over tp={size} (each rank needs whole heads)")
+    return bad + divisibility_problems(plan, params, size)
+
+
+def _raise_mesh_problems(where, port_config, params, mesh, plan):
+    bad = mesh_problems(port_config, params, mesh, plan)
+    if bad:
+        raise WeightsError(f"{where}: heads or parameters do not divide over the tp axis (tp={mesh.shape['tp']}):"
+                           f"\n  " + "\n  ".join(bad))
+
+
 def load_params(model, ckpt: Checkpoint, key_map: dict[str, Key], *, dtype, mesh=None, plan=None,
-                where: str = ""):
-    """Reads, validates and places every parameter of an (abstract) `model` in place."""
+                where: str = "", ignore=(), port_config=None):
+    """Reads, validates and places every parameter of an (abstract) `model` in place.
+
+    ignore: the port's IGNORED_KEYS (checkpoint keys dropped with one notice).
+    """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     shapes = param_paths(params)
     missing_map = sorted(set(shapes) - set(key_map))
     if missing_map:
         raise WeightsError(f"key map has no entry for parameters {missing_map}")
-    validate(ckpt, key_map, shapes, where or str(ckpt.path))
+    where = where or str(ckpt.path)
+    ignored = validate(ckpt, key_map, shapes, where, ignore=ignore, float_params=_float_params(params))
+    if ignored:
+        log.warning("%s: ignoring %d checkpoint key(s) that the reference ignores too (diffusers "
+                    "_keys_to_ignore_on_load_unexpected %s): %s", where, len(ignored), list(ignore),
+                    summarize_keys(ignored))
     if mesh is not None:
-        try:
-            check_divisible(plan, params, mesh.shape["tp"])
-        except ValueError as e:
-            raise WeightsError(f"{where or ckpt.path}: {e}") from None
+        _raise_mesh_problems(where, port_config, params, mesh, plan)
         specs = param_specs(params, plan)
     else:
         specs = None
@@ -478,13 +611,79 @@ def fill_state(model, port, port_config, *, dtype, mesh=None, plan=None):
     return nnx.merge(graphdef, params, rest)
 
 
+def _check_arguments(dtype, mesh, config):
+    """The Python arguments of load_transformer, before any file is opened."""
+    from jax.sharding import Mesh
+
+    from difflet_tpu.config import Config
+
+    if dtype is not None:
+        try:
+            d = jnp.dtype(dtype)
+        except TypeError:
+            raise WeightsError(f"dtype: {dtype!r} is not a dtype (use jnp.bfloat16, jnp.float32 or None)") from None
+        if not jnp.issubdtype(d, jnp.floating):
+            raise WeightsError(f"dtype: {d.name} is not a floating-point dtype (use jnp.bfloat16, "
+                               f"jnp.float32 or None)")
+    if mesh is not None and not (isinstance(mesh, Mesh) and "tp" in mesh.shape):
+        raise WeightsError(f"mesh: {mesh!r} is not a jax.sharding.Mesh with a 'tp' axis "
+                           f"(use difflet_tpu.make_mesh(), or None for one device)")
+    if config is None:
+        return Config.from_env()
+    if not isinstance(config, Config):
+        raise WeightsError(f"config: {config!r} is not a difflet_tpu.Config")
+    return config
+
+
+def _port_and_config(path, config, overrides):
+    from difflet_tpu.port_config import UnknownOption
+
+    if "split_rope" in overrides:
+        raise WeightsError("load_transformer: split_rope is not a keyword argument; pass "
+                           "config=difflet_tpu.Config(split_rope=...)")
+    cfg = read_config(path)
+    port = port_for(cfg["_class_name"])
+    name = getattr(port, "__name__", port)
+    try:
+        port_config = port.config_from_diffusers(cfg, split_rope=config.split_rope, **overrides)
+    except (UnknownOption, TypeError) as e:
+        if not overrides:
+            raise
+        raise WeightsError(f"load_transformer: unknown keyword argument(s) {sorted(overrides)} for "
+                           f"{name} (not a load_transformer argument nor a build option of the port): {e}"
+                           ) from None
+    except ValueError as e:
+        raise WeightsError(f"{pathlib.Path(path) / 'config.json'}: not supported by {name}: {e}") from None
+    return port, port_config
+
+
+def check_transformer(path, *, dtype=jnp.bfloat16, mesh=None, config=None, **overrides):
+    """Everything `load_transformer` validates, without reading a tensor or compiling.
+
+    Checks the arguments, config.json against the port, the files (headers,
+    lengths, index, shard names), every key's presence, shape and dtype, and
+    that heads and sharded dimensions divide over `mesh`. Returns
+    `(port, port_config)`; raises WeightsError like `load_transformer`.
+    """
+    config = _check_arguments(dtype, mesh, config)
+    port, port_config = _port_and_config(path, config, overrides)
+    abstract = abstract_port_model(port, port_config, dtype=dtype)
+    params = nnx.state(abstract, nnx.Param)
+    if mesh is not None:
+        _raise_mesh_problems(str(path), port_config, params, mesh, port.PLAN)
+    ckpt = Checkpoint(path)
+    validate(ckpt, port.key_map(port_config, abstract), param_paths(params), str(path),
+             ignore=getattr(port, "IGNORED_KEYS", ()), float_params=_float_params(params))
+    return port, port_config
+
+
 def load_transformer(path, *, dtype=jnp.bfloat16, mesh=None, config=None, cache_dir=None, **overrides):
     """A ready port of the diffusers transformer at `path`.
 
     Args:
       path: a diffusers transformer directory (config.json + safetensors).
       dtype: parameter dtype (the port keeps fp32 where the reference does,
-        through `Key(dtype="float32")`).
+        through `Key(dtype="float32")`); a floating-point dtype or None.
       mesh: a `tp` mesh from `make_mesh`; each parameter is placed with its
         plan's sharding and each device reads only its slice. None: one device.
       config: a `difflet_tpu.Config` (default: the environment); its
@@ -492,35 +691,38 @@ def load_transformer(path, *, dtype=jnp.bfloat16, mesh=None, config=None, cache_
       cache_dir: an orbax cache of the converted parameters (see
         `difflet_tpu.checkpoint`): the first load converts and saves them, a
         later load with the same checkpoint, port config and dtype restores
-        them onto `mesh` without reading the safetensors.
-      overrides: port-specific build options (passed to `config_from_diffusers`).
+        them onto `mesh` without reading the safetensors. A local path, gs://
+        or s3://; on a miss it must be writable (checked before converting).
+      overrides: port-specific build options (config keys of the port, passed
+        to `config_from_diffusers`); an unknown one is an error.
 
     Raises:
-      WeightsError: before anything is compiled, for an unknown `_class_name`,
-        a config value the port does not support, missing / unexpected /
-        mis-shaped keys (all listed together), truncated or corrupt files,
-        an index naming a missing shard, or a missing config.json.
+      WeightsError: before anything is read or compiled, for a bad argument
+        (dtype, mesh, config, an unknown keyword, an unusable cache_dir), an
+        unknown `_class_name`, a config value the port does not support,
+        missing / unexpected / mis-shaped / mis-typed keys (all listed
+        together), truncated or corrupt files, an index naming a missing
+        shard or a file outside the directory, a missing config.json, or
+        heads / sharded dimensions that do not divide over `mesh`.
     """
-    from difflet_tpu.config import Config
-
-    config = Config.from_env() if config is None else config
-    cfg = read_config(path)
-    port = port_for(cfg["_class_name"])
-    try:
-        port_config = port.config_from_diffusers(cfg, split_rope=config.split_rope, **overrides)
-    except ValueError as e:
-        raise WeightsError(f"{pathlib.Path(path) / 'config.json'}: not supported by "
-                           f"{getattr(port, '__name__', port)}: {e}") from None
+    config = _check_arguments(dtype, mesh, config)
+    port, port_config = _port_and_config(path, config, overrides)
+    abstract = abstract_port_model(port, port_config, dtype=dtype)
+    if mesh is not None:
+        _raise_mesh_problems(str(path), port_config, nnx.state(abstract, nnx.Param), mesh, port.PLAN)
     if cache_dir is not None:
         from difflet_tpu import checkpoint
 
-        cached = checkpoint.restore_if_cached(cache_dir, path, port, port_config, dtype=dtype, mesh=mesh)
+        checkpoint.check_cache_dir(cache_dir)
+        cached = checkpoint.restore_if_cached(cache_dir, path, port, port_config, dtype=dtype, mesh=mesh,
+                                              abstract=abstract)
         if cached is not None:
             return cached
-    abstract = abstract_port_model(port, port_config, dtype=dtype)
+        checkpoint.check_cache_dir(cache_dir, write=True)  # before the conversion, not after it
     ckpt = Checkpoint(path)
     model = load_params(abstract, ckpt, port.key_map(port_config, abstract), dtype=dtype, mesh=mesh,
-                        plan=port.PLAN, where=str(path))
+                        plan=port.PLAN, where=str(path), ignore=getattr(port, "IGNORED_KEYS", ()),
+                        port_config=port_config)
     model = fill_state(model, port, port_config, dtype=dtype, mesh=mesh, plan=port.PLAN)
     if cache_dir is not None:
         from difflet_tpu import checkpoint

@@ -7,7 +7,7 @@ from difflet_tpu import schedulers
 from difflet_tpu.port import Pipeline, PortSpec
 from difflet_tpu.runner import Runner
 
-from .config import CLASS_NAME, PRESETS, FluxConfig, config_from_diffusers
+from .config import IGNORED_KEYS, CLASS_NAME, PRESETS, FluxConfig, config_from_diffusers
 from .keys import key_map
 from .port import example_inputs, flops, forward, prepare, FORWARD_ARGS
 from .model import PLAN, FluxTransformer2DModel, build
@@ -38,7 +38,8 @@ SPEC = PortSpec(
     # The Pallas all-gather kernel under SP on TPU: the reference PR measured
     # 156.5 -> 140.6 ms a step at 1024x1024 on v5e-4.
     ag_default="pallas",
+    ignored_keys=IGNORED_KEYS,  # diffusers' _keys_to_ignore_on_load_unexpected
 )
 
-__all__ = ["SPEC", "CLASS_NAME", "PRESETS", "FluxConfig", "config_from_diffusers", "key_map", "Runner",
+__all__ = ["SPEC", "IGNORED_KEYS", "CLASS_NAME", "PRESETS", "FluxConfig", "config_from_diffusers", "key_map", "Runner",
            "example_inputs", "flops", "PLAN", "FluxTransformer2DModel", "build", "rope_tables"]

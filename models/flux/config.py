@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from difflet_tpu import port_config as PC
+
 CLASS_NAME = "FluxTransformer2DModel"
 ROPE_THETA = 10000.0  # FluxTransformer2DModel builds FluxPosEmbed(theta=10000, ...); not a config key
 MLP_RATIO = 4.0       # FluxSingleTransformerBlock's default; FeedForward's default mult is 4 too
@@ -74,36 +76,34 @@ class FluxConfig:
         return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
 
+# Every FluxTransformer2DModel.__init__ argument (diffusers transformer_flux.py) and its type.
+SCHEMA = {
+    "patch_size": PC.pos_int,
+    "in_channels": PC.pos_int,
+    "out_channels": PC.optional(PC.pos_int),
+    "num_layers": PC.pos_int,
+    "num_single_layers": PC.pos_int,
+    "attention_head_dim": PC.pos_int,
+    "num_attention_heads": PC.pos_int,
+    "joint_attention_dim": PC.pos_int,
+    "pooled_projection_dim": PC.pos_int,
+    "guidance_embeds": PC.boolean,
+    "axes_dims_rope": PC.pos_ints(),
+}
+
+# diffusers' FluxTransformer2DModel._keys_to_ignore_on_load_unexpected (none).
+IGNORED_KEYS = ()
+
+
 def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) -> FluxConfig:
     """The port config from a diffusers `config.json` dict (or a PRESETS entry).
 
-    Raises ValueError naming the key for values the port does not support.
+    Raises ValueError naming the key for values the port does not support
+    (types and ranges: difflet_tpu.port_config).
     """
-    cfg = {**cfg, **overrides}
-    if cfg.get("_class_name", CLASS_NAME) != CLASS_NAME:
-        raise ValueError(f"_class_name: {cfg['_class_name']!r} is not {CLASS_NAME}")
-    fields = {f.name for f in dataclasses.fields(FluxConfig)} - {"split_rope"}
-    unknown = sorted(k for k in cfg if not k.startswith("_") and k not in fields)
-    if unknown:
-        raise ValueError(f"{unknown[0]}: not a FluxTransformer2DModel config key this port knows "
-                         f"(unknown keys: {unknown})")
-    values = {k: cfg[k] for k in fields if k in cfg}
-    if "axes_dims_rope" in values:
-        values["axes_dims_rope"] = tuple(int(d) for d in values["axes_dims_rope"])
-    for key in ("patch_size", "in_channels", "num_layers", "num_single_layers", "attention_head_dim",
-                "num_attention_heads", "joint_attention_dim", "pooled_projection_dim"):
-        if key in values:
-            v = values[key]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{key}: {v!r} is not a positive integer")
-    if values.get("out_channels") is not None:
-        v = values["out_channels"]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"out_channels: {v!r} is not a positive integer or null")
-    if not isinstance(values.get("guidance_embeds", False), bool):
-        raise ValueError(f"guidance_embeds: {values['guidance_embeds']!r} is not a bool")
+    values = PC.parse(cfg, overrides, CLASS_NAME, SCHEMA)
     c = FluxConfig(**values, split_rope=bool(split_rope))
-    if any(d <= 0 or d % 2 for d in c.axes_dims_rope):
+    if any(d % 2 for d in c.axes_dims_rope):
         raise ValueError(f"axes_dims_rope: {list(c.axes_dims_rope)} must be positive even numbers "
                          f"(RoPE rotates channel pairs)")
     if sum(c.axes_dims_rope) != c.attention_head_dim:

@@ -8,7 +8,7 @@ from difflet_tpu import schedulers
 from difflet_tpu.port import Pipeline, PortSpec
 from difflet_tpu.runner import Runner
 
-from .config import CLASS_NAME, PRESETS, HunyuanVideoConfig, config_from_diffusers
+from .config import IGNORED_KEYS, CLASS_NAME, PRESETS, HunyuanVideoConfig, config_from_diffusers
 from .keys import key_map
 from .model import PLAN, Geometry, HunyuanVideoTransformer3DModel, build, patchify, unpatchify
 from .port import FORWARD_ARGS, example_inputs, flops, forward, latent_shape, prepare, runner_geometry
@@ -42,6 +42,7 @@ SPEC = PortSpec(
                       steps=50, guidance=6.0, guidance_mode="embedded", guidance_mult=1000.0),
     ag_default=AG_DEFAULT,
     methods={"geometry": runner_geometry},
+    ignored_keys=IGNORED_KEYS,  # diffusers' _keys_to_ignore_on_load_unexpected
 )
 
 __all__ = ["AG_DEFAULT", "SPEC", "CLASS_NAME", "Geometry", "HunyuanVideoConfig", "HunyuanVideoTransformer3DModel",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from difflet_tpu import port_config as PC
+
 CLASS_NAME = "HunyuanVideoTransformer3DModel"
 IMAGE_CONDITION_TYPES = (None, "latent_concat", "token_replace")
 
@@ -52,26 +54,38 @@ class HunyuanVideoConfig:
         return self.image_condition_type == "token_replace"
 
 
-_FIELDS = {f.name for f in dataclasses.fields(HunyuanVideoConfig)} - {"split_rope"}
+# Every HunyuanVideoTransformer3DModel.__init__ argument (diffusers transformer_hunyuan_video.py) and its type.
+SCHEMA = {
+    "in_channels": PC.pos_int,
+    "out_channels": PC.optional(PC.pos_int),
+    "num_attention_heads": PC.pos_int,
+    "attention_head_dim": PC.pos_int,
+    "num_layers": PC.pos_int,
+    "num_single_layers": PC.pos_int,
+    "num_refiner_layers": PC.pos_int,
+    "mlp_ratio": PC.pos_float,
+    "patch_size": PC.pos_int,
+    "patch_size_t": PC.pos_int,
+    "qk_norm": PC.string,
+    "guidance_embeds": PC.boolean,
+    "text_embed_dim": PC.pos_int,
+    "pooled_projection_dim": PC.pos_int,
+    "rope_theta": PC.pos_float,
+    "rope_axes_dim": PC.pos_ints(3),
+    "image_condition_type": PC.optional(PC.string),
+}
+
+# diffusers' HunyuanVideoTransformer3DModel._keys_to_ignore_on_load_unexpected (none).
+IGNORED_KEYS = ()
 
 
 def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) -> HunyuanVideoConfig:
     """The port config from a diffusers `config.json` dict (keys starting with `_` are ignored).
 
-    Raises ValueError naming the key for a value the port does not support.
+    Raises ValueError naming the key for a value the port does not support
+    (types and ranges: difflet_tpu.port_config).
     """
-    values = {}
-    for key, value in {**cfg, **overrides}.items():
-        if key.startswith("_"):
-            continue
-        if key not in _FIELDS:
-            raise ValueError(f"HunyuanVideo config key {key!r} is not supported by this port "
-                             f"(known: {', '.join(sorted(_FIELDS))})")
-        values[key] = value
-    if cfg.get("_class_name", CLASS_NAME) != CLASS_NAME:
-        raise ValueError(f"_class_name {cfg['_class_name']!r} is not {CLASS_NAME}")
-    if "rope_axes_dim" in values:
-        values["rope_axes_dim"] = tuple(int(d) for d in values["rope_axes_dim"])
+    values = PC.parse(cfg, overrides, CLASS_NAME, SCHEMA)
     values["out_channels"] = values.get("out_channels") or values.get("in_channels", 16)
     c = HunyuanVideoConfig(**values, split_rope=bool(split_rope))
     if c.qk_norm != "rms_norm":
@@ -79,7 +93,7 @@ def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) ->
     if c.image_condition_type not in IMAGE_CONDITION_TYPES:
         raise ValueError(f"image_condition_type={c.image_condition_type!r} is not supported "
                          f"(one of {IMAGE_CONDITION_TYPES})")
-    if len(c.rope_axes_dim) != 3 or sum(c.rope_axes_dim) != c.attention_head_dim:
+    if sum(c.rope_axes_dim) != c.attention_head_dim:
         raise ValueError(f"rope_axes_dim={c.rope_axes_dim} must be 3 axes summing to "
                          f"attention_head_dim={c.attention_head_dim}")
     if any(d % 2 for d in c.rope_axes_dim):
@@ -88,10 +102,6 @@ def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) ->
         raise ValueError(f"mlp_ratio={c.mlp_ratio}: the MLP width {c.mlp_dim} must divide by "
                          f"num_attention_heads={c.num_attention_heads} (the single blocks' packed "
                          f"proj_out is grouped per head)")
-    for key in ("in_channels", "out_channels", "num_attention_heads", "attention_head_dim", "patch_size",
-                "patch_size_t", "text_embed_dim", "pooled_projection_dim"):
-        if int(getattr(c, key)) < 1:
-            raise ValueError(f"{key}={getattr(c, key)!r} must be a positive integer")
     return c
 
 

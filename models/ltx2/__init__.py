@@ -9,7 +9,7 @@ from difflet_tpu import schedulers
 from difflet_tpu.port import Pipeline, PortSpec
 from difflet_tpu.runner import Runner
 
-from .config import CLASS_NAME, PRESETS, LTX2Config, config_from_diffusers
+from .config import IGNORED_KEYS, CLASS_NAME, PRESETS, LTX2Config, config_from_diffusers
 from .keys import key_map
 from .model import PLAN, LTX2VideoTransformer3DModel, build
 from .port import FORWARD_ARGS, example_inputs, flops, forward, latent_shape, prepare
@@ -42,7 +42,8 @@ SPEC = PortSpec(
     # The JAX ring under SP on TPU: the Pallas all-gather kernel measured flat
     # here in the reference PR (the step is ICI-bound).
     ag_default="jax",
+    ignored_keys=IGNORED_KEYS,  # diffusers' _keys_to_ignore_on_load_unexpected
 )
 
-__all__ = ["SPEC", "CLASS_NAME", "PRESETS", "LTX2Config", "config_from_diffusers", "PLAN",
+__all__ = ["SPEC", "IGNORED_KEYS", "CLASS_NAME", "PRESETS", "LTX2Config", "config_from_diffusers", "PLAN",
            "LTX2VideoTransformer3DModel", "build", "key_map", "Runner", "example_inputs", "flops", "latent_shape"]

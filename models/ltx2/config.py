@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from difflet_tpu import port_config as PC
+
 CLASS_NAME = "LTX2VideoTransformer3DModel"
 
 
@@ -104,9 +106,29 @@ class LTX2Config:
         return max(self.pos_embed_max_pos, self.audio_pos_embed_max_pos)
 
 
-_FIELDS = {f.name for f in dataclasses.fields(LTX2Config)} - {"split_rope"}
-_TUPLES = {"vae_scale_factors"}
+_I, _F, _B, _S = PC.pos_int, PC.pos_float, PC.boolean, PC.string
+# Every LTX2VideoTransformer3DModel.__init__ argument (diffusers transformer_ltx2.py) and its type.
+SCHEMA = {
+    "in_channels": _I, "out_channels": PC.optional(_I), "patch_size": _I, "patch_size_t": _I,
+    "num_attention_heads": _I, "attention_head_dim": _I, "cross_attention_dim": _I,
+    "vae_scale_factors": PC.pos_ints(3), "pos_embed_max_pos": _I, "base_height": _I, "base_width": _I,
+    "gated_attn": _B, "cross_attn_mod": _B,
+    "audio_in_channels": _I, "audio_out_channels": PC.optional(_I), "audio_patch_size": _I,
+    "audio_patch_size_t": _I, "audio_num_attention_heads": _I, "audio_attention_head_dim": _I,
+    "audio_cross_attention_dim": _I, "audio_scale_factor": _I, "audio_pos_embed_max_pos": _I,
+    "audio_sampling_rate": _I, "audio_hop_length": _I, "audio_gated_attn": _B, "audio_cross_attn_mod": _B,
+    "num_layers": _I, "activation_fn": _S, "qk_norm": _S, "norm_elementwise_affine": _B, "norm_eps": _F,
+    "caption_channels": _I, "attention_bias": _B, "attention_out_bias": _B, "rope_theta": _F,
+    "rope_double_precision": _B, "causal_offset": PC.nonneg_int, "timestep_scale_multiplier": _F,
+    "cross_attn_timestep_scale_multiplier": _F, "rope_type": _S, "use_prompt_embeddings": _B,
+    "perturbed_attn": _B, "ff_bias": _B, "audio_ff_bias": _B, "use_prompt_adaln_single": _B,
+    "use_keyframes_abs_pos_embedding": _B,
+}
+assert set(SCHEMA) == {f.name for f in dataclasses.fields(LTX2Config)} - {"split_rope"}
 SUPPORTED_ACTIVATIONS = ("gelu-approximate", "gelu")
+
+# diffusers' LTX2VideoTransformer3DModel._keys_to_ignore_on_load_unexpected (none).
+IGNORED_KEYS = ()
 
 
 def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) -> LTX2Config:
@@ -115,22 +137,9 @@ def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) ->
     `split_rope`: for `rope_type="interleaved"` checkpoints, permute q/k to
     split halves at load (the port's faster layout). Ignored (False) for
     natively split checkpoints. Raises ValueError naming the key for anything
-    the port does not support.
+    the port does not support (types and ranges: difflet_tpu.port_config).
     """
-    if cfg.get("_class_name", CLASS_NAME) != CLASS_NAME:
-        raise ValueError(f"_class_name: {cfg['_class_name']!r} is not {CLASS_NAME}")
-    values = {}
-    for key, value in cfg.items():
-        if key.startswith("_"):
-            continue
-        if key not in _FIELDS:
-            raise ValueError(f"config key {key!r} is not supported by the LTX-2 port")
-        values[key] = tuple(value) if key in _TUPLES and value is not None else value
-    for key in overrides:
-        if key not in _FIELDS:
-            raise ValueError(f"unknown LTX-2 port option {key!r}")
-    values.update(overrides)
-    c = LTX2Config(**values)
+    c = LTX2Config(**PC.parse(cfg, overrides, CLASS_NAME, SCHEMA))
     _check(c)
     return dataclasses.replace(c, split_rope=bool(split_rope) and c.rope_type == "interleaved")
 

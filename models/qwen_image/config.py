@@ -41,7 +41,7 @@ ROPE_THETA = 10000       # QwenEmbedRope(theta=10000, ...), not a config key
 ROPE_TABLE = 4096        # QwenEmbedRope's positions: arange(4096) and -4096..-1
 EPS = 1e-6               # block norms, q/k RMSNorm, txt_norm, norm_out
 MLP_RATIO = 4            # FeedForward(dim, dim_out=dim, activation_fn="gelu-approximate"), mult 4
-IGNORED_KEYS = ("pooled_projection_dim",)
+IGNORED_CONFIG_KEYS = ("pooled_projection_dim",)
 
 PRESETS: dict[str, dict] = {
     "qwen-image": dict(_class_name=CLASS_NAME, patch_size=2, in_channels=64, out_channels=16, num_layers=60,
@@ -103,7 +103,7 @@ def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) ->
     if cfg.get("_class_name", CLASS_NAME) != CLASS_NAME:
         raise ValueError(f"_class_name: {cfg['_class_name']!r} is not {CLASS_NAME}")
     fields = {f.name for f in dataclasses.fields(QwenImageConfig)} - {"split_rope"}
-    unknown = sorted(k for k in cfg if not k.startswith("_") and k not in fields and k not in IGNORED_KEYS)
+    unknown = sorted(k for k in cfg if not k.startswith("_") and k not in fields and k not in IGNORED_CONFIG_KEYS)
     if unknown:
         raise ValueError(f"{unknown[0]}: not a {CLASS_NAME} config key this port knows (unknown keys: {unknown})")
     values = {k: cfg[k] for k in fields if k in cfg}

@@ -11,7 +11,7 @@ from difflet_tpu import schedulers
 from difflet_tpu.port import Pipeline, PortSpec
 from difflet_tpu.runner import Runner
 
-from .config import (CLASS_NAME, EXPERT_BOUNDARY, FLOW_SHIFT, FLOW_SHIFTS, PRESETS, WanConfig,
+from .config import (IGNORED_KEYS, CLASS_NAME, EXPERT_BOUNDARY, FLOW_SHIFT, FLOW_SHIFTS, PRESETS, WanConfig,
                      config_from_diffusers, preset)
 from .model import PLAN, WanTransformer3DModel, build, key_map
 from .port import (FORWARD_ARGS, WanExperts, encode_text, example_inputs, flops, forward, load_experts,
@@ -46,11 +46,11 @@ SPEC = PortSpec(
     # cache_text: reuse the text K/V while the calls pass the very same
     # encoder_hidden_states (and image) objects (a denoise loop).
     options=dict(cache_text=False),
-    ignored_keys=("norm_added_q",),  # diffusers' _keys_to_ignore_on_load_unexpected
+    ignored_keys=IGNORED_KEYS,  # diffusers' _keys_to_ignore_on_load_unexpected
     methods=dict(encode_text=encode_text, text_kv_shapes=text_kv_shapes),
 )
 
-__all__ = ["SPEC", "CLASS_NAME", "EXPERT_BOUNDARY", "FLOW_SHIFT", "FLOW_SHIFTS", "PLAN", "PRESETS", "Runner",
+__all__ = ["SPEC", "IGNORED_KEYS", "CLASS_NAME", "EXPERT_BOUNDARY", "FLOW_SHIFT", "FLOW_SHIFTS", "PLAN", "PRESETS", "Runner",
            "WanConfig", "WanExperts", "WanTransformer3DModel", "build", "config_from_diffusers",
            "example_inputs", "flops", "key_map", "load_experts", "patchify", "preset", "rope_tables",
            "unpatchify"]

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from difflet_tpu import port_config as PC
+
 CLASS_NAME = "WanTransformer3DModel"
 TEXT_LEN_I2V = 512  # diffusers' WanAttnProcessor splits image | text at (L - 512)
 
@@ -105,32 +107,52 @@ class WanConfig:
         return self.attention_head_dim - h - w, h, w
 
 
+# Every WanTransformer3DModel.__init__ argument (diffusers transformer_wan.py) and its type.
+SCHEMA = {
+    "patch_size": PC.pos_ints(3),
+    "num_attention_heads": PC.pos_int,
+    "attention_head_dim": PC.pos_int,
+    "in_channels": PC.pos_int,
+    "out_channels": PC.optional(PC.pos_int),
+    "text_dim": PC.pos_int,
+    "freq_dim": PC.pos_int,
+    "ffn_dim": PC.pos_int,
+    "num_layers": PC.pos_int,
+    "cross_attn_norm": PC.boolean,
+    "qk_norm": PC.optional(PC.string),
+    "eps": PC.pos_float,
+    "image_dim": PC.optional(PC.pos_int),
+    "added_kv_proj_dim": PC.optional(PC.pos_int),
+    "rope_max_seq_len": PC.pos_int,
+    "pos_embed_seq_len": PC.optional(PC.pos_int),
+}
+
+# diffusers' WanTransformer3DModel._keys_to_ignore_on_load_unexpected: regexes (re.search) of
+# checkpoint keys the reference drops on load. The published Wan2.1 I2V checkpoints carry
+# `blocks.{i}.attn2.norm_added_q.weight`, which no diffusers module uses.
+IGNORED_KEYS = ("norm_added_q",)
+
+
 def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) -> WanConfig:
     """The port config from a diffusers `config.json` dict.
 
-    Raises ValueError naming the key for values the port does not support.
+    Raises ValueError naming the key for values the port does not support
+    (types and ranges: difflet_tpu.port_config).
     """
-    cfg = {**cfg, **overrides}
-    if cfg.get("_class_name", CLASS_NAME) != CLASS_NAME:
-        raise ValueError(f"_class_name: {cfg['_class_name']!r} is not {CLASS_NAME}")
-    fields = {f.name for f in dataclasses.fields(WanConfig)}
-    qk_norm = cfg.get("qk_norm", "rms_norm_across_heads")
+    values = PC.parse(cfg, overrides, CLASS_NAME, SCHEMA)
+    qk_norm = values.pop("qk_norm", "rms_norm_across_heads")
     if qk_norm != "rms_norm_across_heads":
         raise ValueError(f"qk_norm: {qk_norm!r} is not supported (only 'rms_norm_across_heads', "
                          f"the value of every released Wan checkpoint)")
-    if cfg.get("pos_embed_seq_len") is not None:
-        raise ValueError(f"pos_embed_seq_len: {cfg['pos_embed_seq_len']!r} (the FLF2V image position "
-                         f"embedding) is not supported by this port")
-    if cfg.get("cross_attn_norm", True) is not True:
+    pos_embed = values.pop("pos_embed_seq_len", None)
+    if pos_embed is not None:
+        raise ValueError(f"pos_embed_seq_len: {pos_embed!r} (the FLF2V image position "
+                         f"embedding) is not supported by this port (docs/models/wan.md)")
+    if values.get("cross_attn_norm", True) is not True:
         raise ValueError("cross_attn_norm: False is not supported (every released Wan config uses True)")
-    patch = tuple(int(p) for p in cfg.get("patch_size", (1, 2, 2)))
-    if len(patch) != 3:
-        raise ValueError(f"patch_size: {cfg.get('patch_size')!r} is not a 3-D (t, h, w) patch")
-    kwargs = {k: cfg[k] for k in fields if k in cfg and k not in ("patch_size", "split_rope")}
-    kwargs["patch_size"] = patch
-    if kwargs.get("out_channels") is None:
-        kwargs["out_channels"] = cfg.get("in_channels", 16)
-    c = WanConfig(**kwargs, split_rope=bool(split_rope))
+    if values.get("out_channels") is None:
+        values["out_channels"] = values.get("in_channels", 16)
+    c = WanConfig(**values, split_rope=bool(split_rope))
     if c.attention_head_dim % 2:
         raise ValueError(f"attention_head_dim: {c.attention_head_dim} must be even for RoPE")
     if (c.image_dim is None) != (c.added_kv_proj_dim is None):

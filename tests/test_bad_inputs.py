@@ -1,0 +1,706 @@
+"""Bad inputs, one table: each row is a case a demanding user tries and the clear message
+(or the clean one-line recovery) it must give, on the bench CLI, the loader, the port
+configs, the orbax cache and the Runners.
+
+`CASES` is the table; `test_bad_input` runs every row (`pytest -v` lists them by id,
+`test_table` prints the count per surface). Rules the rows check beyond the message:
+
+* CLI rows: exit status 2 for input refused before any work, 1 for a run that failed
+  (non-finite latents), and never 0 for anything wrong;
+* loader rows: the error comes before any tensor is read (`Checkpoint.read` fails the
+  test if it is called);
+* cache rows: a damaged entry is one warning line and a re-conversion with the right
+  values, never a wrong load and never a traceback.
+
+docs/loading.md ("What is validated") and docs/benchmarks.md list what is checked and
+what is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import sys
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from difflet_tpu import bench, checkpoint, weights
+from difflet_tpu.config import Config
+from difflet_tpu.mesh import make_mesh
+from difflet_tpu.models import REGISTRY
+from difflet_tpu.testing import read_fixture_io
+from difflet_tpu.weights import WeightsError
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+WAN_T2V = FIXTURES / "wan_t2v" / "transformer"
+WAN_I2V = FIXTURES / "wan_i2v" / "transformer"
+
+# The toy port and checkpoint writer of test_weights.py (tests are not a package).
+_spec = importlib.util.spec_from_file_location("_difflet_toy_port",
+                                               pathlib.Path(__file__).with_name("test_weights.py"))
+tw = sys.modules.setdefault(_spec.name, importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(tw)
+
+
+@dataclasses.dataclass
+class Ctx:
+    tmp: pathlib.Path
+    monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture
+    caplog: pytest.LogCaptureFixture
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    surface: str                # cli, loader, config, cache, runner
+    run: Callable[[Ctx], str]   # performs the case, returns the text the user sees
+    expect: str                 # a regex the text must match
+
+
+@pytest.fixture
+def ctx(tmp_path, monkeypatch, capsys, caplog):
+    monkeypatch.setitem(REGISTRY, tw.CLASS_NAME, tw.TOY_PORT)
+    return Ctx(tmp_path, monkeypatch, capsys, caplog)
+
+
+# --------------------------------------------------------------------------
+# Row builders
+# --------------------------------------------------------------------------
+
+def cli(*argv, code=2, setup=None):
+    """`python -m difflet_tpu.bench ARGV` exits with `code`; returns its stderr.
+    `{tmp}` in an argument is the test's tmp directory; `setup(ctx)` prepares files."""
+
+    def run(c: Ctx):
+        if setup is not None:
+            setup(c)
+        args = [a.format(tmp=c.tmp) for a in argv]
+        try:
+            rc = bench.main(args)
+        except SystemExit as e:
+            rc = e.code
+        out = c.capsys.readouterr()
+        assert rc == code, (rc, out.err[-2000:])
+        return out.err
+
+    return run
+
+
+def loads(setup, **kwargs):
+    """`load_transformer(setup(ctx), **kwargs)` raises WeightsError before reading any tensor."""
+
+    def run(c: Ctx):
+        path = setup(c)
+
+        def no_read(*a, **k):
+            raise AssertionError("a tensor was read before the error")
+
+        c.monkeypatch.setattr(weights.Checkpoint, "read", no_read)
+        kw = {k: (v(c) if callable(v) and k == "cache_dir" else v) for k, v in kwargs.items()}
+        kw.setdefault("config", Config())
+        with pytest.raises(WeightsError) as e:
+            weights.load_transformer(path, **kw)
+        return str(e.value)
+
+    return run
+
+
+def port_config(module, change):
+    """`config_from_diffusers(PRESETS["tiny"] | change)` raises ValueError."""
+
+    def run(c: Ctx):
+        port = importlib.import_module(f"difflet_tpu.models.{module}")
+        with pytest.raises(ValueError) as e:
+            port.config_from_diffusers({**port.PRESETS["tiny"], **change})
+        return str(e.value)
+
+    return run
+
+
+# --------------------------------------------------------------------------
+# Files the rows use
+# --------------------------------------------------------------------------
+
+def toy(c: Ctx, tensors=None, **kw) -> pathlib.Path:
+    return tw.write_checkpoint(c.tmp / "toy", tensors if tensors is not None else tw.torch_weights(), **kw)
+
+
+def toy_with(key, array):
+    def setup(c):
+        t = tw.torch_weights()
+        t[key] = array(t[key])
+        return toy(c, t)
+
+    return setup
+
+
+def toy_index(names):
+    """A sharded toy checkpoint whose index names `names` (shard file -> new name)."""
+
+    def setup(c):
+        path = toy(c, sharded=True)
+        index = json.loads((path / weights.INDEX_FILE).read_text())
+        wm = {k: names.get(f, f).format(tmp=c.tmp) for k, f in index["weight_map"].items()}
+        (path / weights.INDEX_FILE).write_text(json.dumps({**index, "weight_map": wm}))
+        return path
+
+    return setup
+
+
+def toy_config(cfg):
+    def setup(c):
+        path = toy(c)
+        (path / "config.json").write_text(json.dumps(cfg))
+        return path
+
+    return setup
+
+
+def wan_config(**change):
+    def setup(c):
+        path = c.tmp / "wan"
+        shutil.copytree(WAN_T2V, path)
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, **change}))
+        return path
+
+    return setup
+
+
+def toy_heads(c):
+    cfg = {**tw.DIFFUSERS_CONFIG, "num_attention_heads": 6, "attention_head_dim": 8}  # dim 48 divides by 4
+    return tw.write_checkpoint(c.tmp / "t6", tw.torch_weights(cfg=cfg), cfg=cfg)
+
+
+def embeddings(name, arrays):
+    def setup(c):
+        path = c.tmp / name
+        if name.endswith(".npz"):
+            np.savez(path, **arrays)
+        else:
+            save_file(arrays, str(path))
+
+    return setup
+
+
+def garbage(name):
+    def setup(c):
+        (c.tmp / name).write_bytes(b"\x00not a file of that kind" * 10)
+
+    return setup
+
+
+def a_file(name):
+    def setup(c):
+        (c.tmp / name).write_text("a file, not a directory")
+
+    return setup
+
+
+WAN_TEXT = np.zeros((1, 512, 24), np.float32)  # wan:tiny's prompt_embeds
+NAN_TEXT = WAN_TEXT.copy()
+NAN_TEXT[0, 3, 4] = np.nan
+INF_TEXT = WAN_TEXT.copy()
+INF_TEXT[0, 0, 0] = np.inf
+
+
+def two_experts(c):
+    (c.tmp / "pipe" / "transformer").mkdir(parents=True)
+    (c.tmp / "pipe" / "transformer_2").mkdir()
+
+
+def sd3_dir(c):
+    (c.tmp / "sd3").mkdir()
+    (c.tmp / "sd3" / "config.json").write_text(json.dumps({"_class_name": "SD3Transformer2DModel"}))
+
+
+def small_host(c):
+    c.monkeypatch.setattr(bench, "host_memory_bytes", lambda: 16 * 2**30)
+
+
+# --------------------------------------------------------------------------
+# Custom rows (each returns what the user sees)
+# --------------------------------------------------------------------------
+
+def nan_latents_fail_the_row(c: Ctx) -> str:
+    """A model whose latents end non-finite: a failed row, exit 1, the JSON still valid JSON."""
+    import dataclasses
+
+    from difflet_tpu import models
+    from difflet_tpu.testing import register_toy_port
+
+    toy_spec = register_toy_port()
+
+    def nan_inputs(*a, **k):
+        out = toy_spec.example_inputs(*a, **k)
+        out["hidden_states"][0, 0, 0] = np.nan
+        return out
+
+    c.monkeypatch.setattr(models, "_EXTRA", [dataclasses.replace(toy_spec, example_inputs=nan_inputs)])
+    out = c.tmp / "r.json"
+    rc = bench.main(["--model", "toy:tiny", "--mode", "tp,sp", "--steps", "2", "--json", str(out)])
+    text = c.capsys.readouterr().out
+    assert rc == 1
+    data = json.loads(out.read_text(), parse_constant=lambda s: pytest.fail(f"bare {s} in the JSON"))
+    rows = data["results"]
+    assert [r["mode"] for r in rows] == ["tp", "sp"]
+    assert all(r["sha256"] is None and r["error"].startswith("NonFiniteError") for r in rows)
+    assert all("vs_tp" not in r for r in rows)
+    return text
+
+
+def weights_without_model(c: Ctx) -> str:
+    """`--weights DIR` without `--model` runs the checkpoint's model, not every port's."""
+    args = bench.parser().parse_args(["--weights", str(WAN_T2V)])
+    args.cpu = True
+    assert [(spec.name, preset) for spec, preset in bench.resolve_models(args)] == [("wan", "tiny")]
+    return c.capsys.readouterr().err
+
+
+def int8_is_refused_not_loaded(c: Ctx) -> str:
+    t = tw.torch_weights()
+    t["proj_out.weight"] = np.round(t["proj_out.weight"] * 40).astype(np.int8)
+    path = toy(c, t)
+    with pytest.raises(WeightsError) as e:
+        weights.load_transformer(path, dtype=jnp.float32, config=Config())
+    return str(e.value)
+
+
+def float16_converts(c: Ctx) -> str:
+    """Float kinds convert: an F16 tensor loads as the float32 of its values."""
+    t = tw.torch_weights()
+    t["proj_out.weight"] = t["proj_out.weight"].astype(np.float16)
+    model = weights.load_transformer(toy(c, t), dtype=jnp.float32, config=Config())
+    got = np.asarray(tw.flat_params(model)["proj_out.kernel"])
+    np.testing.assert_array_equal(got, t["proj_out.weight"].astype(np.float32).T)
+    return "F16 converted"
+
+
+def _cached_toy(c: Ctx, damage):
+    """Loads a toy checkpoint through the cache, damages the entry's largest data file,
+    loads again: returns (warnings logged, reads of the second load, the second model)."""
+    tensors = tw.torch_weights()
+    path = toy(c, tensors)
+    cache = c.tmp / "cache"
+    weights.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=cache)
+    (entry,) = [d for d in cache.iterdir() if not d.name.startswith(".")]
+    data = max((f for f in (entry / checkpoint.PARAMS_DIR).rglob("*") if f.is_file() and "/d/" in str(f)),
+               key=lambda f: f.stat().st_size)
+    data.write_bytes(damage(bytearray(data.read_bytes())))
+    reads = []
+    orig = weights.Checkpoint.read
+    c.monkeypatch.setattr(weights.Checkpoint, "read", lambda self, *a, **k: reads.append(1) or orig(self, *a, **k))
+    c.caplog.clear()
+    with c.caplog.at_level(logging.WARNING):
+        model = weights.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=cache)
+    tw.assert_loaded(model, tw.expected_params(tensors))  # right values, whatever the damage
+    warnings = [r.getMessage() for r in c.caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert reads, "the damaged entry was restored instead of converted again"
+    return warnings[0]
+
+
+def flip(bit_at=0.5, n=1):
+    def damage(b: bytearray) -> bytes:
+        i = int(len(b) * bit_at)
+        for j in range(n):
+            b[i + j] ^= 0x10
+        return bytes(b)
+
+    return damage
+
+
+def restore_error_is_one_line(c: Ctx) -> str:
+    """A restore that fails although the digest matched (e.g. a store error): one line, no traceback."""
+    import gc
+
+    c.monkeypatch.setattr(checkpoint, "_data_problem", lambda d, meta: None)  # the digest is not consulted
+    unraisable = []  # what Python would print as "Exception ignored in <coroutine ...>" tracebacks
+    c.monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    text = _cached_toy(c, lambda b: bytes(b[: len(b) // 2]))
+    gc.collect()
+    assert not unraisable, [str(u.exc_value)[:200] for u in unraisable]
+    err = c.capsys.readouterr().err
+    assert "Traceback" not in err and "Exception ignored" not in err and "Event loop is closed" not in err, err
+    assert "'driver'" not in text  # no TensorStore spec
+    return text
+
+
+def restore_noise_dropped(c: Ctx) -> str:
+    """What a failed orbax restore leaves behind (found with deleted data files, ~1 run in 5):
+    orphaned asyncio futures logging 'exception was never retrieved', and TensorStore callbacks
+    printing 'Event loop is closed' through sys.excepthook. Both are dropped; an unrelated
+    orphan is still logged."""
+    import asyncio
+    import gc
+
+    printed = []
+    c.monkeypatch.setattr(sys, "excepthook", lambda *exc: printed.append(exc))
+
+    def orphan(message):
+        loop = asyncio.new_event_loop()
+        fut = loop.create_future()
+        fut.set_exception(ValueError(message))
+        loop.close()
+        return fut
+
+    c.caplog.clear()
+    with c.caplog.at_level(logging.ERROR, logger="asyncio"):
+        with pytest.raises(ValueError, match="restore failed"):
+            with checkpoint._quiet_restore_noise():
+                try:
+                    raise RuntimeError("Event loop is closed")
+                except RuntimeError:
+                    sys.excepthook(*sys.exc_info())  # what a TensorStore callback thread does
+                fut = orphan('NOT_FOUND: Error opening "cast" driver: Error opening "zarr" driver')
+                del fut
+                raise ValueError("restore failed")
+        late = orphan('DATA_LOSS: Error opening "zarr" driver: ...')  # collected after the failure
+        del late
+        gc.collect()
+        other = orphan("somebody else's error")
+        del other
+        gc.collect()
+    logged = [r.getMessage() + str(r.exc_info[1] if r.exc_info else "") for r in c.caplog.records]
+    assert not printed, printed
+    assert len(logged) == 1 and "somebody else's error" in logged[0], logged
+    return logged[0]
+
+
+def interrupted_save_never_restores(c: Ctx) -> str:
+    """A save interrupted after orbax wrote its files leaves no entry; the next load converts."""
+    path = toy(c)
+    cache = c.tmp / "cache"
+
+    def interrupt(directory):
+        raise KeyboardInterrupt
+
+    with c.monkeypatch.context() as m:
+        m.setattr(checkpoint, "data_digest", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            weights.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=cache)
+    left = sorted(p.name for p in cache.iterdir())
+    assert left and all(".partial-" in n for n in left), left
+    opened = []
+    orig = weights.Checkpoint.__init__
+    c.monkeypatch.setattr(weights.Checkpoint, "__init__",
+                          lambda self, *a, **k: opened.append(1) or orig(self, *a, **k))
+    tw.assert_loaded(weights.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=cache),
+                     tw.expected_params(tw.torch_weights()))
+    assert opened == [1]
+    entries = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 1 and (entries[0] / checkpoint.META_FILE).exists()
+    return f"partial entries {left} never restored"
+
+
+def outside_shard_never_opened(c: Ctx) -> str:
+    """An index naming ../x.safetensors (which exists) is refused, and with a cache_dir its
+    header is not even read to fingerprint the checkpoint."""
+    path = toy_index({"diffusion_pytorch_model-00002-of-00002.safetensors": "../outside.safetensors"})(c)
+    shutil.copy(path / "diffusion_pytorch_model-00002-of-00002.safetensors", c.tmp / "outside.safetensors")
+    opened = []
+    orig = checkpoint._file_fingerprint
+    c.monkeypatch.setattr(checkpoint, "_file_fingerprint", lambda p: opened.append(p) or orig(p))
+    with pytest.raises(WeightsError) as e:
+        weights.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=c.tmp / "cache")
+    assert not [p for p in opened if "outside" in str(p)], opened
+    return str(e.value)
+
+
+def explicit_restore_refuses_damage(c: Ctx) -> str:
+    path = toy(c)
+    model = weights.load_transformer(path, dtype=jnp.float32, config=Config())
+    out = checkpoint.save_params(c.tmp / "saved", model)
+    data = max((f for f in pathlib.Path(out).rglob("*") if f.is_file() and "/d/" in str(f)),
+               key=lambda f: f.stat().st_size)
+    data.write_bytes(flip()(bytearray(data.read_bytes())))
+    abstract = weights.abstract_port_model(tw.TOY_PORT, tw._config_from_diffusers(tw.DIFFUSERS_CONFIG),
+                                           dtype=jnp.float32)
+    with pytest.raises(WeightsError) as e:
+        checkpoint.restore_params(out, abstract, None, tw.testing.PLAN)
+    return str(e.value)
+
+
+def unwritable_cache_before_conversion(c: Ctx) -> str:
+    path = toy(c)
+    (c.tmp / "file").write_text("x")
+    opened = []
+    c.monkeypatch.setattr(weights.Checkpoint, "__init__", lambda self, *a, **k: opened.append(1))
+    with pytest.raises(WeightsError) as e:
+        weights.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=c.tmp / "file" / "cache")
+    assert not opened, "the checkpoint was opened before the cache_dir was refused"
+    return str(e.value)
+
+
+def wan_i2v_norm_added_q(c: Ctx) -> str:
+    """The published Wan2.1 I2V checkpoints carry attn2.norm_added_q weights diffusers ignores:
+    they load, with one notice, into the same parameters as without them."""
+    path = c.tmp / "wan_i2v"
+    shutil.copytree(WAN_I2V, path)
+    tensors = load_file(str(path / weights.SINGLE_FILE))
+    cfg = json.loads((path / "config.json").read_text())
+    dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    for i in range(cfg["num_layers"]):
+        tensors[f"blocks.{i}.attn2.norm_added_q.weight"] = np.full((dim,), 1.5, np.float32)
+    save_file(tensors, str(path / weights.SINGLE_FILE))
+    c.caplog.clear()
+    with c.caplog.at_level(logging.WARNING, logger="difflet_tpu.weights"):
+        model = weights.load_transformer(path, dtype=jnp.float32, config=Config())
+    notices = [r.getMessage() for r in c.caplog.records if r.name == "difflet_tpu.weights"]
+    assert len(notices) == 1, notices
+    ref = weights.load_transformer(WAN_I2V, dtype=jnp.float32, config=Config())
+    got, want = tw.flat_params(model), tw.flat_params(ref)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+    return notices[0]
+
+
+def runner_finite_check(c: Ctx) -> str:
+    """The opt-in finite check a serving loop runs on each Runner output."""
+    from difflet_tpu import checks
+    from difflet_tpu.models import wan
+
+    kwargs, _ = read_fixture_io(FIXTURES / "wan_t2v")
+    model = weights.load_transformer(WAN_T2V, dtype=jnp.float32, config=Config())
+    out = wan.Runner(model, None, Config())(**kwargs)
+    checks.check_finite(out, "step output")  # finite: passes through
+    with pytest.raises(checks.NonFiniteError) as e:
+        checks.check_finite(out.at[0, 0, 0, 0, :3].set(jnp.nan), "step output")
+    return str(e.value)
+
+
+def sharded_inf(c: Ctx) -> str:
+    from difflet_tpu import checks
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = make_mesh(4)
+    x = jax.device_put(jnp.zeros((8, 4)).at[5, 1].set(jnp.inf), NamedSharding(mesh, P("tp")))
+    with pytest.raises(checks.NonFiniteError) as e:
+        checks.check_finite({"hidden_states": x}, "latents")
+    return str(e.value)
+
+
+def wan_runner(change):
+    def run(c: Ctx):
+        from difflet_tpu.models import wan
+
+        kwargs, _ = read_fixture_io(FIXTURES / "wan_t2v")
+        model = weights.load_transformer(WAN_T2V, dtype=jnp.float32, config=Config())
+        with pytest.raises(ValueError) as e:
+            wan.Runner(model, None, Config())(**{**kwargs, **change})
+        return str(e.value)
+
+    return run
+
+
+# --------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------
+
+CASES = [
+    # ---- the bench CLI: exit 2 before any work, or 1 for a failed run; never 0 ----
+    Case("guidance-nan", "cli", cli("--model", "toy:tiny", "--guidance", "nan"),
+         r"--guidance nan: must be a finite number >= 0"),
+    Case("guidance-inf", "cli", cli("--model", "toy:tiny", "--guidance", "inf"), r"--guidance inf: must be a finite"),
+    Case("guidance-negative", "cli", cli("--model", "toy:tiny", "--guidance", "-1"), r"--guidance -1.0: must be"),
+    Case("seed-negative", "cli", cli("--model", "toy:tiny", "--seed", "-1"), r"--seed -1: must be in \[0, 2\*\*32\)"),
+    Case("embeddings-nan", "cli", cli("--model", "wan:tiny", "--embeddings", "{tmp}/e.npz",
+                                      setup=embeddings("e.npz", {"prompt_embeds": NAN_TEXT})),
+         r"--embeddings \S+e\.npz: prompt_embeds: 1 NaN and 0 inf of 12288 values"),
+    Case("embeddings-inf", "cli", cli("--model", "wan:tiny", "--embeddings", "{tmp}/e.safetensors",
+                                      setup=embeddings("e.safetensors", {"prompt_embeds": INF_TEXT})),
+         r"--embeddings \S+e\.safetensors: prompt_embeds: 0 NaN and 1 inf"),
+    Case("embeddings-corrupt-npz", "cli", cli("--model", "wan:tiny", "--embeddings", "{tmp}/e.npz",
+                                              setup=garbage("e.npz")),
+         r"--embeddings \S+/e\.npz: cannot read it \(\w+"),
+    Case("embeddings-corrupt-safetensors", "cli",
+         cli("--model", "wan:tiny", "--embeddings", "{tmp}/e.safetensors", setup=garbage("e.safetensors")),
+         r"--embeddings \S+/e\.safetensors: cannot read it \(\w+"),
+    Case("embeddings-only-negative", "cli",
+         cli("--model", "wan:tiny", "--embeddings", "{tmp}/e.npz",
+             setup=embeddings("e.npz", {"negative_prompt_embeds": WAN_TEXT})),
+         r"\['negative_encoder_hidden_states'\] without \['encoder_hidden_states'\]"),
+    Case("embeddings-wrong-shape", "cli",
+         cli("--model", "wan:tiny", "--embeddings", "{tmp}/e.npz",
+             setup=embeddings("e.npz", {"prompt_embeds": np.zeros((1, 512, 23), np.float32)})),
+         r"encoder_hidden_states has shape \(1, 512, 23\), this model needs \(1, 512, 24\)"),
+    Case("json-in-missing-dir", "cli", cli("--model", "toy:tiny", "--json", "{tmp}/no/such/r.json"),
+         r"--json \S+r\.json: directory \S+/no/such does not exist"),
+    Case("json-is-a-directory", "cli", cli("--model", "toy:tiny", "--json", "{tmp}"), r"--json \S+: is a directory"),
+    Case("dump-hlo-under-a-file", "cli", cli("--model", "toy:tiny", "--dump-hlo", "{tmp}/f/hlo", setup=a_file("f")),
+         r"--dump-hlo \S+/f/hlo: cannot write there \(Not a directory\)"),
+    Case("profile-is-a-file", "cli", cli("--model", "toy:tiny", "--profile", "{tmp}/f", setup=a_file("f")),
+         r"--profile \S+/f: exists and is not a directory"),
+    Case("flux-full-size-on-cpu", "cli", cli("--model", "flux", setup=small_host),
+         r"flux:flux.1-dev on CPU: 11.90 B parameters need 44.3 GiB as float32, more than half of this "
+         r"machine's 16.0 GiB. It needs a TPU; here, plan it with --compile-only --topology v5e:2x2"),
+    Case("wan22-experts-on-cpu", "cli", cli("--model", "wan:Wan2.2-T2V-A14B", setup=small_host),
+         r"per expert, 2 experts, need 106.5 GiB .* It needs a TPU"),
+    Case("shape-the-port-refuses", "cli", cli("--model", "wan:tiny", "--height", "60"),
+         r"error: frames must be 1 \+ 4k and height/width multiples of 16"),
+    Case("weights-of-two-experts-without-model", "cli", cli("--weights", "{tmp}/pipe", setup=two_experts),
+         r"holds two experts .* name the pipeline with --model"),
+    Case("weights-of-an-unported-class", "cli", cli("--weights", "{tmp}/sd3", setup=sd3_dir),
+         r"holds a SD3Transformer2DModel, which no port supports"),
+    Case("weights-of-another-family", "cli",
+         cli("--model", "toy:tiny", "--weights", str(WAN_T2V)),
+         r"--weights \S+ holds a WanTransformer3DModel, not a toy transformer"),
+    Case("weights-without-model-picks-the-checkpoint", "cli", weights_without_model,
+         r"--weights \S+wan_t2v/transformer: a WanTransformer3DModel; running wan:tiny"),
+    Case("non-finite-latents-fail-the-row", "cli", nan_latents_fail_the_row,
+         r"toy:tiny\s+tp\s+ERROR: NonFiniteError: final latents hidden_states: \d+ NaN"),
+
+    # ---- load_transformer: WeightsError before any tensor is read ----
+    Case("int8-tensor", "loader", loads(toy_with("proj_out.weight", lambda a: (a * 40).astype(np.int8))),
+         r"wrong dtype for proj_out.weight in diffusion_pytorch_model.safetensors: checkpoint I8, expected a "
+         r"float tensor \(F16, BF16, F32, F64\) for proj_out.kernel"),
+    Case("bool-tensor", "loader", loads(toy_with("blocks.1.attn.norm_q.weight", lambda a: a > 0)),
+         r"wrong dtype for blocks.1.attn.norm_q.weight .*checkpoint BOOL"),
+    Case("float8-tensor", "loader",
+         loads(toy_with("proj_in.bias", lambda a: a.astype(jnp.float8_e4m3fn))),
+         r"checkpoint F8_E4M3, expected a float tensor .*quantised tensors are not converted"),
+    Case("int8-not-loaded-as-float", "loader", int8_is_refused_not_loaded, r"checkpoint I8"),
+    Case("float16-converts", "loader", float16_converts, r"F16 converted"),
+    Case("unknown-keyword", "loader", loads(toy, frobnicate=3),
+         r"load_transformer: unknown keyword argument\(s\) \['frobnicate'\]"),
+    Case("unknown-keyword-real-port", "loader", loads(lambda c: WAN_T2V, num_layer=3),
+         r"unknown keyword argument\(s\) \['num_layer'\] .*unknown option\(s\) 'num_layer': not "
+         r"WanTransformer3DModel config keys"),
+    Case("split-rope-keyword", "loader", loads(toy, split_rope=False), r"pass config=difflet_tpu.Config\(split_rope"),
+    Case("mesh-is-a-string", "loader", loads(toy, mesh="tp"),
+         r"mesh: 'tp' is not a jax.sharding.Mesh with a 'tp' axis"),
+    Case("dtype-int8", "loader", loads(toy, dtype=jnp.int8), r"dtype: int8 is not a floating-point dtype"),
+    Case("config-not-a-Config", "loader", loads(toy, config="sp"), r"config: 'sp' is not a difflet_tpu.Config"),
+    Case("cache-dir-url-scheme", "loader", loads(toy, cache_dir="foo://bucket/cache"),
+         r"cache_dir 'foo://bucket/cache': unsupported URL scheme 'foo://'; use a local path or gs:// / s3://"),
+    Case("cache-dir-is-a-file", "loader", loads(toy, cache_dir=lambda c: (c.tmp / "f").write_text("x") and c.tmp / "f"),
+         r"cache_dir \S+/f: exists and is not a directory"),
+    Case("cache-dir-unwritable-before-conversion", "loader", unwritable_cache_before_conversion,
+         r"cache_dir \S+/file/cache: cannot write there \(Not a directory\); .*cache_dir=None"),
+    Case("index-absolute-shard", "loader",
+         loads(toy_index({"diffusion_pytorch_model-00002-of-00002.safetensors": "/etc/passwd"})),
+         r"refusing shard name\(s\) that do not name a file in \S+: '/etc/passwd' is an absolute path"),
+    Case("index-dotdot-shard", "loader",
+         loads(toy_index({"diffusion_pytorch_model-00002-of-00002.safetensors": "../x.safetensors"})),
+         r"'../x.safetensors' leaves the directory"),
+    Case("index-dotdot-shard-not-fingerprinted", "loader", outside_shard_never_opened,
+         r"'../outside.safetensors' leaves the directory"),
+    Case("index-weight-map-not-object", "loader",
+         loads(lambda c: (toy(c, sharded=True) / weights.INDEX_FILE).write_text('{"weight_map": [1]}')
+               and c.tmp / "toy"),
+         r"not a safetensors index \(weight_map is a list"),
+    Case("heads-do-not-divide-tp", "loader", loads(toy_heads, mesh=make_mesh(4)),
+         r"heads or parameters do not divide over the tp axis \(tp=4\):\n  heads: 6 heads over tp=4"),
+    Case("config-json-not-an-object", "loader", loads(toy_config([1, 2])), r"config.json: not a JSON object"),
+    Case("wan-config-num-layers-negative", "loader", loads(wan_config(num_layers=-1)),
+         r"config.json: not supported by difflet_tpu.models.wan: num_layers: -1 is not a positive integer"),
+
+    # ---- the ports' config_from_diffusers: one shared validator, the key named ----
+    Case("wan-num-layers-negative", "config", port_config("wan", {"num_layers": -1}),
+         r"^num_layers: -1 is not a positive integer$"),
+    Case("wan-num-layers-string", "config", port_config("wan", {"num_layers": "2"}),
+         r"^num_layers: '2' is not a positive integer$"),
+    Case("wan-num-layers-float", "config", port_config("wan", {"num_layers": 2.5}),
+         r"^num_layers: 2.5 is not a positive integer$"),
+    Case("wan-patch-size-negative", "config", port_config("wan", {"patch_size": [1, -2, 2]}),
+         r"^patch_size: \[1, -2, 2\] is not a list of 3 positive integers \(-2\)$"),
+    Case("wan-patch-size-2d", "config", port_config("wan", {"patch_size": [2, 2]}),
+         r"^patch_size: \[2, 2\] is not a list of 3 positive integers$"),
+    Case("wan-eps-zero", "config", port_config("wan", {"eps": 0}), r"^eps: 0 is not a finite positive number$"),
+    Case("wan-unknown-key", "config", port_config("wan", {"window_size": [-1, -1]}),
+         r"^'window_size': not a WanTransformer3DModel config key this port knows"),
+    Case("wan-flf2v", "config", port_config("wan", {"pos_embed_seq_len": 514}),
+         r"pos_embed_seq_len: 514 \(the FLF2V image position embedding\) is not supported .*docs/models/wan.md"),
+    Case("flux-single-layers-negative", "config", port_config("flux", {"num_single_layers": -1}),
+         r"^num_single_layers: -1 is not a positive integer$"),
+    Case("flux-guidance-embeds-string", "config", port_config("flux", {"guidance_embeds": "yes"}),
+         r"^guidance_embeds: 'yes' is not a bool"),
+    Case("hunyuan-num-layers-float", "config", port_config("hunyuan_video", {"num_layers": 2.5}),
+         r"^num_layers: 2.5 is not a positive integer$"),
+    Case("hunyuan-mlp-ratio-negative", "config", port_config("hunyuan_video", {"mlp_ratio": -4.0}),
+         r"^mlp_ratio: -4.0 is not a finite positive number$"),
+    Case("ltx2-num-layers-string", "config", port_config("ltx2", {"num_layers": "48"}),
+         r"^num_layers: '48' is not a positive integer$"),
+    Case("ltx2-vae-scale-factors-2d", "config", port_config("ltx2", {"vae_scale_factors": [8, 32]}),
+         r"^vae_scale_factors: \[8, 32\] is not a list of 3 positive integers$"),
+    Case("ltx2-gated-attn-int", "config", port_config("ltx2", {"gated_attn": 1}), r"^gated_attn: 1 is not a bool"),
+
+    # ---- the orbax cache: a damaged entry is one warning line and a re-conversion ----
+    Case("cache-one-bit-flipped", "cache", lambda c: _cached_toy(c, flip()),
+         r"^cache entry \S+: data digest mismatch \(the saved files changed: damaged or edited\); converting "
+         r"\S+ again$"),
+    Case("cache-64-bytes-flipped", "cache", lambda c: _cached_toy(c, flip(0.3, 64)), r"data digest mismatch"),
+    Case("cache-truncated", "cache", lambda c: _cached_toy(c, lambda b: bytes(b[: len(b) // 2])),
+         r"data digest mismatch"),
+    Case("cache-restore-error-one-line", "cache", restore_error_is_one_line,
+         r"^cache entry \S+ cannot be restored \(\w+: .{0,200}\); converting \S+ again$"),
+    Case("cache-restore-noise-dropped", "cache", restore_noise_dropped,
+         r"^Future exception was never retrieved.*somebody else's error"),
+    Case("cache-interrupted-save", "cache", interrupted_save_never_restores, r"never restored"),
+    Case("explicit-restore-damaged", "cache", explicit_restore_refuses_damage,
+         r"saved: data digest mismatch .*; save it again"),
+
+    # ---- the Runners ----
+    Case("wan-i2v-norm-added-q-ignored", "runner", wan_i2v_norm_added_q,
+         r"ignoring 2 checkpoint key\(s\) that the reference ignores too \(diffusers "
+         r"_keys_to_ignore_on_load_unexpected \['norm_added_q'\]\): blocks.\{0..1\}.attn2.norm_added_q.weight$"),
+    Case("runner-output-nan-opt-in-check", "runner", runner_finite_check,
+         r"^step output: 3 NaN and 0 inf of \d+ values \(shape \(1, 4, 3, 8, 12\), float32\)$"),
+    Case("sharded-latents-inf", "runner", sharded_inf,
+         r"^latents hidden_states: 0 NaN and 1 inf of 32 values \(shape \(8, 4\), float32\)$"),
+    Case("wan-runner-wrong-channels", "runner",
+         wan_runner({"hidden_states": np.zeros((1, 5, 3, 8, 12), np.float32)}), r"in_channels=4"),
+    Case("wan-runner-text-dim", "runner",
+         wan_runner({"encoder_hidden_states": np.zeros((1, 10, 23), np.float32)}), r"text_dim=24"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case, ctx):
+    text = case.run(ctx)
+    assert re.search(case.expect, text, re.S | re.M), f"{case.id}: expected /{case.expect}/ in:\n{text}"
+
+
+def test_table():
+    """The table's size per surface (printed with `pytest -s`), every surface covered, ids unique."""
+    counts = {}
+    for c in CASES:
+        counts[c.surface] = counts.get(c.surface, 0) + 1
+    print(f"\nbad-input table: {len(CASES)} rows: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    assert set(counts) == {"cli", "loader", "config", "cache", "runner"}
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+def test_every_port_config_key_is_checked():
+    """Each port's SCHEMA (difflet_tpu.port_config) types every field of its config dataclass."""
+    from difflet_tpu.models import flux, hunyuan_video, ltx2, wan
+
+    for port, cls in ((flux, flux.FluxConfig), (wan, wan.WanConfig), (hunyuan_video, hunyuan_video.HunyuanVideoConfig),
+                      (ltx2, ltx2.LTX2Config)):
+        fields = {f.name for f in dataclasses.fields(cls)} - {"split_rope"}
+        assert fields <= set(port.config.SCHEMA), (port.__name__, sorted(fields - set(port.config.SCHEMA)))
+        assert isinstance(port.IGNORED_KEYS, tuple)
+    assert wan.IGNORED_KEYS == ("norm_added_q",)  # diffusers WanTransformer3DModel._keys_to_ignore_on_load_unexpected
+
+
+def test_json_report_is_strict_json(tmp_path):
+    """NaN -> null and inf -> "inf" in the bench's JSON (json.dump writes bare NaN / Infinity)."""
+    out = tmp_path / "r.json"
+    bench.write_json(out, {"results": [{"psnr_db": float("inf"), "rel_l2": float("nan"), "x": np.float32("-inf"),
+                                        "ok": np.float64(1.5), "n": np.int64(3), "t": (1.0, float("nan"))}]})
+    data = json.loads(out.read_text(), parse_constant=lambda s: pytest.fail(f"bare {s}"))
+    assert data["results"][0] == {"psnr_db": "inf", "rel_l2": None, "x": "-inf", "ok": 1.5, "n": 3,
+                                  "t": [1.0, None]}
