@@ -1,12 +1,14 @@
-"""The layers the ports share, Parallel-aware (diffusers' names and numerics).
+"""The layers the ports share, Parallel-aware, with diffusers' names and numerics.
 
-| module | what |
-|---|---|
-| `embeddings` | `get_timestep_embedding` (the one float32 rounding policy), `TimestepEmbedding`, `PixArtAlphaTextProjection`, `CombinedTimestepTextProjEmbeddings` |
-| `normalization` | float32 `layer_norm` / `rms_norm`, `rms_norm_across_heads`, `modulate`, `LayerNorm`, `RMSNorm`, `Weight`, `AdaLN` |
-| `attention` | `split_heads` / `merge_heads`, `apply_rotary_emb` (interleaved or split halves), `attend` |
-| `feedforward` | `FeedForward`, `gelu_tanh` |
-| `mmdit` | FLUX's and HunyuanVideo's double / single stream blocks, `JointAttention`, `PackedProjOut` |
+* `embeddings`: `get_timestep_embedding` (the one float32 rounding policy),
+  `TimestepEmbedding`, `PixArtAlphaTextProjection`, `CombinedTimestepTextProjEmbeddings`;
+* `normalization`: float32 `layer_norm` / `rms_norm`, `rms_norm_across_heads`,
+  `modulate`, `LayerNorm`, `RMSNorm`, `Weight`, `AdaLN`;
+* `attention`: `split_heads` / `merge_heads`, `apply_rotary_emb` (interleaved or
+  split halves), `attend`;
+* `feedforward`: `FeedForward`, `gelu_tanh`;
+* `mmdit`: FLUX's and HunyuanVideo's double- / single-stream blocks, `JointAttention`,
+  `PackedProjOut` (imported from `difflet_tpu.layers.mmdit`).
 """
 
 from .attention import apply_rotary_emb, attend, merge_heads, split_heads

@@ -21,7 +21,6 @@ self-attention and in v2a (video keys).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
@@ -30,7 +29,7 @@ from flax import nnx
 
 from difflet_tpu import nn
 from difflet_tpu.layers import (FeedForward, PixArtAlphaTextProjection, RMSNorm, TimestepEmbedding, Weight, attend,
-                                modulate, rms_norm_across_heads)
+                                get_timestep_embedding, modulate, rms_norm_across_heads)
 from difflet_tpu.layers import apply_rotary_emb as rotate
 from difflet_tpu.parallel import COLUMN, ROW, SHARDED
 
@@ -107,16 +106,6 @@ def torch_lerp(start, end, weight):
 # --------------------------------------------------------------------------
 # Embeddings (diffusers embeddings.py)
 # --------------------------------------------------------------------------
-
-def get_timestep_embedding(timesteps, embedding_dim=256, max_period=10000):
-    """`Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)`: [cos, sin], float32."""
-    dt = nn.fp32(timesteps.dtype)
-    half = embedding_dim // 2
-    exponent = -math.log(max_period) * jnp.arange(half, dtype=dt)
-    exponent = exponent / half
-    emb = timesteps.astype(dt)[:, None] * jnp.exp(exponent)[None, :]
-    return jnp.concatenate([jnp.cos(emb), jnp.sin(emb)], axis=-1)
-
 
 class PixArtAlphaCombinedTimestepSizeEmbeddings(nnx.Module):
     def __init__(self, embedding_dim, *, dtype, rngs):

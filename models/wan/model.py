@@ -21,7 +21,6 @@ rows; S = every row; D = heads * head_dim; P = tp size):
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,8 @@ from flax import nnx
 
 from difflet_tpu import layout, nn, weights
 from difflet_tpu.layers import (FeedForward, LayerNorm, PixArtAlphaTextProjection, TimestepEmbedding, Weight,
-                                apply_rotary_emb, attend, merge_heads, modulate, rms_norm_across_heads)
+                                apply_rotary_emb, attend, get_timestep_embedding, merge_heads, modulate,
+                                rms_norm_across_heads)
 from difflet_tpu.parallel import COLUMN, ROW, SHARDED, Parallel, path_names
 
 from difflet_tpu.models.wan.config import WanConfig
@@ -170,14 +170,6 @@ class WanAttention(nnx.Module):
 # Condition embeddings
 # --------------------------------------------------------------------------
 
-def timesteps_proj(t, dim: int, dtype):
-    """`Timesteps(dim, flip_sin_to_cos=True, downscale_freq_shift=0)`: [cos, sin], float32."""
-    half = dim // 2
-    exponent = -math.log(10000) * jnp.arange(half, dtype=dtype) / half
-    emb = t.astype(dtype)[..., None] * jnp.exp(exponent)
-    return jnp.concatenate([jnp.cos(emb), jnp.sin(emb)], axis=-1)
-
-
 class WanImageEmbedding(nnx.Module):
     """FP32LayerNorm -> FeedForward(exact GELU) -> FP32LayerNorm (eps 1e-5, diffusers' default)."""
 
@@ -204,7 +196,7 @@ class WanTimeTextImageEmbedding(nnx.Module):
         """temb (B, D) and timestep_proj (B, 6, D); per-token timesteps (B, n):
         temb (B, n, D) and timestep_proj (B, n, 6, D) for this rank's rows."""
         te_dtype = self.time_embedder.linear_1.kernel.dtype
-        temb = self.time_embedder(timesteps_proj(timestep, self.freq_dim, nn.fp32(dtype)).astype(te_dtype))
+        temb = self.time_embedder(get_timestep_embedding(timestep, self.freq_dim).astype(te_dtype))
         temb = temb.astype(dtype)
         h = jax.nn.silu(temb)
         if timestep.ndim == 1:
