@@ -100,8 +100,3 @@ def map_blocks(blocks, fn):
 
     _, ys = jax.lax.scan(body, None, state)
     return ys
-
-
-# Moved to difflet_tpu.layers; re-exported until every port imports them from there.
-from difflet_tpu.layers.feedforward import gelu_tanh  # noqa: E402
-from difflet_tpu.layers.normalization import Weight, layer_norm, rms_norm  # noqa: E402

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from difflet_tpu import nn
-from difflet_tpu.attention import attention
+from difflet_tpu.layers import FeedForward, Weight, attend, layer_norm, rms_norm
 from difflet_tpu.parallel import COLUMN, ROW
 
 # The parallel plan: module path pattern -> role. Everything else is replicated.
@@ -44,37 +44,28 @@ class Attention(nnx.Module):
         self.to_q = nn.Linear(c.dim, c.dim, rngs=rngs)
         self.to_k = nn.Linear(c.dim, c.dim, rngs=rngs)
         self.to_v = nn.Linear(c.dim, c.dim, rngs=rngs)
-        self.norm_q = nn.Weight(self.head_dim)
-        self.norm_k = nn.Weight(self.head_dim)
+        self.norm_q = Weight(self.head_dim)
+        self.norm_k = Weight(self.head_dim)
         self.to_out = nnx.Dict({"0": nn.Linear(c.dim, c.dim, rngs=rngs)})
 
     def __call__(self, par, x, kv_mask):
         q, k, v = nn.column(par, x, [self.to_q, self.to_k, self.to_v])
         heads = par.local_heads(self.heads)
         split = lambda t: t.reshape(*t.shape[:2], heads, self.head_dim)
-        q = nn.rms_norm(split(q), self.norm_q.scale[...])
-        k = nn.rms_norm(split(k), self.norm_k.scale[...])
-        o = attention(q, k, split(v), kv_mask, impl=par.attn_impl)
+        q = rms_norm(split(q), self.norm_q.scale[...])
+        k = rms_norm(split(k), self.norm_k.scale[...])
+        o = attend(par, q, k, split(v), kv_mask)
         return nn.row(par, [(o.reshape(*o.shape[:2], -1), self.to_out["0"])])
-
-
-class FeedForward(nnx.Module):
-    def __init__(self, c: ToyConfig, rngs):
-        self.net = nnx.Dict({"0": nnx.Dict({"proj": nn.Linear(c.dim, c.ffn, rngs=rngs)}), "2": nn.Linear(c.ffn, c.dim, rngs=rngs)})
-
-    def __call__(self, par, x):
-        (h,) = nn.column(par, x, [self.net["0"]["proj"]], [nn.gelu_tanh])
-        return nn.row(par, [(h, self.net["2"])])
 
 
 class Block(nnx.Module):
     def __init__(self, c: ToyConfig, rngs):
         self.attn = Attention(c, rngs)
-        self.ff = FeedForward(c, rngs)
+        self.ff = FeedForward(c.dim, inner_dim=c.ffn, dtype=jnp.float32, rngs=rngs)
 
     def __call__(self, par, x, kv_mask):
-        x = x + self.attn(par, nn.layer_norm(x), kv_mask)
-        return x + self.ff(par, nn.layer_norm(x))
+        x = x + self.attn(par, layer_norm(x), kv_mask)
+        return x + self.ff(par, layer_norm(x))
 
 
 class ToyModel(nnx.Module):

@@ -17,8 +17,9 @@ import pytest
 from flax import nnx
 
 from difflet_tpu.testing import read_fixture_io, rel_l2
-from difflet_tpu import nn, weights
+from difflet_tpu import weights
 from difflet_tpu.config import Config
+from difflet_tpu.layers import rms_norm
 from difflet_tpu.mesh import make_mesh
 from difflet_tpu.models import ltx2
 from difflet_tpu.models.ltx2 import model as ltx2_model
@@ -176,7 +177,7 @@ def test_across_heads_qk_norm_reduced_over_ranks(monkeypatch):
 
         def local_only(par, x, weight, eps, dim):
             xf = x.astype(jnp.float64)
-            return nn.rms_norm(x, weight, eps, sum_sq=jnp.sum(xf * xf, -1, keepdims=True), dim=dim)
+            return rms_norm(x, weight, eps, sum_sq=jnp.sum(xf * xf, -1, keepdims=True), dim=dim)
 
         monkeypatch.setattr(ltx2_model, "rms_norm_across_heads", local_only)
         s, a = run_f64("ltx2_pad", runner=runner_f64("ltx2_pad", 4, "tp", cache=False))
