@@ -30,9 +30,10 @@ def apply_rotary_emb(x, cos, sin, split: bool):
     `split=False`: diffusers' interleaved pairs (2i, 2i+1), `x cos + rot(x) sin` with
     `rot(x)` = (-x[2i+1], x[2i]) (`use_real_unbind_dim=-1`). `split=True`: q/k and
     the tables permuted per head to split halves at load (`layout.RopeLayout`; the
-    tables' two halves are equal), the rotation `[x1 c - x2 s, x2 c + x1 s]` on the
-    halves: the same products and sums as the pairwise form in one elementwise
-    pass, without a minor-axis relayout or a rotated copy of x.
+    tables' two halves are equal, and half-width tables work too), the rotation
+    `[x1 c - x2 s, x2 c + x1 s]` on the halves: the same products and sums as the
+    pairwise form in one elementwise pass, without a minor-axis relayout or a
+    rotated copy of x.
     """
     f = nn.fp32(x.dtype)
     xf, cos, sin = x.astype(f), cos.astype(f), sin.astype(f)

@@ -29,7 +29,7 @@ from flax import nnx
 
 from difflet_tpu import nn
 from difflet_tpu.layers import (FeedForward, PixArtAlphaTextProjection, RMSNorm, TimestepEmbedding, Weight, attend,
-                                get_timestep_embedding, modulate, rms_norm_across_heads)
+                                get_timestep_embedding, merge_heads, modulate, rms_norm_across_heads, split_heads)
 from difflet_tpu.layers import apply_rotary_emb as rotate
 from difflet_tpu.parallel import COLUMN, ROW, SHARDED
 
@@ -88,14 +88,13 @@ def apply_rotary_emb(par, x, rope: Rope):
     """Rotates this rank's channels `[B, N, C]` of q or k (float32 math, cast back)."""
     if rope.groups is None:  # diffusers' interleaved pairs (2i, 2i+1)
         return rotate(x, rope.cos, rope.sin, split=False)
-    # split halves within each group (diffusers' split, or permuted interleaved)
+    # split halves within each group (diffusers' split, or permuted interleaved); the
+    # "half" tables hold one angle per pair
     b, n, c = x.shape
     g = rope.groups // par.size
     cos = rope.cos.reshape(rope.cos.shape[0], n, g, -1)
     sin = rope.sin.reshape(rope.sin.shape[0], n, g, -1)
-    out = rotate(x.reshape(b, n, g, c // g), jnp.concatenate([cos, cos], -1), jnp.concatenate([sin, sin], -1),
-                 split=True)
-    return out.reshape(b, n, c)
+    return rotate(x.reshape(b, n, g, c // g), cos, sin, split=True).reshape(b, n, c)
 
 
 def torch_lerp(start, end, weight):
@@ -187,15 +186,15 @@ class LTX2Attention(nnx.Module):
             query = apply_rotary_emb(qpar, query, query_rotary_emb)
             key = apply_rotary_emb(qpar, key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
 
-        heads = qpar.local_heads(self.heads)
-        split = lambda t: t.reshape(*t.shape[:2], heads, self.head_dim)
+        qpar.local_heads(self.heads)  # a clear error if the heads do not divide over the ranks
+        split = lambda t: split_heads(t, self.head_dim)
         out = attend(qpar, split(query), split(key), split(value), kv_mask, attention_bias)
-        out = out.reshape(*out.shape[:2], -1).astype(query.dtype)
+        out = merge_heads(out).astype(query.dtype)
         if perturbation is not None:
             out = torch_lerp(value, out, perturbation.astype(out.dtype))
         if gated:
             gates = 2.0 * jax.nn.sigmoid(gate_logits)
-            out = (split(out) * gates[..., None]).reshape(out.shape)
+            out = merge_heads(split(out) * gates[..., None])
         return nn.row(qpar, [(out, self.to_out["0"])])
 
 
