@@ -256,6 +256,29 @@ class _DropOrbaxOrphans(logging.Filter):
 _ORPHAN_FILTER = _DropOrbaxOrphans()
 
 
+def _abandoned_read(unraisable) -> bool:
+    """An 'Exception ignored in <coroutine ...>' of an array read a failed orbax restore
+    abandoned: the coroutine is orbax's (or the error is TensorStore's)."""
+    code = getattr(unraisable.object, "cr_code", None)
+    where = getattr(code, "co_filename", "") or ""
+    text = str(unraisable.exc_value)
+    return "orbax" in where or "Encountered error while reading array" in text or "TensorStore" in text
+
+
+def _drop_abandoned_reads(hook):
+    """`hook` without the abandoned reads' reports; they can be collected well after the
+    restore returned (a loaded machine), so the wrapper stays installed, like the filter."""
+    if getattr(hook, "_difflet_drops_abandoned_reads", False):
+        return hook
+
+    def filtered(unraisable):
+        if not _abandoned_read(unraisable):
+            hook(unraisable)
+
+    filtered._difflet_drops_abandoned_reads = True
+    return filtered
+
+
 @contextlib.contextmanager
 def _quiet_restore_noise():
     """A failed orbax restore is reported once, by the caller, in one line. Its background
@@ -264,7 +287,8 @@ def _quiet_restore_noise():
     'RuntimeError: Event loop is closed' tracebacks (sys.excepthook, from their threads, a
     moment after the failure), and the abandoned tasks log 'Task exception was never
     retrieved' when collected, during or after the restore (a filter on the asyncio
-    logger for exactly those records, left in place)."""
+    logger for exactly those records, left in place). Reads collected after the restore
+    returned meet a wrapper of sys.unraisablehook that drops only them (left in place)."""
     hooks = sys.unraisablehook, sys.excepthook
     sys.unraisablehook = lambda unraisable: None
     sys.excepthook = lambda *exc: None  # only while the restore runs (nothing is uncaught here)
@@ -283,6 +307,8 @@ def _quiet_restore_noise():
         gc.collect()
         _ORPHAN_FILTER.restoring = False
         sys.unraisablehook, sys.excepthook = hooks
+        if failed:
+            sys.unraisablehook = _drop_abandoned_reads(sys.unraisablehook)
 
 
 def _files(root) -> list:
