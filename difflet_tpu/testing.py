@@ -149,7 +149,6 @@ def _toy_prepare(run, kw):
 
     from difflet_tpu import layout
     from difflet_tpu.port import Prepared
-    from jax.sharding import PartitionSpec as P
 
     unknown = set(kw) - {"hidden_states", "timestep"}
     if unknown:
@@ -161,7 +160,7 @@ def _toy_prepare(run, kw):
     rows = run.rows(n)
     inputs = dict(x=layout.pad_tokens(x, rows)[0], t=np.asarray(kw["timestep"], np.float32),
                   mask=layout.key_mask(n, rows, batch=x.shape[0]))
-    specs = dict(x=run.row_spec(), t=P(), mask=P())
+    specs = dict(x=run.row_spec(), t=run.batch_spec(), mask=run.batch_spec())  # the mask is (B, S)
     return Prepared(key=None, inputs=inputs, specs=specs, out_specs=run.row_spec(),
                     finish=lambda out: layout.unpad(out, n))
 
