@@ -197,7 +197,8 @@ def toy_spec():
         name="toy", class_names=("ToyTransformer",), model_class=ToyModel,
         config_from_diffusers=_toy_config, presets=TOY_PRESETS, build=_toy_build, plan=PLAN,
         key_map=_toy_key_map, prepare=_toy_prepare, forward=_toy_forward,
-        forward_args=("hidden_states", "timestep"), heads=lambda c: {"heads": c.heads},
+        forward_args=("hidden_states", "timestep"),
+        heads=lambda c: {"heads": (c[0] if isinstance(c, tuple) else c).heads},  # a model's config or the preset's
         released="toy-small", bench_shape=dict(height=64, width=64, frames=1),
         tiny_shape=dict(height=64, width=64, frames=1), example_inputs=_toy_example_inputs, flops=_toy_flops,
         pipeline=Pipeline(schedule=lambda steps, inputs, preset: S.flow_match_euler(
