@@ -183,7 +183,8 @@ def _euler_update(mesh=None):
         one all-reduce over `cfg` of one latent per chip (docs/multi-host.md)."""
         v = out.astype(jnp.float32)
         b = x.shape[0]
-        w = jnp.stack([1 - g, g]).astype(jnp.float32).reshape((2,) + (1,) * v.ndim)
+        half = jax.lax.broadcasted_iota(jnp.int32, (2,) + (1,) * v.ndim, 0)  # 0: unconditional, 1: conditional
+        w = jnp.where(half == 0, 1 - g, g).astype(jnp.float32)
         guided = jnp.sum(w * v.reshape((2, b) + v.shape[1:]), axis=0)
         return x + dt * guided
 
