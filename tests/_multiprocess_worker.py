@@ -36,8 +36,8 @@ def main():
     ap.add_argument("--process-id", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--phases", default="parity,bench,die")
-    ap.add_argument("--init-timeout", type=int, default=60)
-    ap.add_argument("--heartbeat-timeout", type=int, default=10)
+    ap.add_argument("--init-timeout", type=int, default=120)
+    ap.add_argument("--heartbeat-timeout", type=int, default=30)
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     pid = args.process_id
