@@ -48,6 +48,9 @@ def _batch2(case):
     ("flux_batch2", dict(cfg=2), "sp", {}),
     ("ltx2_batch2", dict(cfg=2), "sp", {}),
     ("hunyuan_video", dict(cfg=2), "sp", {}),
+    ("qwen_image", dict(cfg=2), "sp", {}),                    # the per-sample text key mask
+    ("qwen_image_edit_zero_cond_t", dict(cfg=2), "sp", {}),   # per-token cond rows (no batch axis)
+    ("qwen_image_layered", dict(cfg=2), "tp", {}),            # additional_t_cond per sample
     ("wan_t2v_batch2", dict(data=2), "tp", {}),
 ])
 def test_ports_split_the_batch_over_cfg_and_data(case, axes, mode, options):
