@@ -54,7 +54,8 @@ def _env():
 
 def launch(n, out, *, phases="parity,bench,die", ids=None, port=None, timeout=RUN_TIMEOUT, **flags):
     """Runs the worker as processes `ids` (default 0..n-1) of an `n`-process run;
-    returns [(returncode, stdout, stderr, seconds)], killing what outlives `timeout`."""
+    returns [(returncode, stdout, stderr, seconds, wall-clock end)], killing what outlives
+    `timeout` (the end is when the launcher saw it exit: an upper bound)."""
     port = port or free_port()
     ids = range(n) if ids is None else ids
     extra = [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
@@ -73,7 +74,7 @@ def launch(n, out, *, phases="parity,bench,die", ids=None, port=None, timeout=RU
             p.kill()
             so, se = p.communicate()
             se += f"\n[killed after {timeout} s]"
-        res.append((p.returncode, so, se, time.monotonic() - t0))
+        res.append((p.returncode, so, se, time.monotonic() - t0, time.time()))
     return res
 
 
@@ -84,7 +85,7 @@ def two_processes(tmp_path_factory):
 
 
 def _show(res):
-    return "\n".join(f"--- process {i}: rc={rc} after {t:.1f} s\n{se[-3000:]}" for i, (rc, so, se, t) in enumerate(res))
+    return "\n".join(f"--- process {i}: rc={rc} after {t:.1f} s\n{se[-3000:]}" for i, (rc, so, se, t, _) in enumerate(res))
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,18 +192,25 @@ def test_the_bench_reports_once_with_every_process_hash_equal(two_processes):
 
 
 def test_a_dead_peer_stops_the_survivor_with_a_clear_error(two_processes):
+    """Process 1 exits abruptly after a step. Process 0 stops within seconds with a clear
+    error, by whichever notices first: its next collective fails (the bench's path: the
+    message and exit status EXIT_PEER_LOST), or JAX's coordination service sees the
+    lost task and terminates it with its own message."""
     out, res = two_processes
-    (rc0, _, se0, _), (rc1, _, se1, _) = res
+    (rc0, _, se0, _, end0), (rc1, _, se1, _, _) = res
     assert rc1 == 17, _show(res)
-    assert rc0 == distributed.EXIT_PEER_LOST, _show(res)
-    assert "a peer process is gone" in se0 and "killed after" not in se0
-    died, noticed = float((out / "died_at").read_text()), float((out / "error_at").read_text())
+    assert "killed after" not in se0, _show(res)
+    ours = rc0 == distributed.EXIT_PEER_LOST and "error: a peer process is gone" in se0
+    jaxs = rc0 != 0 and "Terminating process because the JAX distributed service detected fatal errors" in se0
+    assert ours or jaxs, _show(res)
+    died = float((out / "died_at").read_text())
+    noticed = float((out / "error_at").read_text()) if ours else end0
     assert 0 <= noticed - died < 30, noticed - died
 
 
 def test_an_absent_coordinator_is_a_clear_error_in_bounded_time(tmp_path):
     """Process 1 of 2 with no process 0 listening: DistributedError after the timeout."""
-    (rc, so, se, t), = launch(2, tmp_path, ids=[1], phases="parity", init_timeout=3, timeout=90)
+    (rc, so, se, t, _), = launch(2, tmp_path, ids=[1], phases="parity", init_timeout=3, timeout=90)
     assert rc == 2, se
     assert "no JAX coordinator answered at 127.0.0.1:" in se and "within 3 s" in se, se
     assert "killed after" not in se
@@ -211,7 +219,7 @@ def test_an_absent_coordinator_is_a_clear_error_in_bounded_time(tmp_path):
 def test_a_peer_that_never_joins_ends_the_run_in_bounded_time(tmp_path):
     """Process 0 of 2 alone: jax.distributed gives up after the initialisation timeout
     and terminates the process with its own message (no hang)."""
-    (rc, so, se, t), = launch(2, tmp_path, ids=[0], phases="parity", init_timeout=3, timeout=90)
+    (rc, so, se, t, _), = launch(2, tmp_path, ids=[0], phases="parity", init_timeout=3, timeout=90)
     assert rc != 0 and "killed after" not in se, se
     assert "DEADLINE_EXCEEDED" in se or "Deadline Exceeded" in se, se[-2000:]
     assert "process 0/2 joining 127.0.0.1:" in se
