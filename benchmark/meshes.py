@@ -43,16 +43,9 @@ CASES = {
     "ltx2_v6e2x4_tp8": ("v6e:2x4", [*LTX, "--mesh", "tp=8"], "sp-pallas"),
     "ltx2_v6e2x2_cfg2tp2": ("v6e:2x2", [*LTX, "--mesh", "cfg=2,tp=2"], "sp-pallas"),
     "ltx2_v6e2x2_tp4": ("v6e:2x2", [*LTX, "--mesh", "tp=4"], "sp-pallas"),
-    "wan81_v5e2x4_cfg2tp4": ("v5e:2x4", [*WAN, "--frames", "81", "--mesh", "cfg=2,tp=4"], "sp-pallas,tp"),
-    "wan81_v5e2x4_tp8": ("v5e:2x4", [*WAN, "--frames", "81", "--mesh", "tp=8"], "sp-pallas,tp"),
+    "wan81_v5e2x4_cfg2tp4": ("v5e:2x4", [*WAN, "--frames", "81", "--mesh", "cfg=2,tp=4"], "sp-pallas"),
+    "wan81_v5e2x4_tp8": ("v5e:2x4", [*WAN, "--frames", "81", "--mesh", "tp=8"], "sp-pallas"),
 }
-
-
-# Which code the JSONs in benchmark/results/meshes/ were compiled from: "a" = this branch
-# on main 6939dfa (before main's shared timestep sinusoid, 140bf90), "b" = on main 140bf90.
-# Rows compare within one letter; "b" moved Wan's step by about -4% (non-matmul work).
-COMPILED_AT = {name: "a" for name in ("wan9_v5e2x4_cfg2tp4", "wan9_v5e2x4_tp8", "wan9_v5e2x2_cfgb2", "wan81_v5e4x4",
-                                      "ltx2_v5e2x4_cfg2tp4", "ltx2_v5e2x4_tp8", "ltx2_v5e2x2_cfgb2")}
 
 
 def command(name, out_dir):
@@ -87,8 +80,8 @@ def table(args):
     gib = 2 ** 30
     got = list(rows(args.out))
     print("| slice | model (shape) | rows per call | mesh | mode | HBM GiB/chip | est. ms/step | ideal ms | raw ms "
-          "| exposed transfer ms | non-matmul ms | Pallas ms | code |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| exposed transfer ms | non-matmul ms | Pallas ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, topo, r in got:
         s = r["shape"]
         b = r["breakdown"]
@@ -96,7 +89,7 @@ def table(args):
         print(f"| {topo} | {r['model']} ({shape}) | {r['batch']} | `{r['mesh']}` | {r['mode']} | "
               f"{r['hbm']['total'] / gib:.2f} | {r['estimate_ms']:.1f} | {r['ideal_ms']:.1f} | "
               f"{r['estimate_raw_ms']:.1f} | {b['exposed_transfer_ms'] + b['sync_collective_ms']:.1f} | "
-              f"{b['nonmatmul_ms']:.1f} | {b['pallas_ms']:.1f} | {COMPILED_AT.get(name, 'b')} |")
+              f"{b['nonmatmul_ms']:.1f} | {b['pallas_ms']:.1f} |")
     print()
     best = {}
     for name, topo, r in got:
