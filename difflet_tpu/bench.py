@@ -12,6 +12,17 @@ reports HBM per chip, FLOPs, collectives and a schedule-based ESTIMATE of the
 step time (difflet_tpu.estimate; docs/benchmarks.md has the model and its
 constants).
 
+Meshes: `--mesh cfg=2,tp=4` (or DIFFLET_TPU_MESH) splits classifier-free
+guidance's [unconditional | conditional] rows over two `cfg` groups, each a
+`tp` ring; `data` splits more rows (`--batch` prompts). Default: one `tp`
+ring over every device when the heads divide it, else the largest ring that
+divides them with `cfg` / `data` groups for the rest.
+
+Multi-host (`--distributed`, or `--coordinator/--num-processes/--process-id`):
+every process runs the same command on the global mesh (difflet_tpu.distributed);
+process 0 prints the table and writes the JSON, and the final latents' sha256
+of every process must agree.
+
 Modes: tp, sp (JAX rings or Pallas kernels per the config / model default),
 sp-xla (plain all_gather / psum_scatter with XLA's collective-matmul
 decomposition switched on), all. Default: DIFFLET_TPU_SP (1 -> sp, 0 -> tp),
@@ -80,6 +91,21 @@ def parser():
     ap.add_argument("--topology", help="TPU topology for --compile-only, e.g. v5e:2x2, v5e:2x4, v6e:2x2")
     ap.add_argument("--calibrated", choices=("yes", "no"), default="yes",
                     help="--compile-only: apply the estimator's one fitted factor (default yes; both are reported)")
+    ap.add_argument("--mesh", help="device mesh AXIS=SIZE,... over cfg, data, tp, e.g. cfg=2,tp=4 (default: "
+                    "DIFFLET_TPU_MESH, else one tp ring over every device when the heads divide it)")
+    ap.add_argument("--batch", type=int, default=1, help="prompts per call (CFG doubles the rows; default 1)")
+    dist = ap.add_argument_group("multi-host (jax.distributed; docs/multi-host.md)")
+    dist.add_argument("--distributed", action="store_true",
+                      help="join a multi-process run found from the environment (a TPU VM slice: run the same "
+                      "command on every worker)")
+    dist.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (explicit multi-process run)")
+    dist.add_argument("--num-processes", type=int)
+    dist.add_argument("--process-id", type=int)
+    dist.add_argument("--cpu-devices", type=int, help="virtual CPU devices in this process (no TPU; default 4)")
+    dist.add_argument("--init-timeout", type=int, default=300,
+                      help="seconds to wait for the coordinator and every process (default 300)")
+    dist.add_argument("--heartbeat-timeout", type=int, default=100,
+                      help="seconds after which a silent process is declared dead (default 100)")
     return ap
 
 
@@ -140,6 +166,32 @@ def validate(args, ap):
         ap.error("--weights loads one transformer: give one --model")
     if args.embeddings and not os.path.isfile(args.embeddings):
         ap.error(f"--embeddings {args.embeddings}: no such file")
+    if args.batch < 1:
+        ap.error("--batch must be >= 1")
+    from difflet_tpu.config import Config, ConfigError
+    from difflet_tpu.mesh import parse_mesh
+
+    if args.mesh is not None:
+        try:
+            args.mesh_axes = parse_mesh(args.mesh)
+        except ValueError as e:
+            ap.error(f"--mesh: {e}")
+    else:
+        try:
+            args.mesh_axes = Config.from_env().mesh_axes()
+        except ConfigError as e:
+            ap.error(str(e))
+    explicit = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
+    if any(explicit) and not all(explicit):
+        ap.error("--coordinator, --num-processes and --process-id go together")
+    args.multi = args.distributed or all(explicit)
+    if args.compile_only and (args.multi or args.cpu_devices):
+        ap.error("--compile-only compiles deviceless in one process: no --distributed / --coordinator / "
+                 "--cpu-devices")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        ap.error("--cpu-devices must be >= 1")
+    if args.init_timeout < 1 or args.heartbeat_timeout < 1:
+        ap.error("--init-timeout and --heartbeat-timeout must be >= 1 (seconds)")
     try:
         args.modes = parse_modes(args.mode)
     except BenchError as e:
@@ -224,6 +276,48 @@ def shape_for(spec, preset, args):
     return base
 
 
+def mesh_axes_for(spec, cfg, n: int, rows: int, requested: dict | None, guided: bool = False) -> dict:
+    """The mesh {"cfg", "data", "tp"} for a model on `n` devices and `rows` batch rows.
+
+    `requested` (--mesh / DIFFLET_TPU_MESH) wins; a missing `tp` takes the devices
+    `cfg` x `data` leave. Otherwise the mesh using the most devices whose `tp`
+    divides every head count and whose cfg x data divides the rows, preferring a
+    larger `tp` ring, then `cfg` groups: one `tp` ring over all devices whenever the
+    heads divide it (Wan's 40 heads on 16 chips: cfg=2 x tp=8)."""
+    heads = spec.heads(cfg)
+    if requested:
+        axes = {"cfg": 1, "data": 1, **requested}
+        if axes["cfg"] > 1 and not guided:
+            raise BenchError(f"{spec.name}: a cfg axis splits classifier-free guidance's rows, and this run has no "
+                             f"CFG batch (guidance embedded, or --guidance 1): use data= for more rows")
+        outer = axes["cfg"] * axes["data"]
+        if "tp" not in requested:
+            if n % outer:
+                raise BenchError(f"--mesh {requested}: cfg x data = {outer} does not divide the {n} devices")
+            axes["tp"] = n // outer
+        if outer * axes["tp"] > n:
+            raise BenchError(f"--mesh needs {outer * axes['tp']} devices, {n} are available")
+        bad = {k: h for k, h in heads.items() if h % axes["tp"]}
+        if bad:
+            raise BenchError(f"{spec.name}: {bad} heads do not divide over tp={axes['tp']} (choose a tp that "
+                             f"divides {sorted(set(heads.values()))})")
+        if rows % outer:
+            raise BenchError(f"{spec.name}: {rows} batch rows do not split over cfg x data = {outer} (CFG gives 2 "
+                             f"rows per prompt; --batch sets the prompts)")
+        return axes
+    best = None
+    for c in ((1, 2) if guided else (1,)):
+        for d in range(1, n + 1):
+            for t in range(1, n + 1):
+                used = c * d * t
+                if used > n or n % used or rows % (c * d) or any(h % t for h in heads.values()):
+                    continue
+                key = (used, t, c)
+                if best is None or key > best[0]:
+                    best = (key, dict(cfg=c, data=d, tp=t))
+    return best[1]
+
+
 def build_config(spec, preset):
     from difflet_tpu.config import Config
 
@@ -274,6 +368,27 @@ def weight_dirs(args, spec, preset) -> list[str]:
     if spec.experts.get(preset) is None:
         return [args.weights]
     return [os.path.join(args.weights, "transformer"), os.path.join(args.weights, "transformer_2")]
+
+
+def model_mesh(spec, preset, args, n_devices: int):
+    """The mesh one model runs on: `mesh_axes_for` its heads (the checkpoint's config
+    with --weights), its batch rows and --mesh / DIFFLET_TPU_MESH, over every device."""
+    from difflet_tpu import weights
+    from difflet_tpu.config import Config
+    from difflet_tpu.mesh import make_mesh
+
+    try:
+        cfg = build_config(spec, preset)
+        if args.weights:
+            wcfg = weights.read_config(weight_dirs(args, spec, preset)[0])
+            if wcfg["_class_name"] in spec.class_names:  # otherwise prepare refuses it
+                cfg = spec.config_from_diffusers(wcfg, split_rope=Config.from_env().split_rope)
+    except ValueError as e:  # WeightsError included
+        raise BenchError(str(e)) from None
+    guidance = spec.pipeline.guidance if args.guidance is None else args.guidance
+    guided = spec.pipeline.guidance_mode == "cfg" and guidance != 1.0
+    axes = mesh_axes_for(spec, cfg, n_devices, args.batch * (2 if guided else 1), args.mesh_axes, guided)
+    return make_mesh(**axes)
 
 
 def prepare(spec, preset, args, mesh, dtype) -> dict:
@@ -327,8 +442,8 @@ def prepare(spec, preset, args, mesh, dtype) -> dict:
         cfg_batch = pipe.guidance_mode == "cfg" and guidance != 1.0
         steps = args.steps or (4 if args.cpu else pipe.steps)
         np_dtype = np.float32 if dtype == jnp.float32 else jnp.bfloat16
-        inputs = spec.example_inputs(cfg, **shape, batch=1, seed=args.seed, dtype=np_dtype)
-        cfg_inputs = (spec.example_inputs(cfg, **shape, batch=2, seed=args.seed + 1, dtype=np_dtype)
+        inputs = spec.example_inputs(cfg, **shape, batch=args.batch, seed=args.seed, dtype=np_dtype)
+        cfg_inputs = (spec.example_inputs(cfg, **shape, batch=2 * args.batch, seed=args.seed + 1, dtype=np_dtype)
                       if cfg_batch else None)
         if cfg_inputs is not None:  # conditional rows second, the same latents
             for k in pipe.latent_keys:
@@ -348,7 +463,7 @@ def prepare(spec, preset, args, mesh, dtype) -> dict:
         schedule = pipe.schedule(steps, inputs, preset)
     except ValueError as e:  # WeightsError included
         raise BenchError(str(e)) from None
-    return dict(fam=fam, preset=preset, spec=spec, cfg=cfg, dirs=dirs, shape=shape,
+    return dict(fam=fam, preset=preset, spec=spec, cfg=cfg, dirs=dirs, shape=shape, mesh=mesh,
                 guidance=guidance, cfg_batch=cfg_batch, steps=steps, np_dtype=np_dtype, inputs=inputs,
                 cfg_inputs=cfg_inputs, schedule=schedule, boundary=boundary, n_experts=n_experts)
 
@@ -360,8 +475,9 @@ def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
     import numpy as np
     from flax import nnx
 
-    from difflet_tpu import checks, runtime
+    from difflet_tpu import checks, distributed, runtime
     from difflet_tpu import pipeline as PL
+    from difflet_tpu.mesh import format_mesh
     from difflet_tpu.config import Config
     from difflet_tpu.runner import Runner
 
@@ -370,8 +486,9 @@ def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
     inputs, cfg_inputs, cfg_batch, guidance = plan["inputs"], plan["cfg_inputs"], plan["cfg_batch"], plan["guidance"]
     analytic = float(spec.flops(cfg, cfg_inputs if cfg_batch else inputs))
     base = dict(model=f"{fam}:{preset}", family=fam, preset=preset, shape=plan["shape"], steps=plan["steps"],
-                guidance=guidance, cfg_batch2=cfg_batch, experts=plan["n_experts"],
-                dtype=str(np.dtype(plan["np_dtype"])), devices=mesh.devices.size,
+                guidance=guidance, cfg_batch2=cfg_batch, batch=args.batch, experts=plan["n_experts"],
+                dtype=str(np.dtype(plan["np_dtype"])), mesh=format_mesh(dict(mesh.shape)),
+                devices=mesh.devices.size, processes=distributed.info().count,
                 platform=mesh.devices.flat[0].platform, analytic_tflops_per_step=analytic / 1e12, seed=args.seed,
                 weights=args.weights or "random", embeddings=args.embeddings or "random")
     finals = {}
@@ -422,6 +539,8 @@ def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
             results.append(row)
             continue
         row["sha256"] = sha256(final)
+        # every process holds the whole final latents: their hashes must agree
+        row["sha256_agree"], row["sha256_processes"] = distributed.all_equal(row["sha256"])
         finals[mode] = final
         results.append(row)
     ref = "tp" if "tp" in finals else None
@@ -476,8 +595,12 @@ def param_bytes(params) -> tuple[int, int]:
 
 
 def peak_memory(mesh):
+    import jax
+
     peaks = []
     for d in mesh.devices.flat:
+        if d.process_index != jax.process_index():
+            continue  # another process's device
         try:
             stats = d.memory_stats()
         except Exception:  # noqa: BLE001 - platforms without memory stats
@@ -502,7 +625,7 @@ def dump_hlo(directory, name, runner, den, mode):
 
 def print_table(results, out=None):
     out = out or sys.stdout
-    hdr = (f"{'model':28} {'mode':7} {'load s':>7} {'compile s':>9} {'step ms med':>11} {'min':>8} {'max':>8} "
+    hdr = (f"{'model':28} {'mode':7} {'mesh':16} {'load s':>7} {'compile s':>9} {'step ms med':>11} {'min':>8} {'max':>8} "
            f"{'denoise s':>9} {'peak GiB':>8} {'sha256':>12} {'rel L2 vs TP':>12} {'PSNR dB':>8} {'SP/TP':>6}")
     print(hdr, file=out)
     for r in results:
@@ -511,7 +634,7 @@ def print_table(results, out=None):
             continue
         v = r.get("vs_tp", {})
         peak = "-" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.2f}"
-        print(f"{r['model']:28} {r['mode']:7} {r['load_s']:7.2f} {r['compile_s']:9.2f} "
+        print(f"{r['model']:28} {r['mode']:7} {r['mesh']:16} {r['load_s']:7.2f} {r['compile_s']:9.2f} "
               f"{r['step_ms']['median']:11.2f} {r['step_ms']['min']:8.2f} {r['step_ms']['max']:8.2f} "
               f"{r['denoise_s']:9.2f} {peak:>8} {r['sha256'][:12]:>12} "
               f"{('%.2e' % v['rel_l2']) if v else '-':>12} {('%.1f' % v['psnr_db']) if v else '-':>8} "
@@ -519,21 +642,32 @@ def print_table(results, out=None):
 
 
 def run_bench(args):
-    """The denoise benchmark on the devices at hand (4 virtual CPU devices without a TPU)."""
+    """The denoise benchmark on the devices at hand (4 virtual CPU devices without a TPU);
+    with --distributed / --coordinator, on every process's devices (process 0 reports)."""
     tpu = has_tpu()
     args.cpu = not tpu
-    if args.cpu:
+    cpu_devices = args.cpu_devices or CPU_DEVICES
+    from difflet_tpu import distributed
+
+    if args.multi:
+        try:
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                   cpu_devices=cpu_devices if args.cpu else None,
+                                   init_timeout_s=args.init_timeout, heartbeat_timeout_s=args.heartbeat_timeout)
+        except distributed.DistributedError as e:
+            raise BenchError(str(e)) from None
+    elif args.cpu:
         from difflet_tpu.mesh import use_cpu_devices
 
-        use_cpu_devices(CPU_DEVICES)
+        use_cpu_devices(cpu_devices)
     import jax
     import jax.numpy as jnp
 
     from difflet_tpu import pipeline as PL
     from difflet_tpu import runtime
     from difflet_tpu.config import Config
-    from difflet_tpu.mesh import make_mesh
 
+    me = distributed.info()
     cache_dir = args.compile_cache or Config.from_env().compile_cache
     if cache_dir:  # before the first compile; a bad directory fails here
         cache_dir = runtime.enable_compile_cache(cache_dir)
@@ -542,22 +676,33 @@ def run_bench(args):
     cache_before = runtime.cache_entries(cache_dir) if cache_dir else None
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype or ("float32" if args.cpu else "bfloat16")]
     models = resolve_models(args)
-    mesh = make_mesh(min(CPU_DEVICES, jax.device_count()) if args.cpu else None)
-    plans = [prepare(spec, preset, args, mesh, dtype) for spec, preset in models]  # every refusal before any work
+    n_devices = jax.device_count() if (args.multi or not args.cpu) else min(cpu_devices, jax.device_count())
+    # every refusal before any work; each model on its own mesh (cfg / data / tp)
+    plans = [prepare(spec, preset, args, model_mesh(spec, preset, args, n_devices), dtype)
+             for spec, preset in models]
     results = []
     for plan in plans:
         try:
-            run_model(plan, args, mesh, dtype, results, hlo_dir=args.dump_hlo)
+            run_model(plan, args, plan["mesh"], dtype, results, hlo_dir=args.dump_hlo)
         except Exception as e:  # noqa: BLE001 - report per model, keep going
+            if args.multi and distributed.peer_failure(e):
+                distributed.exit_peer_lost(e, f"the {plan['fam']}:{plan['preset']} benchmark")
             results.append(dict(model=f"{plan['fam']}:{plan['preset']}", error=f"{type(e).__name__}: {str(e)[:300]}"))
+    for r in results:
+        if "error" not in r and not r.get("sha256_agree", True):
+            r["error"] = "final latents differ between processes: " + ", ".join(
+                f"{i}: {h[:12]}" for i, h in enumerate(r["sha256_processes"]))
+    failed = any("error" in r for r in results)
+    if not me.is_reporter:
+        return 1 if failed else 0
     print_table(results)
     if args.json:
         cache = None if not cache_dir else dict(
             dir=cache_dir, entries_before=cache_before, entries_after=runtime.cache_entries(cache_dir))
-        write_json(args.json, dict(kind="bench", platform="cpu" if args.cpu else "tpu",
-                                   libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS"), compile_cache=cache,
-                                   results=results))
-    return 1 if any("error" in r for r in results) else 0
+        write_json(args.json, dict(kind="bench", platform="cpu" if args.cpu else "tpu", processes=me.count,
+                                   devices=jax.device_count(), libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS"),
+                                   compile_cache=cache, results=results))
+    return 1 if failed else 0
 
 
 # --------------------------------------------------------------------------
@@ -576,6 +721,8 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
     from difflet_tpu.runner import Runner
 
     fam = spec.name
+    from difflet_tpu.mesh import _coords, format_mesh, mesh_shape, ring_hops, tp_groups
+
     pmode, overrides = COMPILE_VARIANTS[variant]
     # no compile cache: a deviceless compile writes entries it can never load
     config = Config.from_env(compile_cache=None, **overrides)
@@ -603,9 +750,12 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
     ideal = analytic / (P * chip.bf16_flops)
     used = cal if args.calibrated == "yes" else raw
     sp_kernel = config.ag_kernel("pallas", "tpu") if pmode == "sp" else None
+    coords = {d.id: _coords(d)[:3] for d in mesh.devices.flat}
+    hops = [ring_hops(g, coords) for g in tp_groups(mesh)]
     return dict(
         model=f"{fam}:{preset}", family=fam, preset=preset, mode=variant, parallel_mode=pmode,
-        ag_impl=sp_kernel, shape=shape, batch=batch, chips=P, compile_s=round(compile_s, 2),
+        ag_impl=sp_kernel, shape=shape, batch=batch, chips=P, mesh=format_mesh(dict(mesh.shape)),
+        tp_ring_max_hops=max(max(h) for h in hops), compile_s=round(compile_s, 2),
         hbm=dict(mem, capacity=chip.hbm_bytes, fits=mem["total"] <= chip.hbm_bytes),
         flops=dict(xla_per_chip=cost.get("flops"), analytic_total=analytic, analytic_per_chip=analytic / P),
         ideal_ms=ms(ideal), estimate_ms=ms(used.total), estimate_raw_ms=ms(raw.total),
@@ -629,9 +779,10 @@ def run_compile_only(args):
     chip = E.chip_for(args.topology)
     calibration = E.CALIBRATION.get(chip.name, E.Calibration())
     try:
-        mesh = deviceless.topology_mesh(args.topology)
+        devices = deviceless.topology_devices(args.topology)
     except Exception as e:  # noqa: BLE001
         raise BenchError(f"--topology {args.topology}: libtpu did not accept it ({type(e).__name__}: {e})")
+    from difflet_tpu.mesh import format_mesh, make_mesh, mesh_shape
     if args.model:
         models = [PL.resolve_model(m) for m in args.model]
     else:
@@ -644,19 +795,30 @@ def run_compile_only(args):
         shape = shape_for(spec, preset, args)
         pipe = spec.pipeline
         guidance = pipe.guidance if args.guidance is None else args.guidance
-        batch = 2 if pipe.guidance_mode == "cfg" and guidance != 1.0 else 1
+        guided = pipe.guidance_mode == "cfg" and guidance != 1.0
+        batch = args.batch * (2 if guided else 1)
+        try:
+            axes = mesh_axes_for(spec, cfg, len(devices), batch, args.mesh_axes, guided)
+        except BenchError as e:
+            failed = True
+            results.append(dict(model=f"{spec.name}:{preset}", mode="-", mesh=args.mesh or "-", error=str(e)))
+            continue
+        mesh = make_mesh(devices=devices, **axes)
         for variant in args.modes:
             name = f"{spec.name}:{preset}"
-            print(f"compiling {name} {variant} for {args.topology} ...", file=sys.stderr, flush=True)
+            print(f"compiling {name} {variant} on {format_mesh(dict(mesh.shape))} for {args.topology} ...",
+                  file=sys.stderr, flush=True)
             try:
                 results.append(compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args, batch))
             except Exception as e:  # noqa: BLE001
                 failed = True
-                results.append(dict(model=name, mode=variant, error=f"{type(e).__name__}: {str(e)[:400]}"))
+                results.append(dict(model=name, mode=variant, mesh=format_mesh(dict(mesh.shape)),
+                                    error=f"{type(e).__name__}: {str(e)[:400]}"))
     for r in results:
         if "error" in r:
             continue
-        tp = next((x for x in results if x.get("model") == r["model"] and x.get("mode") == "tp" and "error" not in x), None)
+        tp = next((x for x in results if x.get("model") == r["model"] and x.get("mesh") == r["mesh"]
+                   and x.get("mode") == "tp" and "error" not in x), None)
         if tp and r["mode"] != "tp":
             r["ratio_vs_tp"] = round(r["estimate_ms"] / tp["estimate_ms"], 3)
     print_compile_table(results, args.topology, chip, calibration)
@@ -673,7 +835,7 @@ def print_compile_table(results, topology, chip, calibration, out=None):
     print(f"compile-only ESTIMATES for {topology} ({chip.name}: {chip.bf16_flops / 1e12:.0f} TFLOP/s, "
           f"HBM {gib(chip.hbm_bytes):.0f} GiB at {chip.hbm_bw / 1e9:.0f} GB/s, ICI {chip.ici_link_bw / 1e9:.0f} GB/s/link; "
           f"non-matmul factor {calibration.nonmatmul})", file=out)
-    print(f"{'model':28} {'mode':9} {'args GiB':>8} {'temp GiB':>8} {'out GiB':>7} {'HBM GiB':>7} {'fits':>4} "
+    print(f"{'model':28} {'mode':9} {'mesh':16} {'args GiB':>8} {'temp GiB':>8} {'out GiB':>7} {'HBM GiB':>7} {'fits':>4} "
           f"{'TF/chip xla':>11} {'TF/chip an.':>11} {'ideal ms':>8} {'est ms':>8} {'raw ms':>8} {'x TP':>5} "
           f"{'matmul':>7} {'nonmm':>7} {'pallas':>7} {'exposed':>7} {'sync':>7}  collectives (count/bytes per chip/overlapped)",
           file=out)
@@ -685,7 +847,7 @@ def print_compile_table(results, topology, chip, calibration, out=None):
         coll = "; ".join(f"{k} {v['count']}/{v['bytes_per_chip'] / 1e9:.2f}GB/{v['overlapped']}"
                          for k, v in b["collectives"].items())
         xla = r["flops"]["xla_per_chip"]
-        print(f"{r['model']:28} {r['mode']:9} {gib(h['arguments']):8.2f} {gib(h['temporaries']):8.2f} "
+        print(f"{r['model']:28} {r['mode']:9} {r['mesh']:16} {gib(h['arguments']):8.2f} {gib(h['temporaries']):8.2f} "
               f"{gib(h['outputs']):7.2f} {gib(h['total']):7.2f} {'yes' if h['fits'] else 'NO':>4} "
               f"{(xla or 0) / 1e12:11.2f} {r['flops']['analytic_per_chip'] / 1e12:11.2f} {r['ideal_ms']:8.1f} "
               f"{r['estimate_ms']:8.1f} {r['estimate_raw_ms']:8.1f} {r.get('ratio_vs_tp', 1.0):5.2f} "

@@ -46,6 +46,11 @@ class Config:
         the test suite turns it on).
     split_rope: split-halves RoPE by a one-time q/k weight permutation for
         checkpoints with interleaved RoPE (`DIFFLET_TPU_SPLIT_ROPE`).
+    mesh: the device mesh as "AXIS=SIZE,..." over the axes cfg (classifier-free
+        guidance: unconditional and conditional rows on two groups), data (more
+        batch rows) and tp (the TP/SP ring), e.g. "cfg=2,tp=4"; None: one `tp`
+        ring over every device (`DIFFLET_TPU_MESH`). Stored normalised
+        ("cfg=2,tp=4", axes in mesh order); `mesh_axes()` gives the sizes.
     compile_cache: a directory for JAX's persistent compilation cache, so a
         later process loads the compiled steps instead of recompiling; None
         turns it off (`DIFFLET_TPU_COMPILE_CACHE`). The Runner and the bench
@@ -61,6 +66,7 @@ class Config:
     sp_pad: bool = True
     check_vma: bool = False
     split_rope: bool = True
+    mesh: str | None = None
     compile_cache: str | None = None
 
     def __post_init__(self):
@@ -75,6 +81,14 @@ class Config:
             raise ConfigError(f"Config.sp_ag_assemble must be one of {ASSEMBLE_VALUES}, got {self.sp_ag_assemble!r}")
         if self.compile_cache is not None:
             _check_cache_path("Config.compile_cache", self.compile_cache)
+        if self.mesh is not None:
+            object.__setattr__(self, "mesh", _normal_mesh("Config.mesh", self.mesh))
+
+    def mesh_axes(self) -> dict | None:
+        """{"cfg": 2, "tp": 4} from `mesh`, or None when unset."""
+        from difflet_tpu.mesh import parse_mesh
+
+        return None if self.mesh is None else parse_mesh(self.mesh)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Config":
@@ -130,6 +144,20 @@ def _check_cache_path(name: str, value) -> None:
                           f"(remote caches are not supported)")
 
 
+def _normal_mesh(name: str, value) -> str:
+    from difflet_tpu.mesh import AXES, format_mesh, parse_mesh
+
+    try:
+        return format_mesh(parse_mesh(value))
+    except ValueError as e:
+        raise ConfigError(f"{name}={value!r} is not allowed; use one of: AXIS=SIZE[,AXIS=SIZE...] over the axes "
+                          f"{', '.join(AXES)}, e.g. cfg=2,tp=4 ({e})") from None
+
+
+def _parse_mesh(var: str, value: str) -> str:
+    return _normal_mesh(var, value)
+
+
 def _parse_path(var: str, value: str) -> str:
     _check_cache_path(var, value)
     return value.strip()
@@ -145,5 +173,6 @@ ENV_VARS = {
     "DIFFLET_TPU_SP_PAD": ("sp_pad", _parse_bool),
     "DIFFLET_TPU_CHECK_VMA": ("check_vma", _parse_bool),
     "DIFFLET_TPU_SPLIT_ROPE": ("split_rope", _parse_bool),
+    "DIFFLET_TPU_MESH": ("mesh", _parse_mesh),
     "DIFFLET_TPU_COMPILE_CACHE": ("compile_cache", _parse_path),
 }

@@ -76,11 +76,11 @@ def topology_devices(topology: str = "v5e:2x2"):
     return topologies.get_topology_desc(topology, "tpu").devices
 
 
-def topology_mesh(topology: str = "v5e:2x2", tp: int | None = None):
-    """A `tp` mesh on the devices of a TPU topology, ring in ICI order."""
+def topology_mesh(topology: str = "v5e:2x2", tp: int | None = None, *, cfg: int = 1, data: int = 1):
+    """A (`cfg`, `data`,) `tp` mesh on the devices of a TPU topology, each `tp` ring in ICI order."""
     from difflet_tpu.mesh import make_mesh
 
-    return make_mesh(tp, topology_devices(topology))
+    return make_mesh(tp, topology_devices(topology), cfg=cfg, data=data)
 
 
 def memory_report(compiled) -> dict:

@@ -130,7 +130,7 @@ from difflet_tpu.hlo import (Instr as Op, Module, array_bytes, array_shapes,  # 
 _PALLAS_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"(\d+)","bytes_accessed":"(\d+)"'
                           r'(?:,"remote_bytes_transferred":"(\d+)")?')
 _PAIRS = re.compile(r"source_target_pairs=\{([\d,{} ]*)\}")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:\s*\{([^}]*)\})?")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]+)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 
@@ -152,8 +152,10 @@ def is_pallas(o: Op) -> bool:
 def group_size(o: Op, default: int) -> int:
     """Participants of a collective, from its replica_groups."""
     m = _GROUPS_MESH.search(o.text)
-    if m:
-        return math.prod(int(x) for x in re.findall(r"=(\d+)", m.group(1))) or default
+    if m:  # mesh['cfg'=2,'tp'=4] {'tp'}: a group spans the axes in braces (all of them without)
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        axes = re.findall(r"'(\w+)'", m.group(2)) if m.group(2) else list(sizes)
+        return math.prod(int(sizes[a]) for a in axes if a in sizes) or default
     m = _GROUPS_LIST.search(o.text)
     if m:
         return len(m.group(1).split(","))

@@ -158,34 +158,48 @@ def apply_embeddings(inputs: dict, emb: dict, cfg_batch: bool) -> dict:
 # --------------------------------------------------------------------------
 
 
-def _euler_update():
+def _euler_update(mesh=None):
+    import functools
+
     import jax
     import jax.numpy as jnp
 
-    @jax.jit
+    jit = jax.jit
+    if mesh is not None:  # the latents stay whole on every device of the mesh
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        jit = functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P()))
+
+    @jit
     def update(x, out, dt, g):
         v = out.astype(jnp.float32)
         return x + dt * v
 
-    @jax.jit
+    @jit
     def update_cfg(x, out, dt, g):
+        """x + dt * (u + g (c - u)) for out = [u | c] on the batch axis, as the
+        weighted sum (1 - g) u + g c over the two halves: with the batch split
+        over the mesh's `cfg` axis (u on one group, c on the other) that sum is
+        one all-reduce over `cfg` of one latent per chip (docs/multi-host.md)."""
         v = out.astype(jnp.float32)
         b = x.shape[0]
-        uncond, cond = v[:b], v[b:]
-        return x + dt * (uncond + g * (cond - uncond))
+        half = jax.lax.broadcasted_iota(jnp.int32, (2,) + (1,) * v.ndim, 0)  # 0: unconditional, 1: conditional
+        w = jnp.where(half == 0, 1 - g, g).astype(jnp.float32)
+        guided = jnp.sum(w * v.reshape((2, b) + v.shape[1:]), axis=0)
+        return x + dt * guided
 
     return update, update_cfg
 
 
-_UPDATES = None
+_UPDATES = {}
 
 
-def updates():
-    """The jitted Euler / CFG latent updates (built once)."""
-    global _UPDATES
-    if _UPDATES is None:
-        _UPDATES = _euler_update()
-    return _UPDATES
+def updates(mesh=None):
+    """The jitted Euler / CFG latent updates (built once per mesh; on a mesh their
+    outputs are replicated, so every process holds the whole latents)."""
+    if mesh not in _UPDATES:
+        _UPDATES[mesh] = _euler_update(mesh)
+    return _UPDATES[mesh]
 
 
 @dataclasses.dataclass
@@ -221,6 +235,7 @@ class Denoiser:
         self.boundary = boundary
         self.cfg = pipeline.guidance_mode == "cfg" and guidance != 1.0
         self.dtype = dtype or jnp.float32
+        self.mesh = getattr(self.runners[0], "mesh", None)
         base = cfg_inputs if (self.cfg and cfg_inputs is not None) else inputs
         self.latents0 = {k: np.asarray(inputs[k], np.float32) for k in pipeline.latent_keys if k in inputs}
         self.latent_guidance = {k: float((latent_guidance or {}).get(k, guidance)) for k in self.latents0}
@@ -254,7 +269,7 @@ class Denoiser:
         t = float(self.schedule.timesteps[i])
         out = self.runners[self.expert(t)](**self.kwargs(latents, t))
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        update, update_cfg = updates()
+        update, update_cfg = updates(self.mesh)
         fn = update_cfg if self.cfg else update
         dt = np.float32(self.schedule.dt(i))
         new = {}
@@ -263,9 +278,16 @@ class Denoiser:
         return new
 
     def initial(self) -> dict:
+        """The initial latents: on the runners' mesh, whole on every device (every
+        process of a multi-process mesh holds them), else on the default device."""
+        import jax
         import jax.numpy as jnp
 
-        return {k: jnp.asarray(v) for k, v in self.latents0.items()}
+        if self.mesh is None:
+            return {k: jnp.asarray(v) for k, v in self.latents0.items()}
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        return {k: jax.device_put(v, NamedSharding(self.mesh, P())) for k, v in self.latents0.items()}
 
     def warmup(self, n: int) -> StepTimes:
         """Runs `max(n, 2)` chained steps per expert used by the schedule (the

@@ -7,8 +7,8 @@
 3. builds the step inputs on the host (patches, RoPE tables: `constant`
    caches those per geometry) and places them with their PartitionSpecs;
 4. calls the compiled step: one `jax.jit` of one `jax.shard_map` over the
-   `tp` axis (plain `jax.jit` on one device), compiled once per static
-   geometry, with the Runner's `compiler_options`;
+   mesh (plain `jax.jit` on one device), compiled once per static geometry,
+   with the Runner's `compiler_options`;
 5. finishes eagerly (cut the pad off, unpatchify).
 
 `Runner.trace(**abstract_kwargs)` runs the same path with ShapeDtypeStructs,
@@ -17,6 +17,14 @@ for deviceless compiles: `runner.trace(**kw).lower().compile()`.
 The Runner never changes the model it is given: parameters are placed on the
 mesh as a new state (a no-op for a model loaded onto this mesh), so one model
 serves Runners of any mode and can be saved at any time.
+
+Batch axes (`cfg`, `data`; difflet_tpu.mesh): parameters are sharded over
+`tp` only, so they are replicated over the batch axes; a port marks the batch
+axis of each step input and output with `BATCH` in its PartitionSpecs
+(`run.batch_spec()`, `run.row_spec()` includes it), and the Runner replaces
+it by the mesh's batch axes. Each `cfg` x `data` group then runs the TP/SP
+step on its own rows; `Parallel`'s collectives name only `tp`. A batch that
+does not split over cfg x data is refused before anything compiles.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from difflet_tpu import checks, collective_matmul as cm, layout
 from difflet_tpu.config import Config
 from difflet_tpu.kernels import _common as kernel_rules
-from difflet_tpu.mesh import TP
+from difflet_tpu.mesh import BATCH, TP, batch_axes, batch_ways, mesh_shape
 from difflet_tpu.parallel import Parallel, check_divisible, param_specs
 
 
@@ -53,7 +61,8 @@ class Runner:
     Args:
       model: a port model (built, loaded, or `runtime.abstract_model(...)` for
         `trace` only). Its port is found from its class.
-      mesh: a `tp` mesh (`difflet_tpu.make_mesh`), or None for one device.
+      mesh: a mesh from `difflet_tpu.make_mesh` (`tp`, optionally `cfg` / `data`
+        batch axes), or None for one device.
       config: `difflet_tpu.Config` (default: the environment): `sp` picks SP over
         TP; the ring kernels; `compile_cache`.
       mode: overrides the config's choice: "tp", "sp" or "sp-xla".
@@ -98,6 +107,8 @@ class Runner:
                                  f"tp={self.par.size} ranks (TP and SP split attention heads)")
         self._graphdef, state = nnx.split(model)
         self.abstract = any(_is_abstract(x) for x in jax.tree_util.tree_leaves(state))
+        self.batch_axes = batch_axes(mesh)
+        self.batch_ways = batch_ways(mesh)
         self._param_specs = None
         if mesh is not None:
             check_divisible(self.spec.plan, state, self.par.size)
@@ -139,13 +150,34 @@ class Runner:
                              f"needed): {cm.split_rule(self.par.size)}; or let the Runner pad (pad=True)")
         return layout.padded_length(n, mult)
 
-    def row_spec(self, ndim: int = 3, axis: int = 1) -> P:
-        """PartitionSpec of an activation whose `axis` is the token axis."""
-        if not self.par.seq_sharded:
-            return P()
+    def row_spec(self, ndim: int = 3, axis: int = 1, batch: int | None = 0) -> P:
+        """PartitionSpec of an activation whose `axis` is the token axis (sharded
+        over `tp` under SP) and whose `batch` axis is the batch (`BATCH`; None: no
+        batch axis)."""
         spec = [None] * ndim
-        spec[axis] = TP
+        if batch is not None:
+            spec[batch] = BATCH
+        if self.par.seq_sharded:
+            spec[axis] = TP
         return P(*spec)
+
+    def batch_spec(self, ndim: int = 1, axis: int = 0) -> P:
+        """PartitionSpec of an input or output whose `axis` is the batch and whose
+        other axes are whole on every rank (timesteps, pooled text, text tokens)."""
+        spec = [None] * ndim
+        spec[axis] = BATCH
+        return P(*spec)
+
+    def resolve_spec(self, spec):
+        """A port's PartitionSpec (pytree) with `BATCH` replaced by the mesh's batch
+        axes (`cfg`, `data`), or by None when the mesh has none."""
+        b = self.batch_axes
+        rep = None if not b else (b[0] if len(b) == 1 else b)
+
+        def one(s):
+            return P(*(rep if e == BATCH else e for e in s)) if isinstance(s, P) else s
+
+        return jax.tree.map(one, spec, is_leaf=lambda x: isinstance(x, P))
 
     def constant(self, key, make):
         """`make()` (host arrays, e.g. RoPE tables) computed once per hashable `key`;
@@ -158,6 +190,35 @@ class Runner:
 
     # ---- steps -------------------------------------------------------------
 
+    def check_batch(self, prep):
+        """Every input whose spec marks a batch axis splits over cfg x data; with batch
+        axes in the mesh, at least one input and every output carry one. A ValueError
+        before anything compiles."""
+        if self.batch_ways == 1:
+            return
+        shape = mesh_shape(self.mesh)
+        over = " x ".join(f"{a}={shape[a]}" for a in self.batch_axes)
+        marked = 0
+        for name, spec in prep.specs.items():
+            for axis, e in enumerate(spec):
+                if e != BATCH:
+                    continue
+                marked += 1
+                n = np.shape(prep.inputs[name])[axis]
+                if n % self.batch_ways:
+                    raise ValueError(
+                        f"{self.spec.name}: {name} has a batch of {n} rows (axis {axis}), which does not split "
+                        f"over the mesh's batch axes {over} = {self.batch_ways} groups: give a batch that is a "
+                        f"multiple of {self.batch_ways} (under CFG the batch is [unconditional | conditional], "
+                        f"2 rows per prompt), or a mesh without cfg/data axes")
+        if not marked:
+            raise ValueError(f"{self.spec.name}: the mesh splits the batch over {over}, but no step input of "
+                             f"this port marks a batch axis (BATCH in its PartitionSpecs)")
+        outs = jax.tree_util.tree_leaves(prep.out_specs, is_leaf=lambda x: isinstance(x, P))
+        if any(BATCH not in tuple(o) for o in outs):
+            raise ValueError(f"{self.spec.name}: the mesh splits the batch over {over}, but a step output's "
+                             f"PartitionSpec has no batch axis: {prep.out_specs}")
+
     def _step(self, key, specs: dict, out_specs):
         sig = (key, tuple(sorted(specs.items())))
         if sig not in self._steps:
@@ -167,13 +228,15 @@ class Runner:
                 return spec.forward(nnx.merge(graphdef, state), par, inputs, key)
 
             if self.mesh is not None:
-                inner = jax.shard_map(inner, mesh=self.mesh, in_specs=(self._param_specs, specs),
-                                      out_specs=out_specs, check_vma=self.config.check_vma)
+                inner = jax.shard_map(inner, mesh=self.mesh,
+                                      in_specs=(self._param_specs, {k: self.resolve_spec(v) for k, v in specs.items()}),
+                                      out_specs=self.resolve_spec(out_specs), check_vma=self.config.check_vma)
             self._steps[sig] = jax.jit(inner, compiler_options=self.compiler_options)
         return self._steps[sig]
 
     def _place(self, inputs: dict, specs: dict) -> dict:
         out = {}
+        specs = {k: self.resolve_spec(v) for k, v in specs.items()}
         for name, v in inputs.items():
             cached = id(v) in self._constant_ids
             if cached and (id(v), specs[name]) in self._placed:
@@ -190,7 +253,7 @@ class Runner:
 
     def _abstract_inputs(self, inputs: dict, specs: dict) -> dict:
         def sds(name, v):
-            sharding = None if self.mesh is None else NamedSharding(self.mesh, specs[name])
+            sharding = None if self.mesh is None else NamedSharding(self.mesh, self.resolve_spec(specs[name]))
             return jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v), sharding=sharding)
 
         return {k: sds(k, v) for k, v in inputs.items()}
@@ -211,6 +274,7 @@ class Runner:
         """Places `prep.inputs`, runs the compiled step for `prep.key` (compiling it
         once) and finishes: what `__call__` does after `prepare`. Ports use it for
         extra steps (Wan's `encode_text`)."""
+        self.check_batch(prep)
         step = self._step(prep.key, prep.specs, prep.out_specs)
         out = step(self._state, self._place(prep.inputs, prep.specs))
         if self.check_finite:
@@ -224,6 +288,7 @@ class Runner:
         kwargs = self.spec_kwargs(args, kwargs)
         concrete = {k: (np.zeros(v.shape, v.dtype) if _is_abstract(v) else v) for k, v in kwargs.items()}
         prep = self.prepare(concrete)
+        self.check_batch(prep)
         step = self._step(prep.key, prep.specs, prep.out_specs)
         return step.trace(self._state, self._abstract_inputs(prep.inputs, prep.specs))
 

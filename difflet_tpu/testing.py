@@ -149,7 +149,6 @@ def _toy_prepare(run, kw):
 
     from difflet_tpu import layout
     from difflet_tpu.port import Prepared
-    from jax.sharding import PartitionSpec as P
 
     unknown = set(kw) - {"hidden_states", "timestep"}
     if unknown:
@@ -161,7 +160,7 @@ def _toy_prepare(run, kw):
     rows = run.rows(n)
     inputs = dict(x=layout.pad_tokens(x, rows)[0], t=np.asarray(kw["timestep"], np.float32),
                   mask=layout.key_mask(n, rows, batch=x.shape[0]))
-    specs = dict(x=run.row_spec(), t=P(), mask=P())
+    specs = dict(x=run.row_spec(), t=run.batch_spec(), mask=run.batch_spec())  # the mask is (B, S)
     return Prepared(key=None, inputs=inputs, specs=specs, out_specs=run.row_spec(),
                     finish=lambda out: layout.unpad(out, n))
 
@@ -198,7 +197,8 @@ def toy_spec():
         name="toy", class_names=("ToyTransformer",), model_class=ToyModel,
         config_from_diffusers=_toy_config, presets=TOY_PRESETS, build=_toy_build, plan=PLAN,
         key_map=_toy_key_map, prepare=_toy_prepare, forward=_toy_forward,
-        forward_args=("hidden_states", "timestep"), heads=lambda c: {"heads": c.heads},
+        forward_args=("hidden_states", "timestep"),
+        heads=lambda c: {"heads": (c[0] if isinstance(c, tuple) else c).heads},  # a model's config or the preset's
         released="toy-small", bench_shape=dict(height=64, width=64, frames=1),
         tiny_shape=dict(height=64, width=64, frames=1), example_inputs=_toy_example_inputs, flops=_toy_flops,
         pipeline=Pipeline(schedule=lambda steps, inputs, preset: S.flow_match_euler(

@@ -81,12 +81,47 @@ def test_mode_default_follows_DIFFLET_TPU_SP(monkeypatch):
     (["--height", "-8"], "--height must be positive"),
     (["--dtype", "float16"], "invalid choice"),
     (["--mode", "sp-pallas"], "compile-only variant"),
+    (["--mesh", "pp=2,tp=2"], "unknown axis 'pp'"),
+    (["--mesh", "cfg=2,tp=x"], "not AXIS=SIZE"),
+    (["--batch", "0"], "--batch must be >= 1"),
+    (["--coordinator", "127.0.0.1:1234"], "go together"),
+    (["--compile-only", "--topology", "v5e:2x2", "--distributed"], "no --distributed"),
+    (["--cpu-devices", "0"], "--cpu-devices must be >= 1"),
 ])
 def test_bad_flags_are_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_mesh_choice():
+    wan, flux = models.spec("wan"), models.spec("flux")
+    wcfg = bench.build_config(wan, wan.released)
+    fcfg = bench.build_config(flux, flux.released)
+    assert bench.mesh_axes_for(wan, wcfg, 16, 2, None, True) == dict(cfg=2, data=1, tp=8)  # 40 heads: no 16-ring
+    assert bench.mesh_axes_for(wan, wcfg, 8, 2, None, True) == dict(cfg=1, data=1, tp=8)   # one ring over all
+    assert bench.mesh_axes_for(wan, wcfg, 8, 2, {"cfg": 2}, True) == dict(cfg=2, data=1, tp=4)
+    assert bench.mesh_axes_for(flux, fcfg, 16, 1, None) == dict(cfg=1, data=1, tp=8)
+    assert bench.mesh_axes_for(flux, fcfg, 16, 2, None) == dict(cfg=1, data=2, tp=8)
+    assert bench.mesh_axes_for(wan, wcfg, 16, 4, {"cfg": 2, "data": 2, "tp": 4}, True) == dict(cfg=2, data=2, tp=4)
+    with pytest.raises(bench.BenchError, match="do not divide over tp=16"):
+        bench.mesh_axes_for(wan, wcfg, 16, 2, {"tp": 16}, True)
+    with pytest.raises(bench.BenchError, match="do not split over cfg x data = 4"):
+        bench.mesh_axes_for(wan, wcfg, 16, 2, {"cfg": 2, "data": 2}, True)
+    with pytest.raises(bench.BenchError, match="no CFG batch"):
+        bench.mesh_axes_for(flux, fcfg, 8, 2, {"cfg": 2})
+
+
+def test_cfg_mesh_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFLET_TPU_MESH", "cfg=2,tp=2")
+    rc, data = _run(tmp_path, "--model", "wan:tiny", "--mode", "tp,sp", "--steps", "2")
+    assert rc == 0
+    rows = _check_rows(data, ["tp", "sp"])
+    assert all(r["mesh"] == "cfg=2,tp=2" and r["cfg_batch2"] and r["sha256_agree"] for r in rows)
+    assert data["processes"] == 1
+    rc, data = _run(tmp_path, "--model", "wan:tiny", "--mode", "tp", "--steps", "2", "--mesh", "tp=3")
+    assert rc == 2
 
 
 def test_unknown_model_and_impossible_shape(capsys):

@@ -14,6 +14,8 @@ GOOD = {
     "DIFFLET_TPU_CHECK_VMA": [("0", False), ("1", True)],
     "DIFFLET_TPU_SPLIT_ROPE": [("0", False), ("1", True)],
     "DIFFLET_TPU_COMPILE_CACHE": [("/tmp/jax-cache", "/tmp/jax-cache"), (" cache ", "cache")],
+    "DIFFLET_TPU_MESH": [("cfg=2,tp=4", "cfg=2,tp=4"), ("tp=4, cfg=2", "cfg=2,tp=4"), ("tp=8", "tp=8"),
+                         ("cfg=2,data=2,tp=4", "cfg=2,data=2,tp=4")],
 }
 BAD = {
     "DIFFLET_TPU_SP": ["2", "yes", "true", ""],
@@ -25,6 +27,7 @@ BAD = {
     "DIFFLET_TPU_CHECK_VMA": ["yes"],
     "DIFFLET_TPU_SPLIT_ROPE": ["off"],
     "DIFFLET_TPU_COMPILE_CACHE": ["", " ", "gs://bucket/cache"],
+    "DIFFLET_TPU_MESH": ["", "cfg=2,tp=0", "dp=2,tp=2", "tp=4,tp=2", "cfg:2,tp:4", "tp=x"],
 }
 
 
@@ -75,3 +78,12 @@ def test_frozen_and_kernel_choice():
     assert c.ag_kernel("pallas", "tpu") == "pallas"
     assert c.ag_kernel("pallas", "cpu") == "jax"
     assert Config(sp_kernel="pallas").ag_kernel("jax", "cpu") == "pallas"
+
+
+def test_mesh_setting():
+    c = Config.from_env({"DIFFLET_TPU_MESH": "tp=4,cfg=2"})
+    assert c.mesh == "cfg=2,tp=4" and c.mesh_axes() == {"cfg": 2, "tp": 4}
+    assert Config().mesh is None and Config().mesh_axes() is None
+    assert Config(mesh="data=2, tp=2").mesh == "data=2,tp=2"
+    with pytest.raises(ConfigError, match="unknown axis 'pp'"):
+        Config(mesh="pp=2,tp=2")

@@ -108,6 +108,18 @@ def test_synchronous_all_reduce_blocks_at_both_ring_directions():
     assert (ar.count, ar.sync, ar.bytes) == (1, 1, moved)
 
 
+def test_collective_group_size_on_a_multi_axis_mesh():
+    """mesh['cfg'=2,'tp'=4] {'tp'}: groups of 4 (the tp ring), {'cfg'}: pairs; no braces: all 8."""
+    def op(groups):
+        return E.parse(HEAD + _entry(f"  %x = bf16[1024,1024]{{1,0}} all-reduce(%p), channel_id=1, "
+                                     f"replica_groups={groups}, to_apply=%add\n")).computations
+
+    for groups, want in (("mesh['cfg'=2,'tp'=4] {'tp'}", 4), ("mesh['cfg'=2,'tp'=4] {'cfg'}", 2),
+                         ("mesh['cfg'=2,'data'=2,'tp'=2] {'cfg','data'}", 4), ("mesh['cfg'=2,'tp'=4]", 8)):
+        ops = [o for comp in op(groups).values() for o in comp if o.op == "all-reduce"]
+        assert E.group_size(ops[0], 99) == want, groups
+
+
 def test_while_body_counts_its_trip_count_from_the_condition():
     text = HEAD + _fusion_comp("mm_comp") + (
         "%cond (p: (s32[], bf16[1024,1024])) -> pred[] {\n"

@@ -133,8 +133,9 @@ def prepare(run, kw: dict) -> Prepared:
         timesteps_proj=proj(kw["timestep"]),
         guidance_proj=proj(kw["guidance"]) if kw.get("guidance") is not None else np.zeros((B, 256), np.float32))
     inputs["freqs_cos"], inputs["freqs_sin"] = _tables(run, kw["txt_ids"], kw["img_ids"], n_txt_pad, n_img_pad)
-    specs = {k: P() for k in inputs}
+    specs = {k: run.batch_spec() for k in inputs}  # pooled, timestep and guidance: (B, ...)
     specs["hidden_states"] = specs["encoder_hidden_states"] = rows
+    specs["freqs_cos"] = specs["freqs_sin"] = P()
     if masked:
         inputs["kv_mask"] = run.constant(("mask", n_txt, n_txt_pad, n_img, n_img_pad), lambda: np.concatenate(
             [layout.key_mask(n_txt, n_txt_pad), layout.key_mask(n_img, n_img_pad)]))

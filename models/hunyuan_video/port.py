@@ -102,8 +102,11 @@ def prepare(run, kw: dict) -> Prepared:
         ("rope", geom.frames, geom.height, geom.width, geom.n_joint),
         lambda: joint_tables(c, geom.frames, geom.height, geom.width, geom.n_joint))
     rows = run.row_spec()
-    specs = {k: P() for k in inputs}  # the text is replicated: the token refiner runs on every rank
+    # the text is whole on every rank (the token refiner runs on every rank); every input but the
+    # RoPE tables has the batch first
+    specs = {k: run.batch_spec() for k in inputs}
     specs["patches"] = rows
+    specs["freqs_cos"] = specs["freqs_sin"] = P()
     return_dict = kw.get("return_dict", True)
 
     def finish(out):

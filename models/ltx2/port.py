@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from difflet_tpu import layout
-from difflet_tpu.mesh import TP
+from difflet_tpu.mesh import BATCH, TP
 from difflet_tpu.port import Prepared
 
 from . import rope
@@ -200,7 +200,9 @@ def prepare(run, kwargs: dict) -> Prepared:
     rows = run.row_spec()
     inputs, specs = {}, {}
 
-    def put(name, value, spec=REPLICATED):
+    batch = run.batch_spec()  # every input but the RoPE tables and the pad / layer masks: (B, ...)
+
+    def put(name, value, spec=batch):
         if value is not None:
             inputs[name], specs[name] = value, spec
 
@@ -229,10 +231,12 @@ def prepare(run, kwargs: dict) -> Prepared:
             continue  # all valid: diffusers' bias is 0 everywhere, adding it changes nothing
         put(name, _cast(mask, dtype))
     if nv_pad != nv and run.mask_pad_keys:
-        put("video_kv_mask", run.constant(("mask", nv, nv_pad), lambda: layout.key_mask(nv, nv_pad)))
+        put("video_kv_mask", run.constant(("mask", nv, nv_pad), lambda: layout.key_mask(nv, nv_pad)), REPLICATED)
     for name, (cos, sin) in tables.items():
-        put(f"rope_{name}_cos", cos, CHANNELS)
-        put(f"rope_{name}_sin", sin, CHANNELS)
+        # one table for the batch (the grid), or per sample (the caller's coordinates)
+        spec = CHANNELS if cos.shape[0] == 1 else P(BATCH, None, TP)
+        put(f"rope_{name}_cos", cos, spec)
+        put(f"rope_{name}_sin", sin, spec)
 
     # LTX-2.5 keyframe marker
     km = kw["video_keyframes_mask"]
@@ -252,14 +256,14 @@ def prepare(run, kwargs: dict) -> Prepared:
         if math.prod(pm.shape) != B:
             raise ValueError(f"perturbation_mask: {pm.shape} is not (B,) or (B, 1, 1) with B={B}")
         put("perturbation_mask", _cast(pm, dtype).reshape(B))
-        put("stg_layers", np.isin(np.arange(c.num_layers), stg))
+        put("stg_layers", np.isin(np.arange(c.num_layers), stg), REPLICATED)
 
     def finish(out):
         sample, audio_sample = out
         return layout.unpad(sample, nv), audio_sample
 
     return Prepared(key=bool(kw["isolate_modalities"]), inputs=inputs, specs=specs,
-                    out_specs=(rows, REPLICATED), finish=finish)
+                    out_specs=(rows, batch), finish=finish)
 
 
 def forward(model, par, inputs: dict, key):

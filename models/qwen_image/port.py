@@ -139,7 +139,7 @@ def prepare(run, kw: dict) -> Prepared:
         hidden_states=layout.pad_tokens(kw["hidden_states"], n_img_pad)[0],
         encoder_hidden_states=layout.pad_tokens(kw["encoder_hidden_states"], n_txt_pad)[0],
         timestep=np.broadcast_to(np.asarray(kw["timestep"], np.float32).reshape(-1), (B,)).copy())
-    specs = dict(hidden_states=rows, encoder_hidden_states=rows, timestep=P())
+    specs = dict(hidden_states=rows, encoder_hidden_states=rows, timestep=run.batch_spec())
     inputs["freqs_cos"], inputs["freqs_sin"] = run.constant(
         ("rope", shapes, n_txt, n_txt_pad, n_img_pad), lambda: joint_tables(c, shapes, n_txt, n_txt_pad, n_img_pad))
     specs["freqs_cos"] = specs["freqs_sin"] = P()
@@ -153,7 +153,7 @@ def prepare(run, kw: dict) -> Prepared:
         kv[:, n_txt_pad:n_txt_pad + n_img] = True
         if not run.mask_pad_keys:
             kv[:, n_txt:n_txt_pad] = kv[:, n_txt_pad + n_img:] = True
-        inputs["kv_mask"], specs["kv_mask"] = kv, P()
+        inputs["kv_mask"], specs["kv_mask"] = kv, run.batch_spec()  # (B, S): per sample
         key = "text"
     elif pad_masked:
         inputs["kv_mask"] = run.constant(("mask", n_txt, n_txt_pad, n_img, n_img_pad), lambda: np.concatenate(
@@ -165,12 +165,12 @@ def prepare(run, kw: dict) -> Prepared:
     if c.use_additional_t_cond:
         inputs["additional_t_cond"] = np.broadcast_to(
             np.asarray(kw["additional_t_cond"]).astype(np.int32).reshape(-1), (B,)).copy()
-        specs["additional_t_cond"] = P()
+        specs["additional_t_cond"] = run.batch_spec()
     if c.zero_cond_t:  # diffusers' modulate_index: 0 for the first shape's tokens, 1 after them
         first = shapes[0][0] * shapes[0][1] * shapes[0][2]
         inputs["cond_rows"] = run.constant(("cond_rows", first, n_img, n_img_pad),
                                            lambda: (np.arange(n_img_pad) >= first) & (np.arange(n_img_pad) < n_img))
-        specs["cond_rows"] = run.row_spec(ndim=1, axis=0)
+        specs["cond_rows"] = run.row_spec(ndim=1, axis=0, batch=None)  # per token, no batch
     return_dict = kw.get("return_dict", True)
 
     def finish(out):

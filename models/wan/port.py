@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from difflet_tpu import layout
 from difflet_tpu.config import Config
-from difflet_tpu.mesh import TP
+from difflet_tpu.mesh import BATCH, TP
 from difflet_tpu.port import Prepared
 from difflet_tpu.runner import Runner
 
@@ -79,8 +79,9 @@ def unpatchify(y, grid, patch_size):
 
 
 def _kv_spec(run) -> P:
-    """The text K/V `[layers, B, L, D]`: sharded by heads (TP and SP)."""
-    return P(None, None, None, TP) if run.par.sharded else P()
+    """The text K/V `[layers, B, L, D]`: batch over the mesh's batch axes, sharded
+    by heads (TP and SP)."""
+    return P(None, BATCH, None, TP) if run.par.sharded else P(None, BATCH)
 
 
 # --------------------------------------------------------------------------
@@ -195,7 +196,7 @@ def prepare(run, kw: dict) -> Prepared:
         if per_token:
             t = layout.pad_tokens(t, rows, axis=1)[0]
     inputs = dict(patches=patches, timestep=t)
-    specs = dict(patches=row_spec, timestep=run.row_spec(2, 1) if per_token else P())
+    specs = dict(patches=row_spec, timestep=run.row_spec(2, 1) if per_token else run.batch_spec())
     inputs["freqs_cos"], inputs["freqs_sin"] = run.constant(("rope", grid, rows),
                                                             lambda: rope_tables(c, grid, rows))
     specs["freqs_cos"] = specs["freqs_sin"] = P()
@@ -213,9 +214,9 @@ def prepare(run, kw: dict) -> Prepared:
         specs.update({k: _kv_spec(run) for k in text_kv})
     else:
         key = "full"
-        inputs["encoder_hidden_states"], specs["encoder_hidden_states"] = ehs, P()
+        inputs["encoder_hidden_states"], specs["encoder_hidden_states"] = ehs, run.batch_spec()
         if img is not None:
-            inputs["encoder_hidden_states_image"], specs["encoder_hidden_states_image"] = img, P()
+            inputs["encoder_hidden_states_image"], specs["encoder_hidden_states_image"] = img, run.batch_spec()
 
     def finish(out):  # return_dict is accepted; the sample is returned either way
         return unpatchify(layout.unpad(out, N, axis=1), grid, c.patch_size)
@@ -250,7 +251,7 @@ def encode_text(run, encoder_hidden_states, encoder_hidden_states_image=None):
     inputs = {"encoder_hidden_states": encoder_hidden_states}
     if encoder_hidden_states_image is not None:
         inputs["encoder_hidden_states_image"] = encoder_hidden_states_image
-    specs = {k: P() for k in inputs}
+    specs = {k: run.batch_spec() for k in inputs}
     # The Runner's step machinery: one compile per (key, specs), as for the denoise steps.
     return run.run_prepared(Prepared(key="encode", inputs=inputs, specs=specs, out_specs=_kv_spec(run),
                                      finish=lambda kv: kv))
@@ -260,7 +261,7 @@ def text_kv_shapes(run, batch: int, text_len: int, image_len: int | None = None,
     """Abstract `encode_text` output (ShapeDtypeStructs, for `trace(..., text_kv=...)`)."""
     c = run.cfg
     dtype = jnp.dtype(run.dtype if dtype is None else dtype)
-    sharding = None if run.mesh is None else NamedSharding(run.mesh, _kv_spec(run))
+    sharding = None if run.mesh is None else NamedSharding(run.mesh, run.resolve_spec(_kv_spec(run)))
     lens = {"k": text_len, "v": text_len}
     if c.added_kv_proj_dim is not None:
         lens.update(k_img=image_len, v_img=image_len)

@@ -1,0 +1,225 @@
+"""Multi-process runs on localhost: real Python processes joined by `jax.distributed`
+(CPU devices, gloo collectives), each with 2 devices.
+
+One run of two processes (tests/_multiprocess_worker.py) checks, in order:
+SP on a tp=4 ring across the processes and CFG-parallel (cfg=2 x tp=2, one cfg
+group per process) against the one-process result and diffusers' fixture;
+that each process read only the slices of its own devices; two CFG denoise
+steps equal on every process and to one process; the bench reporting once;
+then process 1 dies and process 0 must stop with a clear error, fast. Two
+one-process runs check that a coordinator that never answers and a peer that
+never joins end in bounded time. Every subprocess has a timeout; ports are
+taken from the OS (bind to port 0), so parallel runs cannot collide.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from difflet_tpu import distributed, weights
+from difflet_tpu.config import Config
+from difflet_tpu.runner import Runner
+from difflet_tpu.testing import read_fixture_io, rel_l2
+
+HERE = pathlib.Path(__file__).resolve().parent
+FIXTURES = HERE / "fixtures"
+WORKER = HERE / "_multiprocess_worker.py"
+RUN_TIMEOUT = 420  # seconds for the whole two-process run (~40 s of CPU; minutes of wall on two busy cores)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFLET_TPU_", "XLA_FLAGS"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def launch(n, out, *, phases="parity,bench,die", ids=None, port=None, timeout=RUN_TIMEOUT, **flags):
+    """Runs the worker as processes `ids` (default 0..n-1) of an `n`-process run;
+    returns [(returncode, stdout, stderr, seconds, wall-clock end)], killing what outlives
+    `timeout` (the end is when the launcher saw it exit: an upper bound)."""
+    port = port or free_port()
+    ids = range(n) if ids is None else ids
+    extra = [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", str(n), "--process-id", str(i), "--out", str(out),
+                               "--phases", phases, *extra],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in ids]
+    res = []
+    for p in procs:
+        left = max(1.0, timeout - (time.monotonic() - t0))
+        try:
+            so, se = p.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            so, se = p.communicate()
+            se += f"\n[killed after {timeout} s]"
+        res.append((p.returncode, so, se, time.monotonic() - t0, time.time()))
+    return res
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mp")
+    return out, launch(2, out)
+
+
+def _show(res):
+    return "\n".join(f"--- process {i}: rc={rc} after {t:.1f} s\n{se[-3000:]}" for i, (rc, so, se, t, _) in enumerate(res))
+
+
+@functools.lru_cache(maxsize=None)
+def one_process(case):
+    """The one-process, one-device result of a fixture case."""
+    kw, out = read_fixture_io(FIXTURES / case)
+    model = weights.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32, config=Config())
+    return np.asarray(Runner(model, None, Config())(**kw)), out["sample"]
+
+
+def _reads(out, i):
+    return json.loads((out / f"reads_{i}.json").read_text())
+
+
+def test_sp_and_cfg_parallel_across_processes_equal_one_process(two_processes):
+    out, res = two_processes
+    assert (out / "outputs.npz").exists(), _show(res)
+    got = np.load(out / "outputs.npz")
+    for name, case in (("sp", "wan_t2v"), ("cfg", "wan_t2v_batch2")):
+        ref, diffusers = one_process(case)
+        assert got[name].shape == ref.shape
+        assert rel_l2(got[name], ref) <= 1e-5, name
+        assert rel_l2(got[name], diffusers) <= 1e-5, name
+    r0, r1 = _reads(out, 0), _reads(out, 1)
+    assert r0["sp_ring"] == r1["sp_ring"] and len(r0["sp_ring"]) == 4
+    assert set(r0["sp_ring"]) == set(r0["local_devices"]) | set(r1["local_devices"])  # the ring crosses processes
+    assert [set(g) for g in r0["cfg_groups"]] == [set(r0["local_devices"]), set(r1["local_devices"])]
+
+
+def test_cfg_denoise_steps_agree_on_every_process_and_with_one_process(two_processes):
+    import dataclasses  # noqa: F401
+
+    from difflet_tpu import pipeline as PL
+    from difflet_tpu.models import wan
+
+    out, res = two_processes
+    r0, r1 = _reads(out, 0), _reads(out, 1)
+    assert r0["denoise_sha256_all"] == [r0["denoise_sha256"], r1["denoise_sha256"]]
+    assert r0["denoise_sha256"] == r1["denoise_sha256"]
+    kw2, _ = read_fixture_io(FIXTURES / "wan_t2v_batch2")
+    model = weights.load_transformer(FIXTURES / "wan_t2v_batch2" / "transformer", dtype=jnp.float32, config=Config())
+    inputs = {"hidden_states": kw2["hidden_states"][:1], "timestep": kw2["timestep"][:1],
+              "encoder_hidden_states": kw2["encoder_hidden_states"][1:]}
+    cfg_inputs = dict(inputs, hidden_states=kw2["hidden_states"][[0, 0]],
+                      encoder_hidden_states=kw2["encoder_hidden_states"], timestep=kw2["timestep"])
+    pipe = wan.SPEC.pipeline
+    den = PL.Denoiser(pipe, [Runner(model, None, Config())], inputs, pipe.schedule(2, inputs, "tiny"),
+                      guidance=5.0, cfg_inputs=cfg_inputs, dtype=jnp.float32)
+    want, _ = den.run()
+    assert rel_l2(np.load(out / "outputs.npz")["denoise"], want["hidden_states"]) <= 1e-5
+
+
+def test_each_process_reads_only_its_own_slices(two_processes):
+    """tp=4 across two processes: each process reads the two quarters of every
+    tp-sharded tensor its devices hold, the other process the other two; replicated
+    tensors once per process. Together: every byte of the checkpoint once per process
+    that needs it, no more."""
+    out, res = two_processes
+    from safetensors import safe_open
+
+    path = FIXTURES / "wan_t2v" / "transformer" / weights.SINGLE_FILE
+    with safe_open(str(path), framework="np") as f:
+        sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    nbytes = {k: 4 * math.prod(s) for k, s in sizes.items()}
+    per = [_reads(out, i)["reads_sp"] for i in (0, 1)]
+    seen = {}
+    for i, reads in enumerate(per):
+        for key, index, n in reads:
+            seen.setdefault(key, []).append((i, index, n))
+    assert set(seen) == set(sizes)
+    sharded = 0
+    for key, hits in seen.items():
+        if all(n == nbytes[key] for _, _, n in hits):  # replicated: whole, once per process
+            assert sorted(i for i, _, _ in hits) == [0, 1], (key, hits)
+            continue
+        sharded += 1
+        assert len(hits) == 4 and all(n == nbytes[key] // 4 for _, _, n in hits), (key, hits)
+        assert sorted(i for i, _, _ in hits) == [0, 0, 1, 1], (key, hits)
+        slices = [tuple(map(tuple, idx)) for _, idx, _ in hits]
+        assert len(set(slices)) == 4, (key, hits)  # disjoint quarters: no process reads another's
+    assert sharded >= 8
+    total = [sum(n for _, _, n in reads) for reads in per]
+    whole = sum(nbytes.values())
+    assert all(t < whole for t in total), (total, whole)  # neither process read the checkpoint whole
+    # cfg=2 x tp=2 with one cfg group per process: each process holds a whole tp group
+    for i in (0, 1):
+        reads = _reads(out, i)["reads_cfg"]
+        assert sum(n for _, _, n in reads) == whole
+        assert len({k for k, _, _ in reads}) == len(sizes)
+
+
+def test_the_bench_reports_once_with_every_process_hash_equal(two_processes):
+    out, res = two_processes
+    table0 = (out / "bench_0.txt").read_text()
+    table1 = (out / "bench_1.txt").read_text()
+    assert "wan:tiny" in table0 and "cfg=2,tp=2" in table0, _show(res)
+    assert "wan:tiny" not in table1  # process 1 does not report
+    assert not (out / "bench_1.json").exists()
+    rows = json.loads((out / "bench_0.json").read_text())
+    assert rows["processes"] == 2 and rows["devices"] == 4
+    (row,) = rows["results"]
+    assert row["sha256_agree"] and row["sha256_processes"] == [row["sha256"]] * 2
+    assert row["mesh"] == "cfg=2,tp=2" and row["compilations_timed"] == 0
+
+
+def test_a_dead_peer_stops_the_survivor_with_a_clear_error(two_processes):
+    """Process 1 exits abruptly after a step. Process 0 stops within seconds with a clear
+    error, by whichever notices first: its next collective fails (the bench's path: the
+    message and exit status EXIT_PEER_LOST), or JAX's coordination service sees the
+    lost task and terminates it with its own message."""
+    out, res = two_processes
+    (rc0, _, se0, _, end0), (rc1, _, se1, _, _) = res
+    assert rc1 == 17, _show(res)
+    assert "killed after" not in se0, _show(res)
+    ours = rc0 == distributed.EXIT_PEER_LOST and "error: a peer process is gone" in se0
+    jaxs = rc0 != 0 and "Terminating process because the JAX distributed service detected fatal errors" in se0
+    assert ours or jaxs, _show(res)
+    died = float((out / "died_at").read_text())
+    noticed = float((out / "error_at").read_text()) if ours else end0
+    assert 0 <= noticed - died < 30, noticed - died
+
+
+def test_an_absent_coordinator_is_a_clear_error_in_bounded_time(tmp_path):
+    """Process 1 of 2 with no process 0 listening: DistributedError after the timeout."""
+    (rc, so, se, t, _), = launch(2, tmp_path, ids=[1], phases="parity", init_timeout=3, timeout=90)
+    assert rc == 2, se
+    assert "no JAX coordinator answered at 127.0.0.1:" in se and "within 3 s" in se, se
+    assert "killed after" not in se
+
+
+def test_a_peer_that_never_joins_ends_the_run_in_bounded_time(tmp_path):
+    """Process 0 of 2 alone: jax.distributed gives up after the initialisation timeout
+    and terminates the process with its own message (no hang)."""
+    (rc, so, se, t, _), = launch(2, tmp_path, ids=[0], phases="parity", init_timeout=3, timeout=90)
+    assert rc != 0 and "killed after" not in se, se
+    assert "DEADLINE_EXCEEDED" in se or "Deadline Exceeded" in se, se[-2000:]
+    assert "process 0/2 joining 127.0.0.1:" in se
