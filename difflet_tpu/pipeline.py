@@ -188,14 +188,26 @@ def _euler_update(mesh=None):
         guided = jnp.sum(w * v.reshape((2, b) + v.shape[1:]), axis=0)
         return x + dt * guided
 
-    return update, update_cfg
+    @jit
+    def update_cfg_rescaled(x, out, dt, g):
+        """update_cfg with diffusers' QwenImagePipeline true CFG: the guided velocity
+        `u + g (c - u)` times `||c|| / ||guided||`, norms per token over channels."""
+        v = out.astype(jnp.float32)
+        b = x.shape[0]
+        u, c = v[:b], v[b:]
+        guided = u + g * (c - u)
+        guided = guided * (jnp.linalg.norm(c, axis=-1, keepdims=True)
+                           / jnp.linalg.norm(guided, axis=-1, keepdims=True))
+        return x + dt * guided
+
+    return update, update_cfg, update_cfg_rescaled
 
 
 _UPDATES = {}
 
 
 def updates(mesh=None):
-    """The jitted Euler / CFG latent updates (built once per mesh; on a mesh their
+    """The jitted Euler / CFG / rescaled-CFG latent updates (built once per mesh; on a mesh their
     outputs are replicated, so every process holds the whole latents)."""
     if mesh not in _UPDATES:
         _UPDATES[mesh] = _euler_update(mesh)
@@ -269,8 +281,8 @@ class Denoiser:
         t = float(self.schedule.timesteps[i])
         out = self.runners[self.expert(t)](**self.kwargs(latents, t))
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        update, update_cfg = updates(self.mesh)
-        fn = update_cfg if self.cfg else update
+        update, update_cfg, update_cfg_rescaled = updates(self.mesh)
+        fn = update if not self.cfg else update_cfg_rescaled if self.pipeline.cfg_rescale else update_cfg
         dt = np.float32(self.schedule.dt(i))
         new = {}
         for (k, x), o in zip(latents.items(), outs):

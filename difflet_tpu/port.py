@@ -42,6 +42,8 @@ class Pipeline:
     schedule(steps, inputs, preset) -> schedulers.Schedule. guidance_mode:
     "cfg" (unconditional and conditional rows in one batch-2 call),
     "embedded" (a `guidance` input of guidance_mult * g) or "none".
+    cfg_rescale: the guided velocity is rescaled per token to the conditional
+    one's norm over channels (diffusers' QwenImagePipeline true CFG).
     """
 
     schedule: Callable
@@ -52,6 +54,7 @@ class Pipeline:
     timestep_scale: float = 1.0
     latent_keys: tuple = ("hidden_states",)
     latent_guidance: dict = dataclasses.field(default_factory=dict)  # latent key -> its own default scale (LTX-2 audio)
+    cfg_rescale: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

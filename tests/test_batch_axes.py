@@ -124,7 +124,7 @@ def test_the_guidance_combine_is_one_all_reduce_over_cfg():
     mesh = make_mesh(cfg=2)
     x = jax.device_put(np.ones((1, 16, 3, 60, 104), np.float32), NamedSharding(mesh, P()))
     out = jax.device_put(np.ones((2, 16, 3, 60, 104), np.float32), NamedSharding(mesh, P("cfg")))
-    _, update_cfg = PL.updates(mesh)
+    update_cfg = PL.updates(mesh)[1]
     text = update_cfg.lower(x, out, np.float32(0.1), np.float32(5.0)).compile().as_text()
     colls = [l for l in text.splitlines()
              if re.search(r"= \S+ (all-reduce|all-gather|collective-permute|reduce-scatter|all-to-all)(-start)?\(", l)]

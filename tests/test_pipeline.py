@@ -158,3 +158,36 @@ def test_embeddings_file_replaces_conditioning(tmp_path):
     np.savez(path, clip_embeds=pos)
     with pytest.raises(ValueError, match="unknown arrays"):
         PL.apply_embeddings(inputs, PL.read_embeddings(str(path)), cfg_batch=False)
+
+
+def test_true_cfg_rescale_matches_qwen_image_pipeline_in_float64():
+    """QwenImagePipeline's true CFG (diffusers pipeline_qwenimage.py):
+    comb = neg + g (pos - neg); comb * ||pos|| / ||comb||, norms over the last dim."""
+    import dataclasses
+
+    from difflet_tpu.models import spec
+    from difflet_tpu.testing import register_toy_port
+
+    assert spec("qwen_image").pipeline.cfg_rescale  # the port asks for it; no other port does
+    assert not any(spec(n).pipeline.cfg_rescale for n in ("flux", "wan", "hunyuan_video", "ltx2"))
+    rng = np.random.default_rng(0)
+
+    class Fake:  # a velocity whose two halves differ in direction and size per token
+        def __call__(self, hidden_states, timestep):
+            b = hidden_states.shape[0] // 2
+            self.out = rng.standard_normal(hidden_states.shape).astype(np.float32)
+            self.out[b:] *= np.linspace(0.5, 3.0, hidden_states.shape[-1], dtype=np.float32)
+            return self.out
+
+    fake = Fake()
+    pipe = dataclasses.replace(register_toy_port().pipeline, guidance_mode="cfg", cfg_rescale=True)
+    den = _toy_denoiser(pipeline=pipe, guidance=4.0, steps=2, runners=[fake])
+    x0 = den.latents0["hidden_states"]
+    got = np.asarray(den.step(den.initial(), 0)["hidden_states"], np.float64)
+    neg, pos = fake.out[:1].astype(np.float64), fake.out[1:].astype(np.float64)
+    comb = neg + 4.0 * (pos - neg)
+    comb = comb * (np.linalg.norm(pos, axis=-1, keepdims=True) / np.linalg.norm(comb, axis=-1, keepdims=True))
+    want = x0.astype(np.float64) + float(den.schedule.dt(0)) * comb
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+    plain = x0 + den.schedule.dt(0) * (neg + 4.0 * (pos - neg))
+    assert np.abs(plain - want).max() > 1e-2  # the rescale changes this step (the test can fail)

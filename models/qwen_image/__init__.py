@@ -62,7 +62,7 @@ SPEC = PortSpec(
     # QwenImagePipeline: 50 steps, true CFG (true_cfg_scale 4.0, a negative prompt) as one
     # batch-2 call with rows [negative, positive], timestep / 1000.
     pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedule(steps, inputs["hidden_states"].shape[1]),
-                      steps=50, guidance=4.0, guidance_mode="cfg", timestep_scale=1e-3),
+                      steps=50, guidance=4.0, guidance_mode="cfg", timestep_scale=1e-3, cfg_rescale=True),
     ag_default=AG_DEFAULT,
 )
 
