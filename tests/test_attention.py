@@ -179,7 +179,8 @@ m = jax.ShapeDtypeStruct((1, {S}), jnp.bool_, sharding=s)
 t = time.time()
 c = jax.jit(lambda q, k, v, m: attention(q, k, v, m, impl='splash')).trace(a, a, a, m).lower().compile()
 text = c.as_text()
-sizes = [math.prod(int(d) for d in dims.split(',') if d) for dims in re.findall(r'\\b(?:bf16|f32|s32|s8|s16|pred|u8)\\[([0-9,]*)\\]', text)]
+shapes = re.findall(r'\\b(?:bf16|f32|s32|s8|s16|pred|u8)\\[([0-9,]*)\\]', text)
+sizes = [math.prod(int(d) for d in dims.split(',') if d) for dims in shapes]
 vmem = [int(x) for x in re.findall(r'"used_scoped_memory_configs":\\[\\{{[^\\]]*?"size":"(\\d+)"', text)]
 b = splash_blocks({S}, {S})
 print(json.dumps(dict(mem=deviceless.memory_report(c), largest=max(sizes), kernels=text.count('tpu_custom_call'),
