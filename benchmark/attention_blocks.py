@@ -159,7 +159,12 @@ def run(args):
         full = args.candidates == "all" or name in args.candidates.split(",")
         cands = [prev] + (candidates(sq, skv) if full else [])
         blocks = chosen + [b for i, b in enumerate(cands) if b not in chosen and b not in cands[:i]]
+        if args.skip_compiled:  # only what earlier runs did not compile
+            done = [r["blocks"] for r in cases.get(name, {}).get("rows", [])]
+            blocks = [b for b in blocks if list(b.__dict__.values()) not in done]
         print(f"{name}: {what}, {sq} x {skv} tokens, {heads} heads: {len(blocks)} compiles", flush=True)
+        if not blocks:
+            continue
         code = _CHILD % dict(topology=args.topology)
         payload = json.dumps([sq, skv, heads, d, chip, [list(b.__dict__.values()) for b in blocks]])
         code = f"import sys; sys.argv = ['x', {payload!r}]\n" + code
@@ -168,10 +173,13 @@ def run(args):
             from difflet_tpu.attention import SplashBlocks
 
             r.update(analytic(SplashBlocks(*r["blocks"]), sq, skv, heads, d, chip))
-        if chosen:
-            rows[0]["chosen"] = True
+        # keep the rows of earlier runs (other candidates) that this run did not recompile
+        old = [r for r in cases.get(name, {}).get("rows", []) if r["blocks"] not in [x["blocks"] for x in rows]]
+        rows += old
         for r in rows:
+            r["chosen"] = bool(chosen) and r["blocks"] == list(chosen[0].__dict__.values())
             r["previous"] = r["blocks"] == list(prev.__dict__.values())
+        rows.sort(key=lambda r: (not r["chosen"], not r["previous"]))
         cases[name] = dict(what=what, sq=sq, skv=skv, heads=heads, head_dim=d, rows=rows)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=1))
@@ -201,8 +209,13 @@ def table(args):
     data = json.loads(out.read_text())
     from difflet_tpu.attention import SplashBlocks
 
-    for c in data["cases"].values():  # block-size arithmetic recomputed (cheap), compiled fields kept
+    from difflet_tpu.attention import splash_blocks
+
+    for c in data["cases"].values():  # flags and block-size arithmetic recomputed, compiled fields kept
+        chosen = list(splash_blocks(c["sq"], c["skv"]).__dict__.values())
+        prev = list(previous_blocks(c["sq"], c["skv"]).__dict__.values())
         for r in c["rows"]:
+            r["chosen"], r["previous"] = r["blocks"] == chosen, r["blocks"] == prev
             r.update(analytic(SplashBlocks(*r["blocks"]), c["sq"], c["skv"], c["heads"], c["head_dim"], chip))
             if "error" not in r:  # the project's estimate with splash re-priced: roofline with k/v re-reads
                 r["reread_ms"] = r["estimate_ms"] - r["estimate_splash_ms"] + r["roofline_ms"]
@@ -260,6 +273,8 @@ def main(argv=None):
     ap.add_argument("--candidates", default="flux_1024,wan_9,wan_81,hunyuan_720p",
                     help="cases (comma list, or 'all') that also compile every candidate; the others compile "
                     "the chosen and the previous rule's blocks only (default: %(default)s)")
+    ap.add_argument("--skip-compiled", action="store_true",
+                    help="keep the JSON's rows and compile only block sizes it does not have yet")
     ap.add_argument("--out", help="JSON (default benchmark/results/attention_blocks_<chip>.json)")
     args = ap.parse_args(argv)
     dict(run=run, table=table)[args.what](args)

@@ -24,14 +24,20 @@ LANE = 128  # splash's lane width: block_kv_compute (so every kv block) is a mul
 # Splash block sizes per sequence length (docs/benchmarks.md, "Attention at long
 # sequences"; benchmark/attention_blocks.py compiles the choice and its alternatives for
 # v5e). Each axis (queries, keys) is rounded up to LANE, then padded to a whole number of
-# its block. An axis no longer than its largest candidate is one block; a longer one
-# takes the largest candidate whose padding stays within PAD_CAP of the LANE-rounded
-# length. Pad rows are computed and thrown away (the only cost a compiled estimate
+# its block. An axis no longer than its largest candidate is one block. A longer query
+# axis takes the largest multiple of Q_ALIGN in [Q_EXACT_MIN, 2048] that divides its
+# LANE-rounded length (no padding beyond LANE: splash only needs block_q to divide the
+# query length). Otherwise, and for keys (block_kv must be a multiple of a 128-lane
+# block_kv_compute), an axis takes the largest candidate whose padding stays within
+# PAD_CAP of the LANE-rounded length. Pad rows are computed and thrown away, and
+# padding adds pad/slice copies around the kernel (the only costs a compiled estimate
 # sees: splash carries no cycle estimate and is priced by a roofline of its padded
 # shapes); fewer, bigger blocks amortise the kernel's fixed cost per grid step and per
 # kv-compute chunk (which nothing compiled here prices), so PAD_CAP trades a bounded
 # share of wasted work (at most ~6% per axis) for blocks of at least 256 rows.
 Q_BLOCKS = (2048, 1024, 512, 256)
+Q_ALIGN = 16  # bf16 packs 16 rows per (16, 128) tile
+Q_EXACT_MIN = 1024
 KV_BLOCKS = (1024, 512, 256)
 KV_COMPUTE = 512  # block_kv_compute: the largest of 512/256/128 dividing block_kv
 PAD_CAP = 1 / 16
@@ -107,10 +113,21 @@ def _axis_block(n: int, candidates) -> int:
     return LANE
 
 
+def _q_block(n: int) -> int:
+    """block_q for n queries: one block up to Q_BLOCKS[0], else an exact divisor of the
+    LANE-rounded length in [Q_EXACT_MIN, Q_BLOCKS[0]], else the PAD_CAP rule."""
+    base = _round_up(n, LANE)
+    if base > Q_BLOCKS[0]:
+        for b in range(Q_BLOCKS[0], Q_EXACT_MIN - 1, -Q_ALIGN):
+            if base % b == 0:
+                return b
+    return _axis_block(n, Q_BLOCKS)
+
+
 def splash_blocks(sq: int, skv: int) -> SplashBlocks:
     """The validated block sizes and padded lengths of a splash call over `sq` queries
     and `skv` keys (Q_BLOCKS, KV_BLOCKS, KV_COMPUTE, PAD_CAP above)."""
-    bq, bkv = _axis_block(sq, Q_BLOCKS), _axis_block(skv, KV_BLOCKS)
+    bq, bkv = _q_block(sq), _axis_block(skv, KV_BLOCKS)
     c = max(x for x in (KV_COMPUTE, 256, LANE) if x <= KV_COMPUTE and bkv % x == 0)
     return SplashBlocks(bq, bkv, c, _round_up(sq, bq), _round_up(skv, bkv)).validate()
 

@@ -124,14 +124,16 @@ def test_splash_blocks_table_at_the_ports_lengths():
             b = A.splash_blocks(n, skv)
             assert b.validate() is b
             assert b.sq >= n and b.skv >= skv and b.sq % b.block_q == 0 and b.skv % b.block_kv == 0
-            # padding beyond the 128-rounded length stays within PAD_CAP on each axis
+            # padding beyond the 128-rounded length stays within PAD_CAP on each axis (none on
+            # the query axis when an exact block of >= 1024 rows exists)
             for length, padded in ((n, b.sq), (skv, b.skv)):
                 base = -(-length // A.LANE) * A.LANE
                 assert padded - base <= A.PAD_CAP * base
             assert min(b.block_q, b.block_kv) >= 256  # no 128-row blocks at any port's length
             assert b.block_q * b.block_kv <= A.MAX_BLOCK_PAIR and b.block_kv_compute <= A.MAX_KV_COMPUTE
-    long = A.splash_blocks(119056, 119056)
-    assert (long.block_q, long.block_kv, long.block_kv_compute) == (2048, 1024, 512)
+    long = A.splash_blocks(119056, 119056)  # q: 76 blocks of 1568 = 119168, no padding beyond 128
+    assert (long.block_q, long.block_kv, long.block_kv_compute, long.sq) == (1568, 1024, 512, 119168)
+    assert A.splash_blocks(32760, 32760).block_q == 2048 and A.splash_blocks(75600, 75600).sq == 75776
     assert long.smem_metadata_bytes() <= A.SMEM_METADATA_BUDGET
     # what validation rejects: 128-row blocks at 720p (block-mask metadata beyond SMEM),
     # 2048 x 2048 blocks (v5e's 16 MiB scoped VMEM), splash's own divisibility rules
@@ -148,19 +150,21 @@ def test_splash_blocks_table_at_the_ports_lengths():
     assert (small.block_q, small.block_kv, small.sq, small.skv) == (256, 256, 256, 256)
 
 
-def test_splash_interpret_mode_with_several_unequal_blocks():
-    """Explicit block sizes (3 q blocks of 128, 3 kv blocks of 256 in 128-wide compute
+@pytest.mark.parametrize("blocks", [(128, 256, 128, 384, 768), (160, 256, 256, 320, 768)])
+def test_splash_interpret_mode_with_several_unequal_blocks(blocks):
+    """Explicit block sizes (3 q blocks of 128, or 2 of 160 -- not a multiple of 128, like
+    the exact q blocks of long sequences --, 3 kv blocks of 256 in 128- or 256-wide compute
     chunks, padded) give the same numbers: block sizes change the schedule, not the math."""
     from difflet_tpu.attention import SplashBlocks, _splash
 
     q, k, v, mask = inputs(B=2, Sq=300, Skv=520, H=1, D=128, seed=3)
     mask[1] = np.arange(520) < 500  # valid keys in the second and third kv blocks too
-    blocks = SplashBlocks(128, 256, 128, 384, 768)
+    blocks = SplashBlocks(*blocks)
     got = np.asarray(_splash(q, k, v, jnp.asarray(mask), True, blocks))
     np.testing.assert_allclose(got, numpy_attention(q, k, v, mask), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.slow  # ~12 s on a loaded 2-core machine (a real-size deviceless compile)
+@pytest.mark.slow  # a real-size deviceless compile: 4-12 s on a loaded 2-core machine
 def test_splash_at_hunyuan_720p_materialises_no_s_squared_array():
     """HunyuanVideo 720x1280x129: 118,800 video + 256 text tokens, 24 / 4 heads per rank,
     bf16, compiled deviceless for v5e (the splash call alone): no array of the compiled
@@ -184,7 +188,7 @@ sizes = [math.prod(int(d) for d in dims.split(',') if d) for dims in shapes]
 vmem = [int(x) for x in re.findall(r'"used_scoped_memory_configs":\\[\\{{[^\\]]*?"size":"(\\d+)"', text)]
 b = splash_blocks({S}, {S})
 print(json.dumps(dict(mem=deviceless.memory_report(c), largest=max(sizes), kernels=text.count('tpu_custom_call'),
-                      vmem=max(vmem), padded=b.sq, seconds=time.time() - t)))
+                      vmem=max(vmem), padded=max(b.sq, b.skv), seconds=time.time() - t)))
 """)
     print("HunyuanVideo 720p splash call on v5e:", out)
     assert out["kernels"] >= 1
