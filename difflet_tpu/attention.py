@@ -25,16 +25,17 @@ LANE = 128  # splash's lane width: block_kv_compute (so every kv block) is a mul
 # sequences"; benchmark/attention_blocks.py compiles the choice and its alternatives for
 # v5e). Each axis (queries, keys) is rounded up to LANE, then padded to a whole number of
 # its block. An axis no longer than its largest candidate is one block. A longer query
-# axis takes the largest multiple of Q_ALIGN in [Q_EXACT_MIN, 2048] that divides its
-# LANE-rounded length (no padding beyond LANE: splash only needs block_q to divide the
-# query length). Otherwise, and for keys (block_kv must be a multiple of a 128-lane
-# block_kv_compute), an axis takes the largest candidate whose padding stays within
-# PAD_CAP of the LANE-rounded length. Pad rows are computed and thrown away, and
-# padding adds pad/slice copies around the kernel (the only costs a compiled estimate
-# sees: splash carries no cycle estimate and is priced by a roofline of its padded
-# shapes); fewer, bigger blocks amortise the kernel's fixed cost per grid step and per
-# kv-compute chunk (which nothing compiled here prices), so PAD_CAP trades a bounded
-# share of wasted work (at most ~6% per axis) for blocks of at least 256 rows.
+# axis takes the largest multiple of Q_ALIGN in [Q_EXACT_MIN, 2048] dividing its
+# LANE-rounded length (splash only needs block_q to divide the query length); a longer
+# key axis the largest of KV_BLOCKS dividing it, else its largest multiple-of-LANE
+# divisor below 1024 (block_kv must be a multiple of a 128-lane block_kv_compute). So
+# nothing pads beyond LANE, the least the previous fixed 128/256/512 blocks padded: pad
+# rows and the pad/slice copies around the kernel are the only costs a compiled
+# estimate sees (splash carries no cycle estimate and is priced by a roofline of its
+# padded shapes), while fewer, bigger blocks amortise the kernel's fixed cost per grid
+# step and re-read k/v less often (neither priced here). Only a query axis with no such
+# divisor, or keys whose exact blocks break the SMEM bound below, take the largest
+# candidate whose padding stays within PAD_CAP of the LANE-rounded length.
 Q_BLOCKS = (2048, 1024, 512, 256)
 Q_ALIGN = 16  # bf16 packs 16 rows per (16, 128) tile
 Q_EXACT_MIN = 1024
@@ -124,12 +125,27 @@ def _q_block(n: int) -> int:
     return _axis_block(n, Q_BLOCKS)
 
 
+def _kv_block(n: int) -> int:
+    """block_kv for n keys: one block up to KV_BLOCKS[0]; else a block dividing the
+    LANE-rounded length exactly (no padding beyond it): the largest of KV_BLOCKS, else
+    the largest multiple of LANE below KV_BLOCKS[0]."""
+    base = _round_up(n, LANE)
+    if base <= KV_BLOCKS[0]:
+        return base
+    exact = [b for b in KV_BLOCKS if base % b == 0]
+    return exact[0] if exact else next(b for b in range(KV_BLOCKS[0], 0, -LANE) if base % b == 0)
+
+
 def splash_blocks(sq: int, skv: int) -> SplashBlocks:
     """The validated block sizes and padded lengths of a splash call over `sq` queries
     and `skv` keys (Q_BLOCKS, KV_BLOCKS, KV_COMPUTE, PAD_CAP above)."""
-    bq, bkv = _q_block(sq), _axis_block(skv, KV_BLOCKS)
-    c = max(x for x in (KV_COMPUTE, 256, LANE) if x <= KV_COMPUTE and bkv % x == 0)
-    return SplashBlocks(bq, bkv, c, _round_up(sq, bq), _round_up(skv, bkv)).validate()
+    bq = _q_block(sq)
+    for bkv in (_kv_block(skv), _axis_block(skv, KV_BLOCKS)):  # exact keys, else padded (SMEM)
+        c = max(x for x in (KV_COMPUTE, 256, LANE) if x <= KV_COMPUTE and bkv % x == 0)
+        blocks = SplashBlocks(bq, bkv, c, _round_up(sq, bq), _round_up(skv, bkv))
+        if blocks.smem_metadata_bytes() <= SMEM_METADATA_BUDGET:
+            break
+    return blocks.validate()
 
 
 def attention(q, k, v, kv_mask=None, *, impl="xla", interpret=False):

@@ -124,17 +124,20 @@ def test_splash_blocks_table_at_the_ports_lengths():
             b = A.splash_blocks(n, skv)
             assert b.validate() is b
             assert b.sq >= n and b.skv >= skv and b.sq % b.block_q == 0 and b.skv % b.block_kv == 0
-            # padding beyond the 128-rounded length stays within PAD_CAP on each axis (none on
-            # the query axis when an exact block of >= 1024 rows exists)
-            for length, padded in ((n, b.sq), (skv, b.skv)):
-                base = -(-length // A.LANE) * A.LANE
-                assert padded - base <= A.PAD_CAP * base
-            assert min(b.block_q, b.block_kv) >= 256  # no 128-row blocks at any port's length
+            # keys never pad beyond the 128-rounded length; queries only within PAD_CAP (none
+            # when an exact block of >= 1024 rows exists)
+            assert b.skv == -(-skv // A.LANE) * A.LANE
+            base = -(-n // A.LANE) * A.LANE
+            assert b.sq - base <= A.PAD_CAP * base
+            assert b.block_q >= 1024 or b.block_q == base  # big query blocks: k/v re-read rarely
             assert b.block_q * b.block_kv <= A.MAX_BLOCK_PAIR and b.block_kv_compute <= A.MAX_KV_COMPUTE
-    long = A.splash_blocks(119056, 119056)  # q: 76 blocks of 1568 = 119168, no padding beyond 128
-    assert (long.block_q, long.block_kv, long.block_kv_compute, long.sq) == (1568, 1024, 512, 119168)
+    long = A.splash_blocks(119056, 119056)  # 76 x 1568 = 133 x 896 = 119168: no padding beyond 128
+    assert (long.block_q, long.block_kv, long.block_kv_compute, long.sq, long.skv) == (1568, 896, 128, 119168, 119168)
     assert A.splash_blocks(32760, 32760).block_q == 2048 and A.splash_blocks(75600, 75600).sq == 75776
     assert long.smem_metadata_bytes() <= A.SMEM_METADATA_BUDGET
+    # 128 x 1201 keys (1201 prime): exact 128-row key blocks would break the SMEM bound, so keys pad
+    odd = A.splash_blocks(128 * 1201, 128 * 1201)
+    assert odd.block_kv > 128 and odd.skv > 128 * 1201 and odd.smem_metadata_bytes() <= A.SMEM_METADATA_BUDGET
     # what validation rejects: 128-row blocks at 720p (block-mask metadata beyond SMEM),
     # 2048 x 2048 blocks (v5e's 16 MiB scoped VMEM), splash's own divisibility rules
     with pytest.raises(ValueError, match="SMEM"):
