@@ -28,11 +28,19 @@ CASES = {
     "flux": ("flux:flux.1-dev", ["--height", "1024", "--width", "1024"], "all"),
     "hunyuan_video": ("hunyuan_video:hunyuan-video", ["--height", "320", "--width", "512", "--frames", "61"], "all"),
     "ltx2": ("ltx2:ltx-2.0", ["--height", "480", "--width", "704", "--frames", "49", "--guidance", "1"], "all"),
-    # HBM at the long shapes
+    # the long shapes (issue 14): TP and SP side by side, HBM per chip for each. Whole-model
+    # compiles of 5-30 minutes each on a 2-core machine: run them with --only.
     "wan_81": ("wan:Wan2.1-T2V-14B", ["--height", "480", "--width", "832", "--frames", "81", "--guidance", "1"],
-               "tp,sp-pallas"),
+               "tp,sp,sp-pallas"),
+    "wan_720p_81": ("wan:Wan2.1-T2V-14B", ["--height", "720", "--width", "1280", "--frames", "81", "--guidance", "1"],
+                    "tp,sp,sp-pallas"),
+    "hunyuan_video_544p": ("hunyuan_video:hunyuan-video", ["--height", "544", "--width", "960", "--frames", "129"],
+                           "tp,sp,sp-pallas"),
     "hunyuan_video_720p": ("hunyuan_video:hunyuan-video", ["--height", "720", "--width", "1280", "--frames", "129"],
-                           "sp-pallas"),
+                           "tp,sp,sp-pallas"),
+    # LTX-2's frames are 8k+1; 121 is its pipeline's default clip (5 s at 24 fps)
+    "ltx2_121": ("ltx2:ltx-2.0", ["--height", "480", "--width", "704", "--frames", "121", "--guidance", "1"],
+                 "tp,sp,sp-pallas"),
     # the loop's actual step with classifier-free guidance: one batch-2 call
     "wan_cfg": ("wan:Wan2.1-T2V-14B", ["--height", "480", "--width", "832", "--frames", "9"], "tp,sp-pallas"),
     "ltx2_cfg": ("ltx2:ltx-2.0", ["--height", "480", "--width", "704", "--frames", "49"], "tp,sp-pallas"),
@@ -144,8 +152,8 @@ def table(args):
            "cal. vs PR | x TP (cal.) | HBM GiB/chip | exposed transfer ms | non-matmul ms (cal.) | matmul ms | "
            "attention ms |")
     lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
-    for fam in ("wan", "flux", "hunyuan_video", "ltx2", "wan_81", "hunyuan_video_720p", "wan_cfg", "ltx2_cfg",
-                "qwen_image", "qwen_image_1328"):
+    for fam in ("wan", "flux", "hunyuan_video", "ltx2", "wan_81", "wan_720p_81", "hunyuan_video_544p",
+                "hunyuan_video_720p", "ltx2_121", "wan_cfg", "ltx2_cfg", "qwen_image", "qwen_image_1328"):
         modes = res.get(fam, {})
         ref = E.REFERENCE_PR.get(fam)
         tp_cal = calibrated_ms(modes["tp"], k, fam) if "tp" in modes else None

@@ -10,6 +10,7 @@ segment id 1, so no query attends to them. Elsewhere it runs XLA's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -18,12 +19,133 @@ import jax.numpy as jnp
 import numpy as np
 
 IMPLS = ("xla", "splash")
-BLOCK = 128  # splash needs sequence lengths in whole blocks of 128
-# Long sequences are padded to whole 512-row blocks instead: the kernel keeps its
-# block-mask metadata (about 2 bytes per (q block, kv block) pair) in 1 MiB of SMEM,
-# and 128-row blocks at HunyuanVideo 720p (119056 tokens, 931 x 931 blocks) need 1.9 MB.
-LONG_BLOCK = 512
-LONG_PAIRS = 65536  # more 128-row block pairs than this: pad to LONG_BLOCK
+LANE = 128  # splash's lane width: block_kv_compute (so every kv block) is a multiple of it
+
+# Splash block sizes per sequence length (docs/benchmarks.md, "Attention at long
+# sequences"; benchmark/attention_blocks.py compiles the choice and its alternatives for
+# v5e). Each axis (queries, keys) is rounded up to LANE, then padded to a whole number of
+# its block. An axis no longer than its largest candidate is one block. A longer query
+# axis takes the largest multiple of Q_ALIGN in [Q_EXACT_MIN, 2048] dividing its
+# LANE-rounded length (splash only needs block_q to divide the query length); a longer
+# key axis the largest of KV_BLOCKS dividing it, else its largest multiple-of-LANE
+# divisor below 1024 (block_kv must be a multiple of a 128-lane block_kv_compute). So
+# nothing pads beyond LANE, the least the previous fixed 128/256/512 blocks padded: pad
+# rows and the pad/slice copies around the kernel are the only costs a compiled
+# estimate sees (splash carries no cycle estimate and is priced by a roofline of its
+# padded shapes), while fewer, bigger blocks amortise the kernel's fixed cost per grid
+# step and re-read k/v less often (neither priced here). Only a query axis with no such
+# divisor, or keys whose exact blocks break the SMEM bound below, take the largest
+# candidate whose padding stays within PAD_CAP of the LANE-rounded length.
+Q_BLOCKS = (2048, 1024, 512, 256)
+Q_ALIGN = 16  # bf16 packs 16 rows per (16, 128) tile
+Q_EXACT_MIN = 1024
+KV_BLOCKS = (1024, 512, 256)
+KV_COMPUTE = 512  # block_kv_compute: the largest of 512/256/128 dividing block_kv
+PAD_CAP = 1 / 16
+# VMEM: splash sets no vmem_limit_bytes, so Mosaic's default scoped limit binds (16 MiB on
+# v5e, 32 MiB on v6e). Compiled for v5e, block_q x block_kv = 2048 x 1024 with a 512
+# kv-compute chunk requests ~10 MiB; 2048 x 2048 with 512 does not fit. Validated here
+# as this envelope; the compiler's figure per choice is in docs/benchmarks.md.
+MAX_BLOCK_PAIR = 2048 * 1024
+MAX_KV_COMPUTE = 512
+# The kernel keeps its block-mask metadata (int8 block_mask + int8/int16 data_next, one
+# entry per (q block, kv block) pair) in SMEM; 128-row blocks at HunyuanVideo 720p
+# (931 x 931 pairs) would need ~2.6 MB. This bound keeps it far below SMEM's 1 MiB.
+SMEM_METADATA_BUDGET = 256 * 1024
+
+
+def _round_up(n, m):
+    return -(-n // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class SplashBlocks:
+    """One splash call's block sizes and the padded lengths they need."""
+
+    block_q: int
+    block_kv: int
+    block_kv_compute: int
+    sq: int   # padded query length (a multiple of block_q)
+    skv: int  # padded key length (a multiple of block_kv)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(q blocks, kv blocks) per head: the kernel's grid is heads x these."""
+        return self.sq // self.block_q, self.skv // self.block_kv
+
+    def smem_metadata_bytes(self) -> int:
+        nq, nkv = self.grid
+        return nq * nkv * (1 + (1 if nkv <= 127 else 2))  # block_mask int8, data_next int8/int16
+
+    def validate(self) -> "SplashBlocks":
+        """Raises ValueError unless splash and Mosaic accept these sizes (and the VMEM and
+        SMEM envelopes above hold)."""
+        bq, bkv, c = self.block_q, self.block_kv, self.block_kv_compute
+        if min(bq, bkv, c) <= 0 or bq % 8 or c % LANE or bkv % c:
+            raise ValueError(f"{self}: block_q must be a multiple of 8, block_kv_compute of {LANE}, "
+                             "block_kv of block_kv_compute")
+        if self.sq % bq or self.skv % bkv:
+            raise ValueError(f"{self}: the padded lengths must be whole blocks")
+        if bq * bkv > MAX_BLOCK_PAIR or c > MAX_KV_COMPUTE:
+            raise ValueError(f"{self}: outside the VMEM envelope (block_q x block_kv <= {MAX_BLOCK_PAIR}, "
+                             f"block_kv_compute <= {MAX_KV_COMPUTE})")
+        if self.smem_metadata_bytes() > SMEM_METADATA_BUDGET:
+            raise ValueError(f"{self}: {self.smem_metadata_bytes()} bytes of block-mask metadata in SMEM "
+                             f"(budget {SMEM_METADATA_BUDGET})")
+        return self
+
+    def block_sizes(self):
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+        return sk.BlockSizes(block_q=self.block_q, block_kv=self.block_kv,
+                             block_kv_compute=self.block_kv_compute)
+
+
+def _axis_block(n: int, candidates) -> int:
+    """The block for an axis of n tokens: the whole LANE-rounded axis if it fits the largest
+    candidate, else the largest candidate whose padding stays within PAD_CAP of the
+    LANE-rounded length, else LANE (no padding beyond it)."""
+    base = _round_up(n, LANE)
+    if base <= candidates[0]:
+        return base
+    for b in candidates:
+        if _round_up(n, b) - base <= PAD_CAP * base:
+            return b
+    return LANE
+
+
+def _q_block(n: int) -> int:
+    """block_q for n queries: one block up to Q_BLOCKS[0], else an exact divisor of the
+    LANE-rounded length in [Q_EXACT_MIN, Q_BLOCKS[0]], else the PAD_CAP rule."""
+    base = _round_up(n, LANE)
+    if base > Q_BLOCKS[0]:
+        for b in range(Q_BLOCKS[0], Q_EXACT_MIN - 1, -Q_ALIGN):
+            if base % b == 0:
+                return b
+    return _axis_block(n, Q_BLOCKS)
+
+
+def _kv_block(n: int) -> int:
+    """block_kv for n keys: one block up to KV_BLOCKS[0]; else a block dividing the
+    LANE-rounded length exactly (no padding beyond it): the largest of KV_BLOCKS, else
+    the largest multiple of LANE below KV_BLOCKS[0]."""
+    base = _round_up(n, LANE)
+    if base <= KV_BLOCKS[0]:
+        return base
+    exact = [b for b in KV_BLOCKS if base % b == 0]
+    return exact[0] if exact else next(b for b in range(KV_BLOCKS[0], 0, -LANE) if base % b == 0)
+
+
+def splash_blocks(sq: int, skv: int) -> SplashBlocks:
+    """The validated block sizes and padded lengths of a splash call over `sq` queries
+    and `skv` keys (Q_BLOCKS, KV_BLOCKS, KV_COMPUTE, PAD_CAP above)."""
+    bq = _q_block(sq)
+    for bkv in (_kv_block(skv), _axis_block(skv, KV_BLOCKS)):  # exact keys, else padded (SMEM)
+        c = max(x for x in (KV_COMPUTE, 256, LANE) if x <= KV_COMPUTE and bkv % x == 0)
+        blocks = SplashBlocks(bq, bkv, c, _round_up(sq, bq), _round_up(skv, bkv))
+        if blocks.smem_metadata_bytes() <= SMEM_METADATA_BUDGET:
+            break
+    return blocks.validate()
 
 
 def attention(q, k, v, kv_mask=None, *, impl="xla", interpret=False):
@@ -63,33 +185,28 @@ def reference_attention(q, k, v, kv_mask=None, bias=None):
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-def _block(n):
-    for b in (512, 256, 128):
-        if n % b == 0:
-            return b
-    raise AssertionError(n)
-
-
 @functools.lru_cache(maxsize=None)
-def _splash_kernel(heads, sq, skv, interpret):
+def _splash_kernel(heads, blocks: SplashBlocks, interpret):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    mask = sm.MultiHeadMask([sm.FullMask((sq, skv)) for _ in range(heads)])
-    bq, bkv = _block(sq), _block(skv)
-    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv)
-    return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+    mask = sm.MultiHeadMask([sm.FullMask((blocks.sq, blocks.skv)) for _ in range(heads)])
+    return sk.make_splash_mha(mask, block_sizes=blocks.block_sizes(), head_shards=1, q_seq_shards=1,
                               interpret=interpret)
 
 
-def _splash(q, k, v, kv_mask, interpret):
+def _splash(q, k, v, kv_mask, interpret, blocks: SplashBlocks | None = None, check: bool = True):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     B, Sq, H, D = q.shape
     Skv = k.shape[1]
-    unit = LONG_BLOCK if -(-Sq // BLOCK) * -(-Skv // BLOCK) > LONG_PAIRS else BLOCK
-    sq = -(-Sq // unit) * unit
-    skv = -(-Skv // unit) * unit
+    if blocks is None:
+        blocks = splash_blocks(Sq, Skv)
+    elif blocks.sq < Sq or blocks.skv < Skv:
+        raise ValueError(f"{blocks} is shorter than the sequences ({Sq}, {Skv})")
+    if check:  # benchmark/attention_blocks.py compiles candidates outside the envelopes too
+        blocks.validate()
+    sq, skv = blocks.sq, blocks.skv
     if kv_mask is None:
         kv_mask = jnp.ones((B, Skv), bool)
     kv_seg = jnp.pad(kv_mask.astype(jnp.int32), ((0, 0), (0, skv - Skv)))  # pad keys: segment 0
@@ -99,7 +216,7 @@ def _splash(q, k, v, kv_mask, interpret):
     kh = jnp.pad(k, ((0, 0), (0, skv - Skv), (0, 0), (0, 0)))
     vh = jnp.pad(v, ((0, 0), (0, skv - Skv), (0, 0), (0, 0)))
     qh, kh, vh = (jnp.swapaxes(t, 1, 2) for t in (qh, kh, vh))
-    kernel = _splash_kernel(H, sq, skv, bool(interpret))
+    kernel = _splash_kernel(H, blocks, bool(interpret))
     out = _vma_untyped(jax.vmap(lambda a, b, c, qs, ks: kernel(a, b, c, segment_ids=sk.SegmentIds(q=qs, kv=ks))),
                        qh, kh, vh, q_seg, kv_seg)
     return jnp.swapaxes(out, 1, 2)[:, :Sq]

@@ -108,3 +108,96 @@ def test_splash_under_shard_map_check_vma():
     np.testing.assert_allclose(got, numpy_attention(q, k, v, mask), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match=r"out_specs.*replicated"):
         sharded(P())(q, k, v, mask)
+
+
+# Per-rank sequence lengths of the ports (benchmark/attention_blocks.py CASES): FLUX 1024^2,
+# Qwen-Image 1024^2 / 1328^2, LTX-2 480x704x49 / x121, Wan 480x832x9 / x81, 720x1280x81,
+# HunyuanVideo 320x512x61, 544x960x129, 720x1280x129 (+ text), and short text keys.
+PORT_LENGTHS = (4608, 4224, 7017, 2310, 5280, 4680, 10496, 32760, 67576, 75600, 119056)
+
+
+def test_splash_blocks_table_at_the_ports_lengths():
+    from difflet_tpu import attention as A
+
+    for n in PORT_LENGTHS:
+        for skv in (n, 512, 1024):
+            b = A.splash_blocks(n, skv)
+            assert b.validate() is b
+            assert b.sq >= n and b.skv >= skv and b.sq % b.block_q == 0 and b.skv % b.block_kv == 0
+            # keys never pad beyond the 128-rounded length; queries only within PAD_CAP (none
+            # when an exact block of >= 1024 rows exists)
+            assert b.skv == -(-skv // A.LANE) * A.LANE
+            base = -(-n // A.LANE) * A.LANE
+            assert b.sq - base <= A.PAD_CAP * base
+            assert b.block_q >= 1024 or b.block_q == base  # big query blocks: k/v re-read rarely
+            assert b.block_q * b.block_kv <= A.MAX_BLOCK_PAIR and b.block_kv_compute <= A.MAX_KV_COMPUTE
+    long = A.splash_blocks(119056, 119056)  # 76 x 1568 = 133 x 896 = 119168: no padding beyond 128
+    assert (long.block_q, long.block_kv, long.block_kv_compute, long.sq, long.skv) == (1568, 896, 128, 119168, 119168)
+    assert A.splash_blocks(32760, 32760).block_q == 2048 and A.splash_blocks(75600, 75600).sq == 75776
+    assert long.smem_metadata_bytes() <= A.SMEM_METADATA_BUDGET
+    # 128 x 1201 keys (1201 prime): exact 128-row key blocks would break the SMEM bound, so keys pad
+    odd = A.splash_blocks(128 * 1201, 128 * 1201)
+    assert odd.block_kv > 128 and odd.skv > 128 * 1201 and odd.smem_metadata_bytes() <= A.SMEM_METADATA_BUDGET
+    # what validation rejects: 128-row blocks at 720p (block-mask metadata beyond SMEM),
+    # 2048 x 2048 blocks (v5e's 16 MiB scoped VMEM), splash's own divisibility rules
+    with pytest.raises(ValueError, match="SMEM"):
+        A.SplashBlocks(128, 128, 128, 119168, 119168).validate()
+    with pytest.raises(ValueError, match="VMEM"):
+        A.SplashBlocks(2048, 2048, 512, 120832, 120832).validate()
+    with pytest.raises(ValueError, match="multiple"):
+        A.SplashBlocks(512, 512, 384, 4608, 4608).validate()
+    with pytest.raises(ValueError, match="whole blocks"):
+        A.SplashBlocks(512, 512, 512, 4680, 4608).validate()
+    # short sequences: one block of the 128-rounded length
+    small = A.splash_blocks(130, 200)
+    assert (small.block_q, small.block_kv, small.sq, small.skv) == (256, 256, 256, 256)
+
+
+@pytest.mark.parametrize("blocks", [(128, 256, 128, 384, 768), (160, 256, 256, 320, 768)])
+def test_splash_interpret_mode_with_several_unequal_blocks(blocks):
+    """Explicit block sizes (3 q blocks of 128, or 2 of 160 -- not a multiple of 128, like
+    the exact q blocks of long sequences --, 3 kv blocks of 256 in 128- or 256-wide compute
+    chunks, padded) give the same numbers: block sizes change the schedule, not the math."""
+    from difflet_tpu.attention import SplashBlocks, _splash
+
+    q, k, v, mask = inputs(B=2, Sq=300, Skv=520, H=1, D=128, seed=3)
+    mask[1] = np.arange(520) < 500  # valid keys in the second and third kv blocks too
+    blocks = SplashBlocks(*blocks)
+    got = np.asarray(_splash(q, k, v, jnp.asarray(mask), True, blocks))
+    np.testing.assert_allclose(got, numpy_attention(q, k, v, mask), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # a real-size deviceless compile: 4-12 s on a loaded 2-core machine
+def test_splash_at_hunyuan_720p_materialises_no_s_squared_array():
+    """HunyuanVideo 720x1280x129: 118,800 video + 256 text tokens, 24 / 4 heads per rank,
+    bf16, compiled deviceless for v5e (the splash call alone): no array of the compiled
+    program -- argument, constant, temporary or mask -- comes near one S^2 score matrix,
+    and the temporaries stay O(S) (the padded, head-major q, k, v copies)."""
+    S, H, D = 33 * 45 * 80 + 256, 6, 128
+    out = deviceless.run_python(f"""
+import json, re, time, math
+import jax, jax.numpy as jnp
+from difflet_tpu import deviceless
+from difflet_tpu.attention import attention, splash_blocks
+dev = deviceless.topology_devices('v5e:2x2')[0]
+s = jax.sharding.SingleDeviceSharding(dev)
+a = jax.ShapeDtypeStruct((1, {S}, {H}, {D}), jnp.bfloat16, sharding=s)
+m = jax.ShapeDtypeStruct((1, {S}), jnp.bool_, sharding=s)
+t = time.time()
+c = jax.jit(lambda q, k, v, m: attention(q, k, v, m, impl='splash')).trace(a, a, a, m).lower().compile()
+text = c.as_text()
+shapes = re.findall(r'\\b(?:bf16|f32|s32|s8|s16|pred|u8)\\[([0-9,]*)\\]', text)
+sizes = [math.prod(int(d) for d in dims.split(',') if d) for dims in shapes]
+vmem = [int(x) for x in re.findall(r'"used_scoped_memory_configs":\\[\\{{[^\\]]*?"size":"(\\d+)"', text)]
+b = splash_blocks({S}, {S})
+print(json.dumps(dict(mem=deviceless.memory_report(c), largest=max(sizes), kernels=text.count('tpu_custom_call'),
+                      vmem=max(vmem), padded=max(b.sq, b.skv), seconds=time.time() - t)))
+""")
+    print("HunyuanVideo 720p splash call on v5e:", out)
+    assert out["kernels"] >= 1
+    s2 = S * S  # one head's score matrix has S^2 elements (2 S^2 bytes in bf16)
+    assert out["largest"] < s2 / 100  # largest array: a padded q/k/v copy, H * S * D
+    assert out["largest"] <= H * out["padded"] * D
+    assert out["mem"]["temporaries"] < 2 * s2 / 20
+    assert out["mem"]["temporaries"] <= 4 * H * out["padded"] * D * 2 + out["padded"] * 128 * 4  # O(S)
+    assert out["vmem"] <= 16 * 2**20
