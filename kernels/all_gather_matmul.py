@@ -22,7 +22,8 @@ Layout and tiling (per rank; isz = itemsize):
     VMEM  xbuf  [2 dirs, R slots, B, h, K]   received halves, R = 3 (see below)
           wbuf  [2, K, tn]                    weight tiles, double-buffered
           obuf  [2, 2 dirs, B, h, tn]         product tiles on their way to HBM
-    HBM   x, w_i (inputs), out_i (outputs); memory_space ANY, moved by explicit DMA
+    HBM   x, w_i (inputs), out_i (outputs); memory_space ANY (w_i kept in HBM,
+          `_common.in_hbm`), moved by explicit DMA
     SMEM  tables int32[2 + 2P] (scalar prefetch, see _common.ring_tables)
           layer  int32[1]       (scalar prefetch: weight tiles come from w_i.at[layer])
 
@@ -314,5 +315,5 @@ def all_gather_matmul(x, weights, *, layer=None, axis_name="tp", interpret=False
         cost_estimate=cost,
         interpret=_common.interpret_params(interpret),
         name="all_gather_matmul",
-    )(tables, layer, x3, *weights)
+    )(tables, layer, x3, *[_common.in_hbm(w) for w in weights])
     return [o.reshape(*lead, S, o.shape[-1]) for o in outs]

@@ -30,7 +30,8 @@ Layout and tiling (per rank):
           wbuf_i  [2, k_i, tn]                  weight tiles, double-buffered per step
           recv    [2 dirs, R slots, NT, B, h, tn]  accumulators from upstream, R = 3
           sbuf    [2 dirs, 2, B, h, tn]         sums on their way out (send or `out`)
-    HBM   x_i, w_i (inputs), out; memory_space ANY, moved by explicit DMA
+    HBM   x_i, w_i (inputs), out; memory_space ANY (w_i kept in HBM,
+          `_common.in_hbm`), moved by explicit DMA
     SMEM  tables int32[2 + 2P] (scalar prefetch, see _common.ring_tables)
           layer  int32[1]       (scalar prefetch: weight tiles come from w_i.at[layer])
 
@@ -336,5 +337,5 @@ def matmul_reduce_scatter(pairs, *, layer=None, axis_name="tp", interpret=False,
         cost_estimate=cost,
         interpret=_common.interpret_params(interpret),
         name="matmul_reduce_scatter",
-    )(tables, layer, *x3, *ws)
+    )(tables, layer, *x3, *[_common.in_hbm(w) for w in ws])
     return out.reshape(*lead, s, N)

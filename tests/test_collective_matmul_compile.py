@@ -62,7 +62,7 @@ for comp, ops in m.computations.items():
         if ins.op == "custom-call" and "tpu_custom_call" in ins.text:
             feeds = [m.lookup(comp, o) for o in ins.operands]
             kernels.append(dict(
-                name=ins.name, shapes=hlo.constrained_operand_shapes(ins),
+                name=ins.name, shapes=hlo.constrained_operand_shapes(ins), feeds=[f and f.op for f in feeds],
                 sliced=[f.name for f in feeds if f is not None and (is_ds(f) or f.op == "fusion" and any(
                     m.contains(c, is_ds) for c in f.calls))]))
 print(json.dumps(kernels))
@@ -73,12 +73,14 @@ print(json.dumps(kernels))
 def test_scanned_kernels_read_the_stacked_weights_on_v5e():
     """A 2-layer toy under SP with both Pallas kernels: no dynamic-slice (fusion)
     feeds a kernel, i.e. no per-layer copy of a weight is made for it; the
-    kernels take the stacks [2, K, n] and the layer index instead."""
+    kernels take the stacks [2, K, n] and the layer index instead, straight
+    from the scan's loop state (not a copy of the stack into VMEM either)."""
     kernels = deviceless.run_python(STACKED, timeout=900)
     cm = [k for k in kernels if k["name"].startswith(("all_gather_matmul", "matmul_reduce_scatter"))]
     assert len(cm) == 4, [k["name"] for k in kernels]  # q/k/v, out, ff up, ff down
     for k in kernels:
         assert not k["sliced"], k
     for k in cm:
-        weights = [dims for dt, dims in k["shapes"] if dt == "bf16" and len(dims) == 3 and dims[0] == 2]
-        assert weights, k["shapes"]
+        weights = [op for (dt, dims), op in zip(k["shapes"], k["feeds"]) if dt == "bf16" and len(dims) == 3
+                   and dims[0] == 2]
+        assert weights and set(weights) == {"get-tuple-element"}, k
