@@ -35,14 +35,14 @@ Layout and tiling (per rank):
     SMEM  tables int32[2 + 2P] (scalar prefetch, see _common.ring_tables)
           layer  int32[1]       (scalar prefetch: weight tiles come from w_i.at[layer])
 
-Weight tiles are DMA'd from `w_i.at[layer, :, cols]`: a block scan passes
-the whole stack and its layer index, so no weight-sized copy of the layer is
-made before the call.
-
     step (j, c):  wait w tiles c, prefetch tiles of step+1
                   fwd: wait recv[f, j-1, c]; sbuf = sum_i xrows_i[f] @ w_i + recv; send -> r+1
                   bwd: wait recv[b, j-1, c]; sbuf = sum_i xrows_i[b] @ w_i + recv; send -> r-1
                   (hop P-1: sbuf -> out rows [0,h) / [h,s) instead of a send)
+
+Weight tiles are DMA'd from `w_i.at[layer, :, cols]`: a block scan passes
+the whole stack and its layer index, so no weight-sized copy of the layer is
+made before the call.
 
 Receive slots (R = 3): why a neighbour may run two hops ahead in one direction.
 Upstream U's hop-j' tile c lands in our slot j' % R, tile c; we read it at
