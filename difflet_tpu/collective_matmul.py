@@ -36,13 +36,19 @@ Rules:
   `difflet_tpu.kernels` when they support the shape, and falls back to the
   JAX ring with one notice per shape otherwise; `impl="xla"` is the plain
   collective + dot (the `sp-xla` baseline, which XLA may decompose itself).
+
+Weights are arrays, or `LayerWeight`s: one layer of a stacked `[L, K, N]`
+array, as `difflet_tpu.nn.scan_blocks` hands a scanned block its linears.
+The Pallas kernels take the stack and the layer index and DMA that layer's
+tiles straight out of it, so no per-layer copy of the weight is made; every
+other path slices the layer out (`as_array`), as `lax.scan` would have.
 """
 
 from __future__ import annotations
 
 import logging
 
-
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -55,13 +61,48 @@ ASSEMBLE = ("concat", "dus")
 
 
 # --------------------------------------------------------------------------
+# A weight still inside its stack
+# --------------------------------------------------------------------------
+
+class LayerWeight:
+    """Layer `layer` (a traced int32 scalar) of stacked weights `stack [L, K, N]`.
+
+    Behaves as the `[K, N]` weight for `shape`, `dtype` and indexing (`w[...]`
+    slices the layer out); the kernels read `stack` at `layer` instead.
+    """
+
+    def __init__(self, stack: jax.Array, layer: jax.Array):
+        self.stack, self.layer = stack, layer
+
+    shape = property(lambda self: self.stack.shape[1:])
+    dtype = property(lambda self: self.stack.dtype)
+    ndim = property(lambda self: self.stack.ndim - 1)
+
+    def __getitem__(self, key):
+        return lax.dynamic_index_in_dim(self.stack, self.layer, axis=0, keepdims=False)[key]
+
+
+def as_array(w):
+    """The weight as an array: a `LayerWeight`'s layer sliced out, an array as is."""
+    return w[...] if isinstance(w, LayerWeight) else w
+
+
+def _stacked(weights):
+    """(stacks, layer) for the kernels: the stacks of `LayerWeight`s of one
+    layer, else the arrays themselves and layer None."""
+    if weights and all(isinstance(w, LayerWeight) and w.layer is weights[0].layer for w in weights):
+        return [w.stack for w in weights], weights[0].layer
+    return [as_array(w) for w in weights], None
+
+
+# --------------------------------------------------------------------------
 # Plain references: one collective plus one dot. TP uses matmul_all_reduce.
 # --------------------------------------------------------------------------
 
 def all_gather_matmul_reference(x, weights, *, axis_name=TP):
     """`lax.all_gather` on the row axis, then one dot per weight."""
     xg = lax.all_gather(x, axis_name, axis=x.ndim - 2, tiled=True)
-    return [xg @ w for w in weights]
+    return [xg @ as_array(w) for w in weights]
 
 
 def matmul_reduce_scatter_reference(pairs, *, axis_name=TP):
@@ -78,7 +119,7 @@ def matmul_all_reduce(pairs, *, axis_name=TP):
 def _sum_dots(pairs):
     out = None
     for x, w in pairs:
-        y = x @ w
+        y = x @ as_array(w)
         out = y if out is None else out + y
     return out
 
@@ -114,7 +155,8 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
 
     Args:
       x: this rank's rows, `[..., S/P, K]`; S a multiple of 2P.
-      weights: column shards `[K, N_i/P]`, any number, widths may differ.
+      weights: column shards `[K, N_i/P]` (arrays or `LayerWeight`s), any
+        number, widths may differ.
       impl: "jax" (this ring), "pallas" (the kernel, ring fallback) or "xla".
       assemble: "concat" (one gather over the arrived chunks, in global row
         order) or "dus" (dynamic_update_slice into a buffer).
@@ -139,7 +181,7 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
     _check_shard("all_gather_matmul", x.shape[-2], P)
     finish = lambda ys: [y if e is None else e(y) for y, e in zip(ys, epilogues)]
     if P == 1:
-        return finish([x @ w for w in weights])
+        return finish([x @ as_array(w) for w in weights])
     if impl == "xla":
         return finish(all_gather_matmul_reference(x, weights, axis_name=axis_name))
     if impl == "pallas":
@@ -147,9 +189,11 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
 
         reason = kernel.unsupported_reason(x.shape, [w.shape[1] for w in weights], x.dtype, P)
         if reason is None:
-            return finish(kernel.all_gather_matmul(x, weights, axis_name=axis_name, interpret=interpret))
+            stacks, layer = _stacked(weights)
+            return finish(kernel.all_gather_matmul(x, stacks, layer=layer, axis_name=axis_name,
+                                                   interpret=interpret))
         _notice_fallback("all_gather_matmul", (x.shape, tuple(w.shape for w in weights), str(x.dtype)), reason)
-    return _ag_ring(x, weights, epilogues, axis_name, P, assemble)
+    return _ag_ring(x, [as_array(w) for w in weights], epilogues, axis_name, P, assemble)
 
 
 def _ag_ring(x, weights, epilogues, axis_name, P, assemble):
@@ -215,10 +259,11 @@ def matmul_reduce_scatter(pairs, *, axis_name=TP, impl="jax", interpret=False):
     """This rank's rows of `sum_i x_i @ w_i`, reduced over the `tp` axis.
 
     Args:
-      pairs: one or two `(x_i [..., S, K_i/P], w_i [K_i/P, N])`; all x_i have
-        the same rows, all w_i the same width. Two pairs serve FLUX's and
-        HunyuanVideo's single-block `proj_out` (attention and MLP halves),
-        summed without concatenating their inputs.
+      pairs: one or two `(x_i [..., S, K_i/P], w_i [K_i/P, N])` (w_i an array
+        or a `LayerWeight`); all x_i have the same rows, all w_i the same
+        width. Two pairs serve FLUX's and HunyuanVideo's single-block
+        `proj_out` (attention and MLP halves), summed without concatenating
+        their inputs.
       impl: "jax" (this ring), "pallas" (the kernel, ring fallback) or "xla".
 
     Returns:
@@ -246,10 +291,12 @@ def matmul_reduce_scatter(pairs, *, axis_name=TP, impl="jax", interpret=False):
         reason = kernel.unsupported_reason([x.shape for x, _ in pairs], [w.shape for _, w in pairs],
                                            pairs[0][0].dtype, P)
         if reason is None:
-            return kernel.matmul_reduce_scatter(pairs, axis_name=axis_name, interpret=interpret)
+            stacks, layer = _stacked([w for _, w in pairs])
+            return kernel.matmul_reduce_scatter([(x, w) for (x, _), w in zip(pairs, stacks)], layer=layer,
+                                                axis_name=axis_name, interpret=interpret)
         _notice_fallback("matmul_reduce_scatter",
                          (tuple(x.shape for x, _ in pairs), tuple(w.shape for _, w in pairs)), reason)
-    return _rs_ring(pairs, axis_name, P)
+    return _rs_ring([(x, as_array(w)) for x, w in pairs], axis_name, P)
 
 
 def _rs_ring(pairs, axis_name, P):

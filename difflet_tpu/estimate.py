@@ -226,15 +226,18 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list) -> KernelHo
       (the last hop writes out instead), and sends its two accumulator halves
       (h rows x N each way) on, tile by tile; before hop 0 it waits for hop 0's rows.
     The FLOPs and HBM bytes over all hops are the kernels' own `pl.CostEstimate`.
+    A weight may come stacked, [L, K, n_i] / [L, k_i, N] (a block scan's layers,
+    the layer index a scalar operand): the kernel reads one layer, priced as above.
     """
     floats = [(dt, d) for dt, d in operands if dt in _FLOAT_DTYPES]
+    layer = lambda w: w[1:] if len(w) == 3 else w  # a stacked weight's one layer
     outs = [(dt, d) for dt, d in outputs if dt in _FLOAT_DTYPES]
     if not floats or not outs:
         return None
     dt = floats[0][0]
     isz = array_bytes(dt, (1,))
     if kind == "all_gather_matmul":
-        (_, x), ws = floats[0], [d for _, d in floats[1:]]
+        (_, x), ws = floats[0], [layer(d) for _, d in floats[1:]]
         if len(x) != 3 or not ws or any(len(w) != 2 or w[0] != x[2] for w in ws):
             return None
         B, s, K = x
@@ -251,7 +254,7 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list) -> KernelHo
         if len(floats) % 2:
             return None
         npairs = len(floats) // 2
-        xs, ws = [d for _, d in floats[:npairs]], [d for _, d in floats[npairs:]]
+        xs, ws = [d for _, d in floats[:npairs]], [layer(d) for _, d in floats[npairs:]]
         if any(len(x) != 3 or len(w) != 2 or x[2] != w[0] for x, w in zip(xs, ws)):
             return None
         B, S, _ = xs[0]

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from difflet_tpu.collective_matmul import LayerWeight
+
 
 def fp32(dtype):
     """The dtype of float32 math for `dtype`: float32, or float64 for float64 models."""
@@ -40,6 +42,12 @@ class Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
+def weight(linear: Linear):
+    """The kernel as `par.column` / `par.row` take it: an array, or inside
+    `scan_blocks` a `LayerWeight` (its layer of the stack, not sliced out)."""
+    return linear.kernel.get_value()
+
+
 def epilogue(linear: Linear, activation=None):
     """Row-wise epilogue for a column-parallel product: bias, then activation."""
 
@@ -54,7 +62,7 @@ def column(par, x, linears, activations=None):
     """Column-parallel `linears` sharing input `x` through `par.column`."""
     linears = list(linears)
     activations = activations or [None] * len(linears)
-    return par.column(x, [l.kernel[...] for l in linears],
+    return par.column(x, [weight(l) for l in linears],
                       [epilogue(l, a) for l, a in zip(linears, activations)])
 
 
@@ -62,7 +70,7 @@ def row(par, pairs):
     """Row-parallel output of `(x, linear)` pairs; the first linear's bias is added once."""
     pairs = list(pairs)
     bias = pairs[0][1].bias
-    return par.row([(x, l.kernel[...]) for x, l in pairs], None if bias is None else bias[...])
+    return par.row([(x, weight(l)) for x, l in pairs], None if bias is None else bias[...])
 
 
 def stacked(make_block, num: int, rngs: nnx.Rngs):
@@ -79,15 +87,24 @@ def stacked(make_block, num: int, rngs: nnx.Rngs):
 def scan_blocks(blocks, carry, fn, xs=None):
     """Runs `fn(block, carry) -> carry` over stacked `blocks` with `lax.scan`,
     so compile time does not grow with depth. With `xs` (stacked like the
-    blocks, e.g. each block's text K/V): `fn(block, carry, x)`."""
-    graphdef, state = nnx.split(blocks)
+    blocks, e.g. each block's text K/V): `fn(block, carry, x)`.
 
-    def body(c, s_x):
-        s, x = s_x
-        block = nnx.merge(graphdef, s)
-        return (fn(block, c) if xs is None else fn(block, c, x)), None
+    The scan runs over the layer index and every parameter but the `Linear`
+    kernels: a block's kernel is a `LayerWeight` (the whole stack and the
+    index), so the Pallas collective-matmul kernels DMA its layer straight out
+    of the stack instead of from a per-layer copy; every other use slices the
+    layer out (`kernel[...]`), the same slice `lax.scan` takes of its inputs.
+    """
+    linears = {path for path, node in nnx.iter_graph(blocks) if isinstance(node, Linear)}
+    is_kernel = lambda path, _: path[-1] == "kernel" and tuple(path[:-1]) in linears
+    graphdef, kernels, rest = nnx.split(blocks, is_kernel, ...)
 
-    carry, _ = jax.lax.scan(body, carry, (state, xs))
+    def body(c_i, s_x):  # the layer index is carried (a slice of an arange would feed the kernels)
+        (c, i), (s, x) = c_i, s_x
+        block = nnx.merge(graphdef, jax.tree.map(lambda k: LayerWeight(k, i), kernels), s)
+        return ((fn(block, c) if xs is None else fn(block, c, x)), i + 1), None
+
+    (carry, _), _ = jax.lax.scan(body, (carry, jnp.int32(0)), (rest, xs))
     return carry
 
 

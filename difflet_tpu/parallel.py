@@ -100,6 +100,8 @@ class Parallel:
         Under SP, x holds this rank's rows and each output every row (the
         all-gather is fused into the matmuls); otherwise x holds every row.
         `epilogues` are row-wise functions (bias, activation) per output.
+        A weight is an array or a `cm.LayerWeight` (one layer of a stack, which
+        only the Pallas kernels read in place).
         """
         weights = list(weights)
         if self.seq_sharded:
@@ -108,7 +110,7 @@ class Parallel:
                                         assemble=self.assemble, epilogues=epilogues,
                                         interpret=self.interpret)
         epilogues = epilogues or [None] * len(weights)
-        return [y if e is None else e(y) for y, e in zip((x @ w for w in weights), epilogues)]
+        return [y if e is None else e(y) for y, e in zip((x @ cm.as_array(w) for w in weights), epilogues)]
 
     def row(self, pairs, bias=None):
         """`sum_i x_i @ w_i` over row-parallel shards, plus the (replicated) bias once.

@@ -115,6 +115,13 @@ def out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
 
 
+def in_hbm(w: jax.Array) -> jax.Array:
+    """`w` constrained to HBM as a kernel input. The kernels stream weights tile by
+    tile; left to itself, XLA may prefetch a small weight (even a whole stack of
+    layers) into VMEM before every call."""
+    return pltpu.with_memory_space_constraint(w, pltpu.HBM)
+
+
 def interpret_params(interpret):
     """False -> compile with Mosaic; True -> TPU interpret mode (default
     params); a `pltpu.InterpretParams` is passed through (tests set

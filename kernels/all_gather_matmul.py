@@ -5,7 +5,9 @@ holds `x`, its `s = S/P` rows of the sequence, and column shards of one or more
 weights; it returns, per weight, every row of the sequence times its columns:
 
     x        [B, s, K]      this rank's rows (leading dims folded into B)
-    w_i      [K, n_i]       column shards, n_i multiples of 128, widths may differ
+    w_i      [L, K, n_i]    column shards of L stacked layers (a plain [K, n_i]
+                            is L = 1), n_i multiples of 128, widths may differ;
+                            the kernel reads layer `layer` only
     out_i    [B, S, n_i]    rows in global order (rank q's rows at [q*s, (q+1)*s))
 
 Ring (as `difflet_tpu.collective_matmul._ag_ring`): the shard splits into a
@@ -20,8 +22,14 @@ Layout and tiling (per rank; isz = itemsize):
     VMEM  xbuf  [2 dirs, R slots, B, h, K]   received halves, R = 3 (see below)
           wbuf  [2, K, tn]                    weight tiles, double-buffered
           obuf  [2, 2 dirs, B, h, tn]         product tiles on their way to HBM
-    HBM   x, w_i (inputs), out_i (outputs); memory_space ANY, moved by explicit DMA
+    HBM   x, w_i (inputs), out_i (outputs); memory_space ANY (w_i kept in HBM,
+          `_common.in_hbm`), moved by explicit DMA
     SMEM  tables int32[2 + 2P] (scalar prefetch, see _common.ring_tables)
+          layer  int32[1]       (scalar prefetch: weight tiles come from w_i.at[layer])
+
+Weight tiles are DMA'd from `w_i.at[layer, :, cols]`: a block scan passes
+the whole stack and its layer index, so no weight-sized copy of the layer is
+made before the call.
 
 One weight-tile stream runs over every (hop, weight, column tile) step t: tile
 t+1 loads (HBM -> wbuf[(t+1)%2]) while tile t is multiplied with both halves;
@@ -130,7 +138,7 @@ def vmem_plan(x_shape, widths, dtype, axis_size) -> _common.VmemPlan | None:
 # Kernel
 # --------------------------------------------------------------------------
 
-def _kernel(tables, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tiles, slots, unit):
+def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tiles, slots, unit):
     nw = len(widths)
     w_hbm, out_hbm = refs[:nw], refs[nw:2 * nw]
     xbuf, wbuf, obuf, x_sem, recv_sem, send_sem, w_sem, o_sem = refs[2 * nw:]
@@ -152,7 +160,7 @@ def _kernel(tables, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tiles, slot
 
     def w_copy(i, c, par):
         col = pl.multiple_of(c * tn, tn)
-        return pltpu.make_async_copy(w_hbm[i].at[:, pl.ds(col, tn)], wbuf.at[par], w_sem.at[par])
+        return pltpu.make_async_copy(w_hbm[i].at[layer[0], :, pl.ds(col, tn)], wbuf.at[par], w_sem.at[par])
 
     def o_copy(i, j, d, c, par):
         col = pl.multiple_of(c * tn, tn)
@@ -234,14 +242,16 @@ def _kernel(tables, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tiles, slot
             o_copy(0, 0, d, 0, t % 2).wait()
 
 
-def all_gather_matmul(x, weights, *, axis_name="tp", interpret=False,
+def all_gather_matmul(x, weights, *, layer=None, axis_name="tp", interpret=False,
                       _recv_slots=RECV_SLOTS, _col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT,
                       _row_tile_limit=DEFAULT_ROW_TILE_LIMIT):
     """Gathers `x` over `axis_name` while multiplying it by each weight.
 
     Args:
       x: this rank's rows `[..., S/P, K]`.
-      weights: column shards `[K, N_i/P]`.
+      weights: column shards `[K, N_i/P]`; with `layer`, stacked `[L, K, N_i/P]`.
+      layer: the layer to read from stacked weights (an int32 scalar, may be
+        traced, e.g. a block scan's index); None for `[K, N_i/P]` weights.
       interpret: False (Mosaic), True (TPU interpret mode) or a
         `pltpu.InterpretParams` (e.g. with detect_races=True).
 
@@ -249,14 +259,19 @@ def all_gather_matmul(x, weights, *, axis_name="tp", interpret=False,
       One `[..., S, N_i/P]` array per weight, rows in global order.
     """
     weights = list(weights)
-    widths = [int(w.shape[1]) for w in weights]
+    if layer is None:  # one layer: [K, n] -> [1, K, n], a free reshape
+        weights, layer = [w[None] for w in weights], 0
+    if any(w.ndim != 3 for w in weights) or len({w.shape[0] for w in weights}) != 1:
+        raise ValueError(f"all_gather_matmul kernel: stacked weights [L, K, n_i] of one L, got "
+                         f"{[w.shape for w in weights]}")
+    widths = [int(w.shape[2]) for w in weights]
     P = lax.axis_size(axis_name)
     reason, tn, tiles, plan = _plan(x.shape, widths, x.dtype, P, recv_slots=_recv_slots,
                                     col_tile_limit=_col_tile_limit, row_tile_limit=_row_tile_limit)
     if reason:
         raise ValueError(f"all_gather_matmul kernel: {reason}")
     for w in weights:
-        if w.shape[0] != x.shape[-1] or w.dtype != x.dtype:
+        if w.shape[1] != x.shape[-1] or w.dtype != x.dtype:
             raise ValueError(f"all_gather_matmul kernel: weight {w.shape} {w.dtype} does not take x {x.shape} {x.dtype}")
     B, lead = _common.fold_batch(x.shape)
     s, K = x.shape[-2], x.shape[-1]
@@ -264,6 +279,7 @@ def all_gather_matmul(x, weights, *, axis_name="tp", interpret=False,
     S = s * P
     x3 = x.reshape(B, s, K)
     tables = _common.ring_tables(axis_name, s)
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
 
     kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, K=K, widths=tuple(widths),
                                tn=tn, tiles=tiles, slots=_recv_slots,
@@ -281,7 +297,7 @@ def all_gather_matmul(x, weights, *, axis_name="tp", interpret=False,
         kernel,
         out_shape=[_common.out_struct((B, S, n), x.dtype, x) for n in widths],
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=2,
             in_specs=[any_spec] * (1 + len(weights)),
             out_specs=[any_spec] * len(weights),
             scratch_shapes=[
@@ -299,5 +315,5 @@ def all_gather_matmul(x, weights, *, axis_name="tp", interpret=False,
         cost_estimate=cost,
         interpret=_common.interpret_params(interpret),
         name="all_gather_matmul",
-    )(tables, x3, *weights)
+    )(tables, layer, x3, *[_common.in_hbm(w) for w in weights])
     return [o.reshape(*lead, S, o.shape[-1]) for o in outs]

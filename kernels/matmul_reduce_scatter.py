@@ -5,7 +5,9 @@ holds one or two pairs whose products are partial sums over the ring; it
 returns its own rows of the total:
 
     x_i      [B, S, k_i]    every row, this rank's k_i = K_i/P columns (leading dims -> B)
-    w_i      [k_i, N]       row shards, N a multiple of 128
+    w_i      [L, k_i, N]    row shards of L stacked layers (a plain [k_i, N] is
+                            L = 1), N a multiple of 128; the kernel reads layer
+                            `layer` only
     out      [B, s, N]      rows [r*s, (r+1)*s) of sum_i x_i @ w_i summed over ranks, s = S/P
 
 Ring (as `difflet_tpu.collective_matmul._rs_ring`): rank r's rows split into
@@ -28,13 +30,19 @@ Layout and tiling (per rank):
           wbuf_i  [2, k_i, tn]                  weight tiles, double-buffered per step
           recv    [2 dirs, R slots, NT, B, h, tn]  accumulators from upstream, R = 3
           sbuf    [2 dirs, 2, B, h, tn]         sums on their way out (send or `out`)
-    HBM   x_i, w_i (inputs), out; memory_space ANY, moved by explicit DMA
+    HBM   x_i, w_i (inputs), out; memory_space ANY (w_i kept in HBM,
+          `_common.in_hbm`), moved by explicit DMA
     SMEM  tables int32[2 + 2P] (scalar prefetch, see _common.ring_tables)
+          layer  int32[1]       (scalar prefetch: weight tiles come from w_i.at[layer])
 
     step (j, c):  wait w tiles c, prefetch tiles of step+1
                   fwd: wait recv[f, j-1, c]; sbuf = sum_i xrows_i[f] @ w_i + recv; send -> r+1
                   bwd: wait recv[b, j-1, c]; sbuf = sum_i xrows_i[b] @ w_i + recv; send -> r-1
                   (hop P-1: sbuf -> out rows [0,h) / [h,s) instead of a send)
+
+Weight tiles are DMA'd from `w_i.at[layer, :, cols]`: a block scan passes
+the whole stack and its layer index, so no weight-sized copy of the layer is
+made before the call.
 
 Receive slots (R = 3): why a neighbour may run two hops ahead in one direction.
 Upstream U's hop-j' tile c lands in our slot j' % R, tile c; we read it at
@@ -144,7 +152,7 @@ def vmem_plan(x_shapes, w_shapes, dtype, axis_size) -> _common.VmemPlan | None:
 # Kernel
 # --------------------------------------------------------------------------
 
-def _kernel(tables, *refs, axis_name, P, B, h, npairs, tn, nt, tiles, slots, unit):
+def _kernel(tables, layer, *refs, axis_name, P, B, h, npairs, tn, nt, tiles, slots, unit):
     x_hbm = refs[:npairs]
     w_hbm = refs[npairs:2 * npairs]
     out_hbm = refs[2 * npairs]
@@ -166,7 +174,8 @@ def _kernel(tables, *refs, axis_name, P, B, h, npairs, tn, nt, tiles, slots, uni
 
     def w_copy(i, c, par):
         col = pl.multiple_of(c * tn, tn)
-        return pltpu.make_async_copy(w_hbm[i].at[:, pl.ds(col, tn)], wbuf[i].at[par], w_sem.at[i, par])
+        return pltpu.make_async_copy(w_hbm[i].at[layer[0], :, pl.ds(col, tn)], wbuf[i].at[par],
+                                     w_sem.at[i, par])
 
     def send(j, d, c, par):  # hop j's tile c in direction d -> neighbour's slot j
         return pltpu.make_async_remote_copy(sbuf.at[d, par], recv.at[d, j % slots, c], s_sem.at[d, par],
@@ -253,13 +262,16 @@ def _kernel(tables, *refs, axis_name, P, B, h, npairs, tn, nt, tiles, slots, uni
             wait_out(t, d, t % nt, t % 2)
 
 
-def matmul_reduce_scatter(pairs, *, axis_name="tp", interpret=False,
+def matmul_reduce_scatter(pairs, *, layer=None, axis_name="tp", interpret=False,
                           _recv_slots=RECV_SLOTS, _col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT,
                           _row_tile_limit=DEFAULT_ROW_TILE_LIMIT):
     """This rank's rows of `sum_i x_i @ w_i`, reduced over `axis_name`.
 
     Args:
-      pairs: one or two `(x_i [..., S, K_i/P], w_i [K_i/P, N])`.
+      pairs: one or two `(x_i [..., S, K_i/P], w_i [K_i/P, N])`; with `layer`,
+        w_i stacked `[L, K_i/P, N]`.
+      layer: the layer to read from stacked weights (an int32 scalar, may be
+        traced, e.g. a block scan's index); None for `[K_i/P, N]` weights.
       interpret: False (Mosaic), True (TPU interpret mode) or a
         `pltpu.InterpretParams` (e.g. with detect_races=True).
 
@@ -268,11 +280,16 @@ def matmul_reduce_scatter(pairs, *, axis_name="tp", interpret=False,
     """
     pairs = [(x, w) for x, w in pairs]
     xs, ws = [x for x, _ in pairs], [w for _, w in pairs]
+    if layer is None:  # one layer: [k, N] -> [1, k, N], a free reshape
+        ws, layer = [w[None] for w in ws], 0
+    if any(w.ndim != 3 for w in ws) or len({w.shape[0] for w in ws}) != 1:
+        raise ValueError(f"matmul_reduce_scatter kernel: stacked weights [L, k_i, N] of one L, got "
+                         f"{[w.shape for w in ws]}")
     dtype = xs[0].dtype
     if any(a.dtype != dtype for a in xs + ws):
         raise ValueError("matmul_reduce_scatter kernel: all inputs must share one dtype")
     P = lax.axis_size(axis_name)
-    reason, tn, tiles, plan = _plan([x.shape for x in xs], [w.shape for w in ws], dtype, P,
+    reason, tn, tiles, plan = _plan([x.shape for x in xs], [w.shape[1:] for w in ws], dtype, P,
                                     recv_slots=_recv_slots, col_tile_limit=_col_tile_limit,
                                     row_tile_limit=_row_tile_limit)
     if reason:
@@ -285,6 +302,7 @@ def matmul_reduce_scatter(pairs, *, axis_name="tp", interpret=False,
     ks = [x.shape[-1] for x in xs]
     x3 = [x.reshape(B, S, x.shape[-1]) for x in xs]
     tables = _common.ring_tables(axis_name, s)
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     npairs = len(pairs)
 
     kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, npairs=npairs, tn=tn, nt=nt,
@@ -301,7 +319,7 @@ def matmul_reduce_scatter(pairs, *, axis_name="tp", interpret=False,
         kernel,
         out_shape=_common.out_struct((B, s, N), dtype, xs[0]),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=2,
             in_specs=[any_spec] * (2 * npairs),
             out_specs=any_spec,
             scratch_shapes=[
@@ -319,5 +337,5 @@ def matmul_reduce_scatter(pairs, *, axis_name="tp", interpret=False,
         cost_estimate=cost,
         interpret=_common.interpret_params(interpret),
         name="matmul_reduce_scatter",
-    )(tables, *x3, *ws)
+    )(tables, layer, *x3, *[_common.in_hbm(w) for w in ws])
     return out.reshape(*lead, s, N)

@@ -252,6 +252,21 @@ def test_reduce_scatter_kernel_hops():
     assert sum(two.hbm) + two.prologue_hbm == 2 * (B * S * 960 + 4 * 960 * N + B * s * N)
 
 
+def test_stacked_weights_price_as_their_one_layer():
+    # A block scan passes the stack [L, K, n] and the layer index (an s32[1] operand): the
+    # kernel reads one layer, so the hops are those of the plain [K, n] weight.
+    x, out = ("bf16", (1, 1184, 5120)), [("bf16", (1, 4736, 1280))]
+    plain = E.collective_matmul_hops("all_gather_matmul", [("s32", (10,)), x, ("bf16", (5120, 1280))], out)
+    stacked = E.collective_matmul_hops("all_gather_matmul", [("s32", (10,)), ("s32", (1,)), x,
+                                                             ("bf16", (40, 5120, 1280))], out)
+    assert stacked == plain and plain is not None
+    xs, out = [("bf16", (1, 4736, 1280))], [("bf16", (1, 1184, 5120))]
+    plain = E.collective_matmul_hops("matmul_reduce_scatter", [("s32", (10,))] + xs + [("bf16", (1280, 5120))], out)
+    stacked = E.collective_matmul_hops("matmul_reduce_scatter", [("s32", (10,)), ("s32", (1,))] + xs
+                                       + [("bf16", (40, 1280, 5120))], out)
+    assert stacked == plain and plain is not None
+
+
 def test_kernel_hops_and_jax_ring_hops_price_transfer_alike():
     # The same three hops as a JAX ring: per hop both halves as permutes (one per direction)
     # with the hop's matmul scheduled between start and done, then the last hop's matmul.

@@ -184,7 +184,7 @@ class PackedProjOut(nnx.Module):
         self.mlp = nn.Linear(mlp_dim, out_dim, dtype=dtype, rngs=rngs)
 
     def __call__(self, par, attn_output, mlp_hidden_states):
-        return par.row([(attn_output, self.attn.kernel[...]), (mlp_hidden_states, self.mlp.kernel[...])],
+        return par.row([(attn_output, nn.weight(self.attn)), (mlp_hidden_states, nn.weight(self.mlp))],
                        self.mlp.bias[...])
 
 

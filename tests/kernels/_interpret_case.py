@@ -12,6 +12,10 @@ re-raise). The race detector is always on. Spec keys:
   widths:  ag: per-rank widths of the weights; rs: per-rank k_i of each pair
   N:       rs: output width
   slots, col_tile, row_tile: private kernel knobs (optional)
+  layers, at: stacked weights [layers, ...] read at each layer index in `at`
+           (a runtime argument: one compile), against numpy's x @ w[layer];
+           "ag"/"rs" pass the stack and `layer=` to the kernel, the dispatch
+           kinds pass `LayerWeight`s (optional)
 
 Float32 cases use small integer values, so every product is exact and the
 kernel must equal numpy bit for bit; bf16 cases use normal values and a
@@ -37,6 +41,7 @@ def inputs(spec, rng):
     dtype = spec["dtype"]
     batch = tuple(spec.get("batch", []))
     S = spec["S"]
+    stack = (spec["layers"],) if "layers" in spec else ()
 
     def make(shape):
         if dtype == "float32":
@@ -48,11 +53,11 @@ def inputs(spec, rng):
     if spec["kind"].startswith("ag"):
         K = spec["K"]
         x = make(batch + (S, K))
-        ws = [make((K, P_RING * n)) for n in spec["widths"]]
+        ws = [make(stack + (K, P_RING * n)) for n in spec["widths"]]
         return x, ws
     N = spec["N"]
     xs = [make(batch + (S, P_RING * k)) for k in spec["widths"]]
-    ws = [make((P_RING * k, N)) for k in spec["widths"]]
+    ws = [make(stack + (P_RING * k, N)) for k in spec["widths"]]
     return xs, ws
 
 
@@ -86,6 +91,10 @@ def run(spec):
 
     logging.getLogger("difflet_tpu.collective_matmul").addHandler(Count(level=logging.WARNING))
     result = {}
+    if "layers" in spec:
+        result["rel_err"] = stacked(spec, kind, params, mesh, dt, rng, lead)
+        result["warnings"] = warnings
+        return result
 
     if kind.startswith("ag"):
         x, ws = inputs(spec, rng)
@@ -142,6 +151,50 @@ def run(spec):
                                        / max(1.0, np.abs(ref).max()))]
     result["warnings"] = warnings
     return result
+
+
+def stacked(spec, kind, params, mesh, dt, rng, lead):
+    """Stacked weights read at runtime layer indices: one rel. error per (index, output)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from difflet_tpu import collective_matmul as cm
+    from difflet_tpu.kernels import all_gather_matmul as agk
+    from difflet_tpu.kernels import matmul_reduce_scatter as rsk
+
+    if kind.startswith("ag"):
+        x, ws = inputs(spec, rng)
+        nw = len(ws)
+        if kind == "ag":
+            f = lambda x, layer, *w: agk.all_gather_matmul(x, list(w), layer=layer, interpret=params)
+        else:
+            f = lambda x, layer, *w: cm.all_gather_matmul(x, [cm.LayerWeight(a, layer) for a in w],
+                                                          impl="pallas", interpret=params)
+        g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(*lead, "tp", None), P()) + (P(None, None, "tp"),) * nw,
+                                  out_specs=[P(*lead, None, "tp")] * nw))
+        args = [jnp.asarray(w, dt) for w in ws]
+        refs = lambda l: [x @ w[l] for w in ws]
+        run = lambda l: g(jnp.asarray(x, dt), jnp.int32(l), *args)
+    else:
+        xs, ws = inputs(spec, rng)
+        n = len(xs)
+        if kind == "rs":
+            f = lambda layer, *a: rsk.matmul_reduce_scatter(list(zip(a[:n], a[n:])), layer=layer, interpret=params)
+        else:
+            f = lambda layer, *a: cm.matmul_reduce_scatter([(x, cm.LayerWeight(w, layer)) for x, w in zip(a[:n], a[n:])],
+                                                           impl="pallas", interpret=params)
+        g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(),) + (P(*lead, None, "tp"),) * n + (P(None, "tp", None),) * n,
+                                  out_specs=P(*lead, "tp", None)))
+        args = [jnp.asarray(a, dt) for a in xs + ws]
+        refs = lambda l: [sum(a @ w[l] for a, w in zip(xs, ws))]
+        run = lambda l: [g(jnp.int32(l), *args)]
+    errs = []
+    for l in spec["at"]:
+        for o, ref in zip(run(l), refs(l)):
+            o = np.asarray(o.astype(jnp.float32))
+            errs.append(float(np.abs(o - ref).max() / max(1.0, np.abs(ref).max())))
+    return errs
 
 
 def main():

@@ -74,6 +74,29 @@ def test_matmul_reduce_scatter_interpret(name, spec, tol):
     check_ok(dict(kind="rs", **spec), tol)
 
 
+# Stacked weights [L, ...] read at a runtime layer index (a block scan's), first,
+# middle and last layer; float32 exact. Directly and through the dispatch
+# (LayerWeight).
+STACKED_CASES = [
+    ("ag-3w-L3", dict(kind="ag", dtype="float32", batch=[1], S=128, K=128, widths=[128, 256, 128], layers=3,
+                      at=[0, 1, 2], col_tile=128, row_tile=8)),
+    ("ag-dispatch-L4", dict(kind="ag_dispatch", dtype="float32", batch=[], S=64, K=128, widths=[128, 256],
+                            layers=4, at=[3, 0])),
+    ("rs-2p-L3", dict(kind="rs", dtype="float32", batch=[1], S=128, N=256, widths=[128, 256], layers=3,
+                      at=[0, 1, 2], col_tile=128, row_tile=8)),
+    ("rs-dispatch-L4", dict(kind="rs_dispatch", dtype="float32", batch=[], S=64, N=256, widths=[128], layers=4,
+                            at=[3, 0])),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,spec", STACKED_CASES, ids=[c[0] for c in STACKED_CASES])
+def test_stacked_weights_read_at_the_layer_index(name, spec):
+    r = check_ok(spec, 0.0)
+    assert len(r["rel_err"]) == len(spec["at"]) * (len(spec["widths"]) if spec["kind"].startswith("ag") else 1)
+    assert r["warnings"] == []  # the dispatch ran the kernel, not the ring
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,spec", [
     ("ag", dict(dtype="float32", batch=[], S=128, K=128, widths=[256], col_tile=128, row_tile=8)),
