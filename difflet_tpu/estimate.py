@@ -359,9 +359,13 @@ class Simulator:
         if o.op in FREE_OPS or "S(6)" in o.type.split(" ")[0] or o.out_bytes <= 64:
             return "free", 0.0
         # unfused array ops without a cycle count: HBM roofline of what they read and write
-        in_bytes = sum(type_bytes(x.type) for x in (self.m.lookup(comp, n) for n in o.operands) if x)
-        b = o.out_bytes + (o.out_bytes if o.op == "dynamic-update-slice" else in_bytes)
-        return "other", b / self.chip.hbm_bw
+        operands = [self.m.lookup(comp, n) for n in o.operands]
+        if o.op == "dynamic-update-slice" and len(operands) > 1 and operands[1] is not None:
+            # in place (XLA aliases the result with operand 0; a copy would be its own op):
+            # the update is read and written, the rest of the buffer is not touched
+            return "other", 2 * type_bytes(operands[1].type) / self.chip.hbm_bw
+        in_bytes = sum(type_bytes(x.type) for x in operands if x)
+        return "other", (o.out_bytes + in_bytes) / self.chip.hbm_bw
 
     def pallas_cost(self, comp: str, o: Op) -> float:
         m = _PALLAS_COST.search(o.text)

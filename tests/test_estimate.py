@@ -62,6 +62,20 @@ def test_single_matmul_is_its_cycles_at_the_clock():
     assert est.exposed_transfer == 0
 
 
+def test_in_place_dynamic_update_slice_moves_its_update_only():
+    """An unfused dynamic-update-slice writes its update into the buffer it aliases
+    (XLA's collective-matmul decomposition assembles outputs so): priced as the update
+    read and written, not the whole buffer."""
+    body = ("  %u = bf16[64,1024]{1,0} slice(%b), slice={[0:64], [0:1024]}\n"
+            "  %i = s32[] constant(0)\n"
+            "  %x = bf16[1024,1024]{1,0} dynamic-update-slice(%a, %u, %i, %i)\n")
+    est = E.estimate(HEAD + _entry(body), "v5e")
+    update, whole = 64 * 1024 * 2, 1024 * 1024 * 2
+    copy = 2 * whole / V5E.hbm_bw  # the entry's final copy
+    slice_ = (update + whole) / V5E.hbm_bw  # the unfused slice reads b, writes the update
+    assert est.other == pytest.approx(2 * update / V5E.hbm_bw + copy + slice_, rel=1e-6)
+
+
 def test_ring_hop_longer_than_its_matmul_exposes_the_difference():
     # 2 MiB over one link: 2**21 / 45e9 + 1 us = 47.6 us; the matmul beside it is 10 us
     body = ('  %cp = (bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}, u32[], u32[]) collective-permute-start(%a), '
