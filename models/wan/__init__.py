@@ -13,7 +13,8 @@ from difflet_tpu.runner import Runner
 
 from .config import (IGNORED_KEYS, CLASS_NAME, EXPERT_BOUNDARY, FLOW_SHIFT, FLOW_SHIFTS, PRESETS, WanConfig,
                      config_from_diffusers, preset)
-from .model import PLAN, WanTransformer3DModel, build, key_map
+from .keys import key_map
+from .model import PLAN, WanTransformer3DModel, build
 from .port import (FORWARD_ARGS, WanExperts, encode_text, example_inputs, flops, forward, load_experts,
                    patchify, prepare, text_kv_shapes, unpatchify)
 from .rope import rope_tables
