@@ -15,7 +15,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 IMPLS = ("xla", "splash")
 BLOCK = 128  # splash needs sequence lengths in whole blocks of 128

@@ -30,9 +30,9 @@ import numpy as np
 from flax import nnx
 
 from difflet_tpu import nn
-from difflet_tpu.layers import (AdaLN, CombinedTimestepTextProjEmbeddings, FeedForward, LayerNorm,
-                                PixArtAlphaTextProjection, TimestepEmbedding, attend, get_timestep_embedding,
-                                merge_heads, modulate, split_heads)
+from difflet_tpu.layers import (AdaLayerNormContinuous, AdaLN, CombinedTimestepTextProjEmbeddings, FeedForward,
+                                LayerNorm, PixArtAlphaTextProjection, TimestepEmbedding, attend,
+                                get_timestep_embedding, merge_heads, split_heads)
 from difflet_tpu.layers.mmdit import PLAN as MMDIT_PLAN
 from difflet_tpu.layers.mmdit import (DoubleStreamBlock, JointAttention, PackedProjOut, SingleStreamBlock,
                                       single_stream_rows)
@@ -279,8 +279,8 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
         # 4. Single stream transformer blocks
         self.single_transformer_blocks = nn.stacked(
             lambda r: HunyuanVideoSingleTransformerBlock(c, dtype=dtype, rngs=r), c.num_single_layers, rngs)
-        # 5. Output projection (AdaLayerNormContinuous: scale, shift)
-        self.norm_out = AdaLN(D, 2, dtype=dtype, rngs=rngs)
+        # 5. Output projection
+        self.norm_out = AdaLayerNormContinuous(D, EPS, dtype=dtype, rngs=rngs)
         self.proj_out = nn.Linear(D, c.patch_volume * c.out_channels, dtype=dtype, rngs=rngs)
 
     def __call__(self, par, geom: Geometry, patches, timestep, encoder_hidden_states, encoder_attention_mask,
@@ -351,8 +351,7 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
             x = par.shard_rows(x)
 
         # 5. Output projection (on this rank's rows; the runner gathers and cuts eagerly)
-        scale, shift = self.norm_out(par, temb)
-        return self.proj_out(modulate(x, shift, scale, EPS))
+        return self.proj_out(self.norm_out(par, x, temb))
 
 
 def build(config: HunyuanVideoConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> HunyuanVideoTransformer3DModel:
