@@ -32,17 +32,18 @@ from .attention import apply_rotary_emb, attend, merge_heads, split_heads
 from .feedforward import FeedForward, gelu_tanh
 from .normalization import AdaLN, Weight, modulate, rms_norm
 
+
+def joint_attention_plan(prefix: str) -> dict:
+    """The PLAN rows of a `JointAttention(added_kv=True)` at module path `prefix`: the q/k/v
+    projections of both streams column-parallel (heads), both outputs row-parallel."""
+    qkv = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+    return {**{f"{prefix}.{name}": COLUMN for name in qkv}, f"{prefix}.to_out.0": ROW, f"{prefix}.to_add_out": ROW}
+
+
 PLAN = {
     "transformer_blocks.norm1.linear": COLUMN,
     "transformer_blocks.norm1_context.linear": COLUMN,
-    "transformer_blocks.attn.to_q": COLUMN,
-    "transformer_blocks.attn.to_k": COLUMN,
-    "transformer_blocks.attn.to_v": COLUMN,
-    "transformer_blocks.attn.add_q_proj": COLUMN,
-    "transformer_blocks.attn.add_k_proj": COLUMN,
-    "transformer_blocks.attn.add_v_proj": COLUMN,
-    "transformer_blocks.attn.to_out.0": ROW,
-    "transformer_blocks.attn.to_add_out": ROW,
+    **joint_attention_plan("transformer_blocks.attn"),
     "transformer_blocks.ff.net.0.proj": COLUMN,
     "transformer_blocks.ff.net.2": ROW,
     "transformer_blocks.ff_context.net.0.proj": COLUMN,

@@ -42,7 +42,7 @@ from flax import nnx
 from difflet_tpu import nn
 from difflet_tpu.layers import AdaLayerNormContinuous, AdaLN, FeedForward, TimestepEmbedding, Weight, modulate, rms_norm
 from difflet_tpu.layers.embeddings import timestep_frequencies
-from difflet_tpu.layers.mmdit import JointAttention, clip_fp16
+from difflet_tpu.layers.mmdit import JointAttention, clip_fp16, joint_attention_plan
 from difflet_tpu.parallel import COLUMN, ROW, Parallel
 
 from .config import EPS, QwenImageConfig
@@ -72,14 +72,7 @@ from .config import EPS, QwenImageConfig
 PLAN = {
     "transformer_blocks.img_mod.linear": COLUMN,
     "transformer_blocks.txt_mod.linear": COLUMN,
-    "transformer_blocks.attn.to_q": COLUMN,
-    "transformer_blocks.attn.to_k": COLUMN,
-    "transformer_blocks.attn.to_v": COLUMN,
-    "transformer_blocks.attn.add_q_proj": COLUMN,
-    "transformer_blocks.attn.add_k_proj": COLUMN,
-    "transformer_blocks.attn.add_v_proj": COLUMN,
-    "transformer_blocks.attn.to_out.0": ROW,
-    "transformer_blocks.attn.to_add_out": ROW,
+    **joint_attention_plan("transformer_blocks.attn"),
     "transformer_blocks.img_mlp.net.0.proj": COLUMN,
     "transformer_blocks.img_mlp.net.2": ROW,
     "transformer_blocks.txt_mlp.net.0.proj": COLUMN,
