@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from difflet_tpu import layout
-from difflet_tpu.port import Prepared
+from difflet_tpu.port import Prepared, returned_sample
 
 from .config import HunyuanVideoConfig
 from .model import Geometry, patchify, unpatchify
@@ -107,13 +107,9 @@ def prepare(run, kw: dict) -> Prepared:
     specs = {k: run.batch_spec() for k in inputs}
     specs["patches"] = rows
     specs["freqs_cos"] = specs["freqs_sin"] = P()
-    return_dict = kw.get("return_dict", True)
-
-    def finish(out):
-        out = layout.unpad(out, geom.n_img)  # image rows of the joint sequence / padded stream
-        out = unpatchify(out, geom.frames, geom.height, geom.width, c.patch_size_t, c.patch_size)
-        return out if return_dict else (out,)
-
+    # the image rows of the joint sequence / padded stream, unpatchified
+    finish = returned_sample(geom.n_img, kw.get("return_dict", True), lambda out: unpatchify(
+        out, geom.frames, geom.height, geom.width, c.patch_size_t, c.patch_size))
     return Prepared(key=geom, inputs=inputs, specs=specs, out_specs=rows, finish=finish)
 
 

@@ -269,7 +269,7 @@ def test_config_flags():
     (dict(zero_cond_t=True, use_additional_t_cond=True), "zero_cond_t with use_additional_t_cond is not supported"),
     (dict(zero_cond_t=1), "zero_cond_t: 1 is not a bool"),
     (dict(use_layer3d_rope="yes"), "use_layer3d_rope: 'yes' is not a bool"),
-    (dict(pooled_projections_dim=768), "pooled_projections_dim: not a QwenImageTransformer2DModel config key"),
+    (dict(pooled_projections_dim=768), "'pooled_projections_dim': not a QwenImageTransformer2DModel config key"),
     (dict(axes_dims_rope=[2, 2, 2]), "sums to 6, not attention_head_dim = 8"),
     (dict(axes_dims_rope=[2, 3, 3]), "positive even numbers"),
     (dict(_class_name="FluxTransformer2DModel"), "is not QwenImageTransformer2DModel"),
