@@ -166,7 +166,8 @@ class PortSpec:
     experts: dict = dataclasses.field(default_factory=dict)
     options: dict = dataclasses.field(default_factory=dict)
     ignored_keys: tuple = ()
-    forward_args: tuple = ()  # diffusers' forward parameters in order (positional calls)
+    forward_args: tuple = ()  # diffusers' forward parameters in order (positional calls; others refused)
+    extra_kwargs: tuple = ()  # keywords the port takes beyond diffusers' forward (Wan's text_kv)
     methods: dict = dataclasses.field(default_factory=dict)  # extra Runner methods: name -> fn(run, ...)
 
 

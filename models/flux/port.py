@@ -96,9 +96,6 @@ def _tables(run, txt_ids, img_ids, n_txt_pad, n_img_pad):
 
 def prepare(run, kw: dict) -> Prepared:
     """diffusers kwargs -> the step's inputs (eager: validation, padding, tables)."""
-    unknown = set(kw) - set(FORWARD_ARGS)
-    if unknown:
-        raise TypeError(f"unexpected FLUX forward kwargs {sorted(unknown)}")
     B, n_img, n_txt = _check(run, kw)
     dtype = run.dtype
     n_img_pad, n_txt_pad = run.rows(n_img, "image tokens"), run.rows(n_txt, "text tokens")
@@ -119,8 +116,7 @@ def prepare(run, kw: dict) -> Prepared:
     specs["hidden_states"] = specs["encoder_hidden_states"] = rows
     specs["freqs_cos"] = specs["freqs_sin"] = P()
     if masked:
-        inputs["kv_mask"] = run.constant(("mask", n_txt, n_txt_pad, n_img, n_img_pad), lambda: np.concatenate(
-            [layout.key_mask(n_txt, n_txt_pad), layout.key_mask(n_img, n_img_pad)]))
+        inputs["kv_mask"] = run.pad_key_mask((n_txt, n_txt_pad), (n_img, n_img_pad))
         specs["kv_mask"] = P()
     return Prepared(key=masked, inputs=inputs, specs=specs, out_specs=rows,
                     finish=returned_sample(n_img, kw.get("return_dict", True)))

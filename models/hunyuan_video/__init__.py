@@ -11,8 +11,8 @@ from difflet_tpu.runner import Runner
 from . import config, keys, model, port
 from .config import IGNORED_KEYS, CLASS_NAME, PRESETS, HunyuanVideoConfig, config_from_diffusers
 from .keys import key_map
-from .model import PLAN, Geometry, HunyuanVideoTransformer3DModel, build, patchify, unpatchify
-from .port import example_inputs, flops, latent_shape, runner_geometry
+from .model import PLAN, Geometry, HunyuanVideoTransformer3DModel, build, unpatchify
+from .port import example_inputs, flops, latent_shape, patchify, runner_geometry
 from .rope import rope_tables
 
 # The Pallas all-gather kernel under SP on TPU (the reference PR measured 478.0 ms

@@ -79,22 +79,13 @@ PLAN = dict(MMDIT_PLAN)  # the MMDiT blocks' (difflet_tpu/layers/mmdit.py)
 
 class HunyuanVideoPatchEmbed(nnx.Module):
     """Conv3d(kernel = stride = (pt, p, p)) as a Linear over patches flattened (c, pt, ph, pw);
-    the patches are cut eagerly before the step (`patchify`)."""
+    the patches are cut eagerly before the step (`layout.patchify`)."""
 
     def __init__(self, c: HunyuanVideoConfig, *, dtype, rngs):
         self.proj = nn.Linear(c.in_channels * c.patch_volume, c.inner_dim, dtype=dtype, rngs=rngs)
 
     def __call__(self, patches):
         return self.proj(patches)
-
-
-def patchify(x, pt: int, p: int):
-    """`[B, C, F, H, W]` -> `[B, F'H'W', C*pt*p*p]`, tokens in (f, h, w) order (numpy or jax)."""
-    xp = np if isinstance(x, np.ndarray) else jnp
-    B, C, F, H, W = x.shape
-    x = x.reshape(B, C, F // pt, pt, H // p, p, W // p, p)
-    x = xp.transpose(x, (0, 2, 4, 6, 1, 3, 5, 7))
-    return x.reshape(B, (F // pt) * (H // p) * (W // p), C * pt * p * p)
 
 
 def unpatchify(y, frames: int, height: int, width: int, pt: int, p: int):

@@ -111,9 +111,6 @@ def _check(run, kw):
 
 def prepare(run, kw: dict) -> Prepared:
     """diffusers kwargs -> the step's inputs (eager: validation, padding, tables, masks)."""
-    unknown = set(kw) - set(FORWARD_ARGS)
-    if unknown:
-        raise TypeError(f"unexpected Qwen-Image forward kwargs {sorted(unknown)}")
     B, n_img, n_txt, shapes = _check(run, kw)
     c = run.cfg
     n_img_pad, n_txt_pad = run.rows(n_img, "image tokens"), run.rows(n_txt, "text tokens")
@@ -141,8 +138,7 @@ def prepare(run, kw: dict) -> Prepared:
         inputs["kv_mask"], specs["kv_mask"] = kv, run.batch_spec()  # (B, S): per sample
         key = "text"
     elif pad_masked:
-        inputs["kv_mask"] = run.constant(("mask", n_txt, n_txt_pad, n_img, n_img_pad), lambda: np.concatenate(
-            [layout.key_mask(n_txt, n_txt_pad), layout.key_mask(n_img, n_img_pad)]))
+        inputs["kv_mask"] = run.pad_key_mask((n_txt, n_txt_pad), (n_img, n_img_pad))
         specs["kv_mask"] = P()
         key = "pad"
     else:

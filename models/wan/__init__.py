@@ -34,6 +34,7 @@ SPEC = port_spec(
     # cache_text: reuse the text K/V while the calls pass the very same
     # encoder_hidden_states (and image) objects (a denoise loop).
     options=dict(cache_text=False),
+    extra_kwargs=("text_kv",),  # encode_text's cache instead of encoder_hidden_states
     methods=dict(encode_text=encode_text, text_kv_shapes=text_kv_shapes),
 )
 
