@@ -16,7 +16,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 IMPLS = ("xla", "splash")
 LANE = 128  # splash's lane width: block_kv_compute (so every kv block) is a multiple of it

@@ -73,6 +73,12 @@ def check_finite(x, what: str = "output"):
     return x
 
 
+def _create_a_file_in(directory: str):
+    fd, probe = tempfile.mkstemp(prefix=".difflet-write-test-", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+
+
 def writable_dir(path, what: str) -> str:
     """`path` as an absolute directory that exists (created if needed, with its
     parents) and in which a file can be created; ValueError naming `what` otherwise."""
@@ -81,9 +87,7 @@ def writable_dir(path, what: str) -> str:
         raise ValueError(f"{what} {path}: exists and is not a directory")
     try:
         os.makedirs(p, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".difflet-write-test-", dir=p)
-        os.close(fd)
-        os.unlink(probe)
+        _create_a_file_in(p)
     except OSError as e:
         raise ValueError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
     return p
@@ -103,9 +107,7 @@ def writable_file(path, what: str) -> str:
             with open(p, "a"):
                 pass
         else:
-            fd, probe = tempfile.mkstemp(prefix=".difflet-write-test-", dir=parent)
-            os.close(fd)
-            os.unlink(probe)
+            _create_a_file_in(parent)
     except OSError as e:
         raise ValueError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
     return p

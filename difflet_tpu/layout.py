@@ -12,6 +12,9 @@ each head's q/k projection rows (and biases, and q/k norm weights) are
 permuted once at load to [0, 2, 4, ..., 1, 3, 5, ...]; the cos/sin tables are
 permuted the same way, and the rotation becomes split halves: a slice and a
 concat (`layers.apply_rotary_emb`). V and everything after attention are untouched.
+
+Also here, eager as well: `patchify` (a video latent as a Conv3d patch
+embedding's rows) and `rope_inv_freqs` (RoPE's frequencies as torch rounds them).
 """
 
 from __future__ import annotations
@@ -46,6 +49,16 @@ def pad_tokens(x, multiple: int, axis: int = 1):
     return lib.pad(x, widths), pad
 
 
+def patchify(x, patch_size):
+    """A Conv3d patch embedding's input as token rows (Wan, HunyuanVideo; numpy or jax):
+    `[B, C, F, H, W]` -> `[B, F'H'W', C*pt*ph*pw]`, features (c, pt, ph, pw), tokens (f, h, w)."""
+    B, C, F, H, W = x.shape
+    pt, ph, pw = patch_size
+    x = x.reshape(B, C, F // pt, pt, H // ph, ph, W // pw, pw)
+    x = (np if isinstance(x, np.ndarray) else jnp).transpose(x, (0, 2, 4, 6, 1, 3, 5, 7))
+    return x.reshape(B, (F // pt) * (H // ph) * (W // pw), C * pt * ph * pw)
+
+
 def key_mask(n_valid: int, n_padded: int, batch: int | None = None):
     """Boolean key-validity mask `[n_padded]` (or `[batch, n_padded]`): True for real tokens."""
     m = np.arange(n_padded) < n_valid
@@ -62,6 +75,14 @@ def unpad(x, n: int, axis: int = 1):
 # --------------------------------------------------------------------------
 # Split-halves RoPE
 # --------------------------------------------------------------------------
+
+def rope_inv_freqs(dim: int, theta: float) -> np.ndarray:
+    """RoPE's inverse frequencies `1 / theta ** (arange(0, dim, 2) / dim)` in float32 as torch
+    forms them (`1.0 / torch.pow(theta, torch.arange(0, dim, 2).float().div(dim))`): the power
+    rounded to float32, then the reciprocal (HunyuanVideo's and Qwen-Image's tables)."""
+    exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    return np.float32(1.0) / np.power(np.float64(theta), exponent.astype(np.float64)).astype(np.float32)
+
 
 def rope_permutation(head_dim: int) -> np.ndarray:
     """Per-head channel order `[0, 2, 4, ..., 1, 3, 5, ...]`."""

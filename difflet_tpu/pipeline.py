@@ -23,7 +23,6 @@ Models are named as the bench takes them: "flux" (its released preset),
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Callable
 

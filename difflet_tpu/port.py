@@ -15,6 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Hashable
 
+import numpy as np
+
+from difflet_tpu import layout
+
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
@@ -57,6 +61,71 @@ class Pipeline:
     cfg_rescale: bool = False
 
 
+def shape(x) -> tuple:
+    """The shape of an array, a ShapeDtypeStruct or a (nested) list."""
+    return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+
+
+def packed_streams(cfg, hidden_states, encoder_hidden_states) -> tuple[int, int, int]:
+    """(batch, image tokens, text tokens) of FLUX-style streams, `hidden_states`
+    `(B, N_img, in_channels)` (2x2-packed latents) and `encoder_hidden_states`
+    `(B, N_txt, joint_attention_dim)`; a ValueError naming the input otherwise."""
+    hs, ehs = shape(hidden_states), shape(encoder_hidden_states)
+    if len(hs) != 3 or hs[-1] != cfg.in_channels:
+        raise ValueError(f"hidden_states: shape {hs}, expected (batch, image tokens, in_channels={cfg.in_channels}) "
+                         f"(2x2-packed latents)")
+    B, n_img = hs[0], hs[1]
+    if len(ehs) != 3 or ehs[0] != B or ehs[-1] != cfg.joint_attention_dim:
+        raise ValueError(f"encoder_hidden_states: shape {ehs}, expected ({B}, text tokens, "
+                         f"joint_attention_dim={cfg.joint_attention_dim})")
+    n_txt = ehs[1]
+    if n_img < 1 or n_txt < 1:
+        raise ValueError(f"empty stream: {n_img} image and {n_txt} text tokens")
+    return B, n_img, n_txt
+
+
+def check_per_sample(name: str, x, batch: int):
+    """`x` (a timestep, a guidance scale) is one value, `(1,)` or `(batch,)`."""
+    s = shape(x)
+    if len(s) > 1 or (len(s) == 1 and s[0] not in (1, batch)):
+        raise ValueError(f"{name}: shape {s}, expected ({batch},) (or one value for the batch)")
+
+
+def returned_sample(n_rows: int, return_dict=True, unpatchify: Callable | None = None) -> Callable:
+    """The usual `finish`: the first `n_rows` rows of the step's output (the pad cut),
+    `unpatchify`d if given, returned as diffusers does (`(sample,)` with return_dict=False)."""
+
+    def finish(out):
+        out = layout.unpad(out, n_rows)
+        out = out if unpatchify is None else unpatchify(out)
+        return out if return_dict else (out,)
+
+    return finish
+
+
+def packed_image_grid(height: int, width: int) -> tuple[int, int]:
+    """The `(height / 16, width / 16)` token grid of an image's VAE-8x latents packed 2x2
+    (FLUX, Qwen-Image); `example_inputs`' check of the size."""
+    if height % 16 or width % 16:
+        raise ValueError(f"height and width must be multiples of 16 (VAE 8x, 2x2 packing), got {height}x{width}")
+    return height // 16, width // 16
+
+
+def randn(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    """`example_inputs`' standard normal values, rounded to float32 first, then to `dtype`."""
+    return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def call_model(model, par, inputs: dict, key):
+    """The usual `forward`: the model on the prepared inputs, `model(par, **inputs)`."""
+    return model(par, **inputs)
+
+
+def attention_heads(config) -> dict:
+    """The usual `heads`: the config's `num_attention_heads` must divide tp."""
+    return {"num_attention_heads": config.num_attention_heads}
+
+
 @dataclasses.dataclass(frozen=True)
 class PortSpec:
     """Everything the harness needs from one port; the registry is built from these.
@@ -66,7 +135,8 @@ class PortSpec:
     model_class:   the Flax model class (`Runner` finds the spec from a model).
     config_from_diffusers, presets, build, plan, key_map: the loader's contract.
     prepare, forward: the Runner's contract (module docstring).
-    heads:         config -> {name: head count}; each must divide tp.
+    heads:         config -> {name: head count}; each must divide tp
+                   (default: `num_attention_heads`).
     released:      the default released preset; bench_shape its benchmark
                    (height, width, frames); tiny_shape the CPU default's.
     example_inputs, flops: for the bench.
@@ -88,16 +158,30 @@ class PortSpec:
     key_map: Callable
     prepare: Callable
     forward: Callable
-    heads: Callable
     released: str
     bench_shape: dict
     tiny_shape: dict
     example_inputs: Callable
     flops: Callable
     pipeline: Pipeline
+    heads: Callable = attention_heads
     ag_default: str = "jax"
     experts: dict = dataclasses.field(default_factory=dict)
     options: dict = dataclasses.field(default_factory=dict)
     ignored_keys: tuple = ()
-    forward_args: tuple = ()  # diffusers' forward parameters in order (positional calls)
+    forward_args: tuple = ()  # diffusers' forward parameters in order (positional calls; others refused)
+    extra_kwargs: tuple = ()  # keywords the port takes beyond diffusers' forward (Wan's text_kv)
     methods: dict = dataclasses.field(default_factory=dict)  # extra Runner methods: name -> fn(run, ...)
+
+
+def port_spec(config, model, keys, port, **own) -> PortSpec:
+    """The spec of a port folder (docs/porting.md): the loader's and the Runner's
+    contract read from its modules, which name them the same way in every folder
+    (`config.CLASS_NAME`, `PRESETS`, `IGNORED_KEYS`, `config_from_diffusers`;
+    `model.PLAN`, `build`; `keys.key_map`; `port.prepare`, `forward`,
+    `FORWARD_ARGS`, `example_inputs`, `flops`), plus `own`: what is the port's
+    own (`name`, `model_class`, shapes, pipeline, defaults, extras)."""
+    return PortSpec(class_names=(config.CLASS_NAME,), config_from_diffusers=config.config_from_diffusers,
+                    presets=config.PRESETS, ignored_keys=config.IGNORED_KEYS, build=model.build, plan=model.PLAN,
+                    key_map=keys.key_map, prepare=port.prepare, forward=port.forward,
+                    forward_args=port.FORWARD_ARGS, example_inputs=port.example_inputs, flops=port.flops, **own)

@@ -28,6 +28,15 @@ from typing import Any, Callable
 Check = Callable[[str, Any], Any]
 
 
+class PortConfig:
+    """The base of the ports' frozen config dataclasses: what every one derives the same way."""
+
+    @property
+    def inner_dim(self) -> int:
+        """The attention width, `num_attention_heads * attention_head_dim` (diffusers' `inner_dim`)."""
+        return self.num_attention_heads * self.attention_head_dim
+
+
 class UnknownOption(ValueError):
     """A keyword override that is not a config key of the port."""
 
@@ -95,6 +104,15 @@ def pos_ints(n: int | None = None) -> Check:
 
     check.__name__ = f"pos_ints({n})"
     return check
+
+
+def check_rope_axes(key: str, axes: tuple, head_dim: int):
+    """RoPE axis widths (`axes_dims_rope`, `rope_axes_dim`): each even (RoPE rotates
+    channel pairs), together `attention_head_dim`."""
+    if any(d % 2 for d in axes):
+        raise ValueError(f"{key}: {list(axes)} must be positive even numbers (RoPE rotates channel pairs)")
+    if sum(axes) != head_dim:
+        raise ValueError(f"{key}: {list(axes)} sums to {sum(axes)}, not attention_head_dim = {head_dim}")
 
 
 def parse(cfg: dict, overrides: dict, class_name: str, schema: dict[str, Check]) -> dict:

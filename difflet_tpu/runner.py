@@ -188,6 +188,12 @@ class Runner:
             self._constant_ids.update(id(a) for a in jax.tree_util.tree_leaves(value))
         return self._constants[key]
 
+    def pad_key_mask(self, *streams):
+        """The key mask (False for pad keys) of token streams `(valid, padded)` concatenated
+        in that order, `[sum of padded]`, made and placed once per geometry (`constant`)."""
+        return self.constant(("pad_key_mask", *streams),
+                             lambda: np.concatenate([layout.key_mask(n, padded) for n, padded in streams]))
+
     # ---- steps -------------------------------------------------------------
 
     def check_batch(self, prep):
@@ -261,7 +267,11 @@ class Runner:
     # ---- calls ---------------------------------------------------------------
 
     def prepare(self, kwargs: dict):
-        """The port's `Prepared` for diffusers kwargs (validation and eager inputs)."""
+        """The port's `Prepared` for diffusers kwargs (validation and eager inputs); a
+        keyword diffusers' forward does not take is a TypeError before that."""
+        unknown = set(kwargs) - set(self.spec.forward_args) - set(self.spec.extra_kwargs)
+        if unknown:
+            raise TypeError(f"unexpected {self.spec.class_names[0]} forward kwargs {sorted(unknown)}")
         return self.spec.prepare(self, kwargs)
 
     def __call__(self, *args, **kwargs):

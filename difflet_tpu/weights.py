@@ -30,7 +30,6 @@ import dataclasses
 import importlib
 import json
 import logging
-import os
 import pathlib
 import re
 

@@ -686,10 +686,10 @@ def test_table():
 
 def test_every_port_config_key_is_checked():
     """Each port's SCHEMA (difflet_tpu.port_config) types every field of its config dataclass."""
-    from difflet_tpu.models import flux, hunyuan_video, ltx2, wan
+    from difflet_tpu.models import flux, hunyuan_video, ltx2, qwen_image, wan
 
     for port, cls in ((flux, flux.FluxConfig), (wan, wan.WanConfig), (hunyuan_video, hunyuan_video.HunyuanVideoConfig),
-                      (ltx2, ltx2.LTX2Config)):
+                      (ltx2, ltx2.LTX2Config), (qwen_image, qwen_image.QwenImageConfig)):
         fields = {f.name for f in dataclasses.fields(cls)} - {"split_rope"}
         assert fields <= set(port.config.SCHEMA), (port.__name__, sorted(fields - set(port.config.SCHEMA)))
         assert isinstance(port.IGNORED_KEYS, tuple)

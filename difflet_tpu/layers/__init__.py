@@ -3,7 +3,7 @@
 * `embeddings`: `get_timestep_embedding` (the one float32 rounding policy),
   `TimestepEmbedding`, `PixArtAlphaTextProjection`, `CombinedTimestepTextProjEmbeddings`;
 * `normalization`: float32 `layer_norm` / `rms_norm`, `rms_norm_across_heads`,
-  `modulate`, `LayerNorm`, `RMSNorm`, `Weight`, `AdaLN`;
+  `modulate`, `LayerNorm`, `RMSNorm`, `Weight`, `AdaLN`, `AdaLayerNormContinuous`;
 * `attention`: `split_heads` / `merge_heads`, `apply_rotary_emb` (interleaved or
   split halves), `attend`;
 * `feedforward`: `FeedForward`, `gelu_tanh`;
@@ -15,4 +15,5 @@ from .attention import apply_rotary_emb, attend, merge_heads, split_heads
 from .embeddings import (CombinedTimestepTextProjEmbeddings, PixArtAlphaTextProjection, TimestepEmbedding,
                          get_timestep_embedding, timestep_frequencies)
 from .feedforward import FeedForward, gelu_tanh
-from .normalization import AdaLN, LayerNorm, RMSNorm, Weight, layer_norm, modulate, rms_norm, rms_norm_across_heads
+from .normalization import (AdaLayerNormContinuous, AdaLN, LayerNorm, RMSNorm, Weight, layer_norm, modulate, rms_norm,
+                            rms_norm_across_heads)

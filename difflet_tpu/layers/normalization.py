@@ -111,3 +111,16 @@ class AdaLN(nnx.Module):
             return chunks
         rows, replace_emb = token_replace
         return [jnp.where(rows[None, :, None], r, c) for c, r in zip(chunks, self(par, replace_emb))]
+
+
+class AdaLayerNormContinuous(AdaLN):
+    """diffusers' `AdaLayerNormContinuous(dim, dim, elementwise_affine=False)`, the MMDiTs'
+    `norm_out`: `norm(x) * (1 + scale) + shift`, scale then shift from `linear(silu(emb))`."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs):
+        super().__init__(dim, 2, dtype=dtype, rngs=rngs)
+        self.eps = eps
+
+    def __call__(self, par, x, emb):
+        scale, shift = AdaLN.__call__(self, par, emb)
+        return modulate(x, shift, scale, self.eps)

@@ -4,33 +4,20 @@ Run it with `difflet_tpu.Runner(model, mesh, config)`; notes: docs/models/flux.m
 """
 
 from difflet_tpu import schedulers
-from difflet_tpu.port import Pipeline, PortSpec
+from difflet_tpu.port import Pipeline, port_spec
 from difflet_tpu.runner import Runner
 
+from . import config, keys, model, port
 from .config import IGNORED_KEYS, CLASS_NAME, PRESETS, FluxConfig, config_from_diffusers
 from .keys import key_map
-from .port import example_inputs, flops, forward, prepare, FORWARD_ARGS
+from .port import example_inputs, flops
 from .model import PLAN, FluxTransformer2DModel, build
 from .rope import rope_tables
 
-SPEC = PortSpec(
-    name="flux",
-    class_names=(CLASS_NAME,),
-    model_class=FluxTransformer2DModel,
-    config_from_diffusers=config_from_diffusers,
-    presets=PRESETS,
-    build=build,
-    plan=PLAN,
-    key_map=key_map,
-    prepare=prepare,
-    forward=forward,
-    forward_args=FORWARD_ARGS,
-    heads=lambda c: {"num_attention_heads": c.num_attention_heads},
-    released="flux.1-dev",
-    bench_shape=dict(height=1024, width=1024, frames=1),
+SPEC = port_spec(
+    config, model, keys, port, name="flux", model_class=FluxTransformer2DModel,
+    released="flux.1-dev", bench_shape=dict(height=1024, width=1024, frames=1),
     tiny_shape=dict(height=64, width=96, frames=1),
-    example_inputs=example_inputs,
-    flops=flops,
     # FluxPipeline: 28 steps, guidance 3.5 embedded (dev), timestep / 1000.
     pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedulers.flux_schedule(
         steps, inputs["hidden_states"].shape[1]), steps=28, guidance=3.5, guidance_mode="embedded",
@@ -38,7 +25,6 @@ SPEC = PortSpec(
     # The Pallas all-gather kernel under SP on TPU: the reference PR measured
     # 156.5 -> 140.6 ms a step at 1024x1024 on v5e-4.
     ag_default="pallas",
-    ignored_keys=IGNORED_KEYS,  # diffusers' _keys_to_ignore_on_load_unexpected
 )
 
 __all__ = ["SPEC", "IGNORED_KEYS", "CLASS_NAME", "PRESETS", "FluxConfig", "config_from_diffusers", "key_map", "Runner",

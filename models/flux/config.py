@@ -42,7 +42,7 @@ PRESETS: dict[str, dict] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class FluxConfig:
+class FluxConfig(PC.PortConfig):
     """The port's frozen config (diffusers names)."""
 
     patch_size: int = 1
@@ -61,10 +61,6 @@ class FluxConfig:
     # permuted per head at load); the forward rotates split halves with tables
     # permuted the same way. Recorded so a cached copy is not permuted twice.
     split_rope: bool = True
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
 
     @property
     def mlp_hidden_dim(self) -> int:
@@ -103,10 +99,5 @@ def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) ->
     """
     values = PC.parse(cfg, overrides, CLASS_NAME, SCHEMA)
     c = FluxConfig(**values, split_rope=bool(split_rope))
-    if any(d % 2 for d in c.axes_dims_rope):
-        raise ValueError(f"axes_dims_rope: {list(c.axes_dims_rope)} must be positive even numbers "
-                         f"(RoPE rotates channel pairs)")
-    if sum(c.axes_dims_rope) != c.attention_head_dim:
-        raise ValueError(f"axes_dims_rope: {list(c.axes_dims_rope)} sums to {sum(c.axes_dims_rope)}, "
-                         f"not attention_head_dim = {c.attention_head_dim}")
+    PC.check_rope_axes("axes_dims_rope", c.axes_dims_rope, c.attention_head_dim)
     return c

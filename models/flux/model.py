@@ -44,8 +44,8 @@ import numpy as np
 from flax import nnx
 
 from difflet_tpu import nn
-from difflet_tpu.layers import (AdaLN, CombinedTimestepTextProjEmbeddings, PixArtAlphaTextProjection,
-                                TimestepEmbedding, get_timestep_embedding, modulate)
+from difflet_tpu.layers import (AdaLayerNormContinuous, AdaLN, CombinedTimestepTextProjEmbeddings,
+                                PixArtAlphaTextProjection, TimestepEmbedding, get_timestep_embedding)
 from difflet_tpu.layers.mmdit import PLAN as MMDIT_PLAN
 from difflet_tpu.layers.mmdit import (DoubleStreamBlock, JointAttention, PackedProjOut, SingleStreamBlock,
                                       single_stream_rows)
@@ -163,7 +163,7 @@ class FluxTransformer2DModel(nnx.Module):
             lambda r: FluxSingleTransformerBlock(D, c.num_attention_heads, c.attention_head_dim,
                                                  c.mlp_hidden_dim, dtype=dtype, rngs=r),
             c.num_single_layers, rngs)
-        self.norm_out = AdaLN(D, 2, dtype=dtype, rngs=rngs)  # AdaLayerNormContinuous: scale, shift
+        self.norm_out = AdaLayerNormContinuous(D, EPS, dtype=dtype, rngs=rngs)
         self.proj_out = nn.Linear(D, c.out_features, dtype=dtype, rngs=rngs)
 
     @property
@@ -208,8 +208,7 @@ class FluxTransformer2DModel(nnx.Module):
                                        lambda block, h: block(par, h, temb, rope, kv_mask))
         hidden_states = hidden_states[:, n_txt_local:]
 
-        scale, shift = self.norm_out(par, temb)
-        return self.proj_out(modulate(hidden_states, shift, scale, EPS))
+        return self.proj_out(self.norm_out(par, hidden_states, temb))
 
 
 def build(config: FluxConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> FluxTransformer2DModel:

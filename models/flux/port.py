@@ -16,7 +16,8 @@ import jax
 import numpy as np
 
 from difflet_tpu import layout
-from difflet_tpu.port import Prepared
+from difflet_tpu.port import (Prepared, call_model, check_per_sample, packed_image_grid, packed_streams, randn,
+                              returned_sample, shape)
 from jax.sharding import PartitionSpec as P
 
 from .config import FluxConfig
@@ -28,10 +29,6 @@ FORWARD_ARGS = ("hidden_states", "encoder_hidden_states", "pooled_projections", 
                 "controlnet_single_block_samples", "return_dict", "controlnet_blocks_repeat")
 STEP_KWARGS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids",
                "txt_ids", "guidance")
-
-
-def _shape(x):
-    return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
 
 
 def _check(run, kw):
@@ -48,40 +45,25 @@ def _check(run, kw):
                  "txt_ids"):
         if kw.get(name) is None:
             raise ValueError(f"{name} is required")
-    hs, ehs, pooled = (_shape(kw[n]) for n in ("hidden_states", "encoder_hidden_states",
-                                                "pooled_projections"))
-    if len(hs) != 3 or hs[-1] != c.in_channels:
-        raise ValueError(f"hidden_states: shape {hs}, expected (batch, image tokens, in_channels={c.in_channels}) "
-                         f"(2x2-packed latents)")
-    B, n_img = hs[0], hs[1]
-    if len(ehs) != 3 or ehs[0] != B or ehs[-1] != c.joint_attention_dim:
-        raise ValueError(f"encoder_hidden_states: shape {ehs}, expected ({B}, text tokens, "
-                         f"joint_attention_dim={c.joint_attention_dim})")
-    n_txt = ehs[1]
-    if n_img < 1 or n_txt < 1:
-        raise ValueError(f"empty stream: {n_img} image and {n_txt} text tokens")
+    B, n_img, n_txt = packed_streams(c, kw["hidden_states"], kw["encoder_hidden_states"])
+    pooled = shape(kw["pooled_projections"])
     if pooled != (B, c.pooled_projection_dim):
         raise ValueError(f"pooled_projections: shape {pooled}, expected ({B}, {c.pooled_projection_dim})")
     for name in ("timestep", "guidance"):
-        if kw.get(name) is None:
-            continue
-        s = _shape(kw[name])
-        if len(s) > 1 or (len(s) == 1 and s[0] not in (1, B)):
-            raise ValueError(f"{name}: shape {s}, expected ({B},) (or one value for the batch)")
+        if kw.get(name) is not None:
+            check_per_sample(name, kw[name], B)
     if c.guidance_embeds and kw.get("guidance") is None:
         raise ValueError("guidance is required: this model has a guidance embedder (FLUX.1-dev style, "
                          "guidance_embeds=True); pass the raw guidance scale, e.g. [3.5]")
     if not c.guidance_embeds and kw.get("guidance") is not None:
         raise ValueError("guidance must be None: this model has no guidance embedder (FLUX.1-schnell "
                          "style, guidance_embeds=False)")
-    ids = {}
     for name, n in (("img_ids", n_img), ("txt_ids", n_txt)):
-        s = _shape(kw[name])
+        s = shape(kw[name])
         if len(s) == 3:  # deprecated batched ids: diffusers takes [0]
             s = s[1:]
         if s != (n, len(c.axes_dims_rope)):
-            raise ValueError(f"{name}: shape {_shape(kw[name])}, expected ({n}, {len(c.axes_dims_rope)})")
-        ids[name] = s
+            raise ValueError(f"{name}: shape {shape(kw[name])}, expected ({n}, {len(c.axes_dims_rope)})")
     return B, n_img, n_txt
 
 
@@ -114,9 +96,6 @@ def _tables(run, txt_ids, img_ids, n_txt_pad, n_img_pad):
 
 def prepare(run, kw: dict) -> Prepared:
     """diffusers kwargs -> the step's inputs (eager: validation, padding, tables)."""
-    unknown = set(kw) - set(FORWARD_ARGS)
-    if unknown:
-        raise TypeError(f"unexpected FLUX forward kwargs {sorted(unknown)}")
     B, n_img, n_txt = _check(run, kw)
     dtype = run.dtype
     n_img_pad, n_txt_pad = run.rows(n_img, "image tokens"), run.rows(n_txt, "text tokens")
@@ -137,21 +116,13 @@ def prepare(run, kw: dict) -> Prepared:
     specs["hidden_states"] = specs["encoder_hidden_states"] = rows
     specs["freqs_cos"] = specs["freqs_sin"] = P()
     if masked:
-        inputs["kv_mask"] = run.constant(("mask", n_txt, n_txt_pad, n_img, n_img_pad), lambda: np.concatenate(
-            [layout.key_mask(n_txt, n_txt_pad), layout.key_mask(n_img, n_img_pad)]))
+        inputs["kv_mask"] = run.pad_key_mask((n_txt, n_txt_pad), (n_img, n_img_pad))
         specs["kv_mask"] = P()
-    return_dict = kw.get("return_dict", True)
-
-    def finish(out):
-        out = layout.unpad(out, n_img)
-        return out if return_dict else (out,)
-
-    return Prepared(key=masked, inputs=inputs, specs=specs, out_specs=rows, finish=finish)
+    return Prepared(key=masked, inputs=inputs, specs=specs, out_specs=rows,
+                    finish=returned_sample(n_img, kw.get("return_dict", True)))
 
 
-def forward(model, par, inputs: dict, key):
-    """The step: the model on the prepared inputs (see `FluxTransformer2DModel.__call__`)."""
-    return model(par, **inputs)
+forward = call_model  # the step: `FluxTransformer2DModel.__call__(par, **inputs)`
 
 
 # --------------------------------------------------------------------------
@@ -168,9 +139,7 @@ def example_inputs(config: FluxConfig, *, height: int = 1024, width: int = 1024,
     (dev only), img_ids (0, row, col), txt_ids zeros. `frames` is ignored (images).
     """
     del frames
-    if height % 16 or width % 16:
-        raise ValueError(f"height and width must be multiples of 16 (VAE 8x, 2x2 packing), got {height}x{width}")
-    h, w = height // 16, width // 16
+    h, w = packed_image_grid(height, width)
     n = h * w
     c = config
     img_ids = np.zeros((h, w, 3), np.float32)
@@ -186,8 +155,7 @@ def example_inputs(config: FluxConfig, *, height: int = 1024, width: int = 1024,
     if abstract:
         return {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()}
     rng = np.random.default_rng(seed)
-    out = {k: rng.standard_normal(shapes[k][0]).astype(np.float32).astype(dtype)
-           for k in ("hidden_states", "encoder_hidden_states", "pooled_projections")}
+    out = {k: randn(rng, shapes[k][0], dtype) for k in ("hidden_states", "encoder_hidden_states", "pooled_projections")}
     out["timestep"] = np.full((batch,), 1.0, np.float32)
     out["img_ids"] = img_ids.reshape(n, 3)
     out["txt_ids"] = np.zeros((text_len, 3), np.float32)
@@ -200,8 +168,8 @@ def flops(config: FluxConfig, inputs: dict) -> float:
     """Analytic forward FLOPs: linears 2*n*d_in*d_out,
     attention 4*S^2*D per block; softmax, norms and RoPE ignored."""
     c = config
-    B, n_img = _shape(inputs["hidden_states"])[:2]
-    n_txt = _shape(inputs["encoder_hidden_states"])[1]
+    B, n_img = shape(inputs["hidden_states"])[:2]
+    n_txt = shape(inputs["encoder_hidden_states"])[1]
     N = n_img + n_txt
     D, F = c.inner_dim, c.mlp_hidden_dim
     double = sum(2 * n * (4 * D * D + 2 * D * 4 * D) for n in (n_img, n_txt))

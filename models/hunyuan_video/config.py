@@ -17,7 +17,7 @@ IMAGE_CONDITION_TYPES = (None, "latent_concat", "token_replace")
 
 
 @dataclasses.dataclass(frozen=True)
-class HunyuanVideoConfig:
+class HunyuanVideoConfig(PC.PortConfig):
     in_channels: int = 16
     out_channels: int = 16
     num_attention_heads: int = 24
@@ -36,10 +36,6 @@ class HunyuanVideoConfig:
     rope_axes_dim: tuple = (16, 56, 56)
     image_condition_type: str | None = None
     split_rope: bool = True  # q/k rows permuted at load to split-halves RoPE
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
 
     @property
     def mlp_dim(self) -> int:  # diffusers: int(hidden_size * mlp_ratio)
@@ -93,11 +89,7 @@ def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) ->
     if c.image_condition_type not in IMAGE_CONDITION_TYPES:
         raise ValueError(f"image_condition_type={c.image_condition_type!r} is not supported "
                          f"(one of {IMAGE_CONDITION_TYPES})")
-    if sum(c.rope_axes_dim) != c.attention_head_dim:
-        raise ValueError(f"rope_axes_dim={c.rope_axes_dim} must be 3 axes summing to "
-                         f"attention_head_dim={c.attention_head_dim}")
-    if any(d % 2 for d in c.rope_axes_dim):
-        raise ValueError(f"rope_axes_dim={c.rope_axes_dim}: every axis must be even")
+    PC.check_rope_axes("rope_axes_dim", c.rope_axes_dim, c.attention_head_dim)
     if c.mlp_dim % c.num_attention_heads:
         raise ValueError(f"mlp_ratio={c.mlp_ratio}: the MLP width {c.mlp_dim} must divide by "
                          f"num_attention_heads={c.num_attention_heads} (the single blocks' packed "

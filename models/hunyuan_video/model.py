@@ -30,9 +30,9 @@ import numpy as np
 from flax import nnx
 
 from difflet_tpu import nn
-from difflet_tpu.layers import (AdaLN, CombinedTimestepTextProjEmbeddings, FeedForward, LayerNorm,
-                                PixArtAlphaTextProjection, TimestepEmbedding, attend, get_timestep_embedding,
-                                merge_heads, modulate, split_heads)
+from difflet_tpu.layers import (AdaLayerNormContinuous, AdaLN, CombinedTimestepTextProjEmbeddings, FeedForward,
+                                LayerNorm, PixArtAlphaTextProjection, TimestepEmbedding, attend,
+                                get_timestep_embedding, merge_heads, split_heads)
 from difflet_tpu.layers.mmdit import PLAN as MMDIT_PLAN
 from difflet_tpu.layers.mmdit import (DoubleStreamBlock, JointAttention, PackedProjOut, SingleStreamBlock,
                                       single_stream_rows)
@@ -79,22 +79,13 @@ PLAN = dict(MMDIT_PLAN)  # the MMDiT blocks' (difflet_tpu/layers/mmdit.py)
 
 class HunyuanVideoPatchEmbed(nnx.Module):
     """Conv3d(kernel = stride = (pt, p, p)) as a Linear over patches flattened (c, pt, ph, pw);
-    the patches are cut eagerly before the step (`patchify`)."""
+    the patches are cut eagerly before the step (`layout.patchify`)."""
 
     def __init__(self, c: HunyuanVideoConfig, *, dtype, rngs):
         self.proj = nn.Linear(c.in_channels * c.patch_volume, c.inner_dim, dtype=dtype, rngs=rngs)
 
     def __call__(self, patches):
         return self.proj(patches)
-
-
-def patchify(x, pt: int, p: int):
-    """`[B, C, F, H, W]` -> `[B, F'H'W', C*pt*p*p]`, tokens in (f, h, w) order (numpy or jax)."""
-    xp = np if isinstance(x, np.ndarray) else jnp
-    B, C, F, H, W = x.shape
-    x = x.reshape(B, C, F // pt, pt, H // p, p, W // p, p)
-    x = xp.transpose(x, (0, 2, 4, 6, 1, 3, 5, 7))
-    return x.reshape(B, (F // pt) * (H // p) * (W // p), C * pt * p * p)
 
 
 def unpatchify(y, frames: int, height: int, width: int, pt: int, p: int):
@@ -279,8 +270,8 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
         # 4. Single stream transformer blocks
         self.single_transformer_blocks = nn.stacked(
             lambda r: HunyuanVideoSingleTransformerBlock(c, dtype=dtype, rngs=r), c.num_single_layers, rngs)
-        # 5. Output projection (AdaLayerNormContinuous: scale, shift)
-        self.norm_out = AdaLN(D, 2, dtype=dtype, rngs=rngs)
+        # 5. Output projection
+        self.norm_out = AdaLayerNormContinuous(D, EPS, dtype=dtype, rngs=rngs)
         self.proj_out = nn.Linear(D, c.patch_volume * c.out_channels, dtype=dtype, rngs=rngs)
 
     def __call__(self, par, geom: Geometry, patches, timestep, encoder_hidden_states, encoder_attention_mask,
@@ -351,8 +342,7 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
             x = par.shard_rows(x)
 
         # 5. Output projection (on this rank's rows; the runner gathers and cuts eagerly)
-        scale, shift = self.norm_out(par, temb)
-        return self.proj_out(modulate(x, shift, scale, EPS))
+        return self.proj_out(self.norm_out(par, x, temb))
 
 
 def build(config: HunyuanVideoConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> HunyuanVideoTransformer3DModel:

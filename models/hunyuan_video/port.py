@@ -2,7 +2,7 @@
 -> the step's inputs.
 
 `prepare` validates the kwargs against the config (errors before anything
-compiles), cuts the latent into patches (`model.patchify`, the Conv3d patch
+compiles), cuts the latent into patches (`layout.patchify`, the Conv3d patch
 embedder as a Linear), pads both token streams eagerly under SP
 (`Runner.rows`; the text mask pads with invalid tokens) and builds the RoPE
 tables on the host (`rope.py`; cached per geometry). `forward` is the step;
@@ -16,10 +16,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from difflet_tpu import layout
-from difflet_tpu.port import Prepared
+from difflet_tpu.layout import patchify
+from difflet_tpu.port import Prepared, returned_sample
 
 from .config import HunyuanVideoConfig
-from .model import Geometry, patchify, unpatchify
+from .model import Geometry, unpatchify
 from .rope import joint_tables
 
 FORWARD_ARGS = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_attention_mask",
@@ -76,9 +77,6 @@ def _cast(x, dtype):
 
 def prepare(run, kw: dict) -> Prepared:
     """diffusers kwargs -> the step's inputs (eager: validation, patches, padding, tables)."""
-    unknown = set(kw) - set(FORWARD_ARGS)
-    if unknown:
-        raise TypeError(f"unexpected HunyuanVideo forward kwargs {sorted(unknown)}")
     if kw.get("attention_kwargs"):
         raise ValueError(f"attention_kwargs {sorted(kw['attention_kwargs'])} are not supported (no LoRA scale)")
     geom = geometry(run, kw)
@@ -88,7 +86,7 @@ def prepare(run, kw: dict) -> Prepared:
     def vec(x):  # scalar, (1,) or (B,) -> (B,) float32
         return np.broadcast_to(np.asarray(0.0 if x is None else x, np.float32).reshape(-1), (B,))
 
-    patches = patchify(kw["hidden_states"], c.patch_size_t, c.patch_size)
+    patches = patchify(kw["hidden_states"], (c.patch_size_t, c.patch_size, c.patch_size))
     inputs = dict(
         patches=_cast(layout.pad_tokens(patches, geom.n_img_pad)[0], dtype),
         timestep=vec(kw["timestep"]),
@@ -107,13 +105,9 @@ def prepare(run, kw: dict) -> Prepared:
     specs = {k: run.batch_spec() for k in inputs}
     specs["patches"] = rows
     specs["freqs_cos"] = specs["freqs_sin"] = P()
-    return_dict = kw.get("return_dict", True)
-
-    def finish(out):
-        out = layout.unpad(out, geom.n_img)  # image rows of the joint sequence / padded stream
-        out = unpatchify(out, geom.frames, geom.height, geom.width, c.patch_size_t, c.patch_size)
-        return out if return_dict else (out,)
-
+    # the image rows of the joint sequence / padded stream, unpatchified
+    finish = returned_sample(geom.n_img, kw.get("return_dict", True), lambda out: unpatchify(
+        out, geom.frames, geom.height, geom.width, c.patch_size_t, c.patch_size))
     return Prepared(key=geom, inputs=inputs, specs=specs, out_specs=rows, finish=finish)
 
 

@@ -21,21 +21,13 @@ from difflet_tpu import layout
 from .config import HunyuanVideoConfig
 
 
-def rope_freqs(dim: int, theta: float) -> np.ndarray:
-    """`1 / theta ** (arange(0, dim, 2) / dim)` in float32 as torch forms it: the power
-    rounded to float32, then the reciprocal (constants: correctly rounded per step)."""
-    a = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-    return (np.float32(1.0) / np.power(np.float64(theta), a.astype(np.float64)).astype(np.float32)).astype(
-        np.float32)
-
-
 def rope_tables(c: HunyuanVideoConfig, frames: int, height: int, width: int):
     """`HunyuanVideoRotaryPosEmbed`: interleaved cos/sin `[F'*H'*W', head_dim]`, float32,
     formed as `get_1d_rotary_pos_embed(use_real=True)` forms them, axis by axis."""
     cos_parts, sin_parts = [], []
     sizes = (frames, height, width)
     for i, (dim, n) in enumerate(zip(c.rope_axes_dim, sizes)):
-        ang = np.arange(n, dtype=np.float32)[:, None] * rope_freqs(dim, c.rope_theta)[None, :]
+        ang = np.arange(n, dtype=np.float32)[:, None] * layout.rope_inv_freqs(dim, c.rope_theta)[None, :]
         shape = [1, 1, 1, dim // 2]
         shape[i] = n
         cos_parts.append(np.broadcast_to(np.cos(ang).reshape(shape), (*sizes, dim // 2)))

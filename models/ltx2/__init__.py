@@ -6,33 +6,21 @@ docs/models/ltx2.md (the parallel plan and the model-specific mechanisms).
 """
 
 from difflet_tpu import schedulers
-from difflet_tpu.port import Pipeline, PortSpec
+from difflet_tpu.port import Pipeline, port_spec
 from difflet_tpu.runner import Runner
 
+from . import config, keys, model, port
 from .config import IGNORED_KEYS, CLASS_NAME, PRESETS, LTX2Config, config_from_diffusers
 from .keys import key_map
 from .model import PLAN, LTX2VideoTransformer3DModel, build
-from .port import FORWARD_ARGS, example_inputs, flops, forward, latent_shape, prepare
+from .port import example_inputs, flops, latent_shape
 
-SPEC = PortSpec(
-    name="ltx2",
-    class_names=(CLASS_NAME,),
-    model_class=LTX2VideoTransformer3DModel,
-    config_from_diffusers=config_from_diffusers,
-    presets=PRESETS,
-    build=build,
-    plan=PLAN,
-    key_map=key_map,
-    prepare=prepare,
-    forward=forward,
-    forward_args=FORWARD_ARGS,
+SPEC = port_spec(
+    config, model, keys, port, name="ltx2", model_class=LTX2VideoTransformer3DModel,
     heads=lambda c: {"num_attention_heads": c.num_attention_heads,
                      "audio_num_attention_heads": c.audio_num_attention_heads},
-    released="ltx-2.0",
-    bench_shape=dict(height=480, width=704, frames=49),
+    released="ltx-2.0", bench_shape=dict(height=480, width=704, frames=49),
     tiny_shape=dict(height=96, width=128, frames=9),
-    example_inputs=example_inputs,
-    flops=flops,
     # The bench's LTX-2 pipeline (difflet_tpu/pipeline.py, bench.py): 30 steps,
     # classifier-free guidance (batch-2 calls) 3.0 on the video and 7.0 on the
     # audio latents, schedulers.ltx2_schedule shifted by the video token count.
@@ -42,7 +30,6 @@ SPEC = PortSpec(
     # The JAX ring under SP on TPU: the Pallas all-gather kernel measured flat
     # here in the reference PR (the step is ICI-bound).
     ag_default="jax",
-    ignored_keys=IGNORED_KEYS,  # diffusers' _keys_to_ignore_on_load_unexpected
 )
 
 __all__ = ["SPEC", "IGNORED_KEYS", "CLASS_NAME", "PRESETS", "LTX2Config", "config_from_diffusers", "PLAN",

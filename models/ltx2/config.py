@@ -18,7 +18,7 @@ CLASS_NAME = "LTX2VideoTransformer3DModel"
 
 
 @dataclasses.dataclass(frozen=True)
-class LTX2Config:
+class LTX2Config(PC.PortConfig):
     # video
     in_channels: int = 128
     out_channels: int | None = 128
@@ -71,11 +71,7 @@ class LTX2Config:
     # port: q/k permuted to split halves at load (interleaved checkpoints only)
     split_rope: bool = False
 
-    # ---- derived -------------------------------------------------------
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
+    # ---- derived (and inner_dim, from PC.PortConfig) ---------------------
     @property
     def audio_inner_dim(self) -> int:
         return self.audio_num_attention_heads * self.audio_attention_head_dim

@@ -129,9 +129,6 @@ def _rope_tables(run, video_coords, audio_coords, kw, fps, nv_pad):
 
 def prepare(run, kwargs: dict) -> Prepared:
     """diffusers kwargs -> the step's inputs (eager: validation, RoPE tables, SP padding)."""
-    unknown = set(kwargs) - set(FORWARD_ARGS)
-    if unknown:
-        raise TypeError(f"unexpected LTX-2 forward kwargs {sorted(unknown)}")
     kw = {k: kwargs.get(k) for k in FORWARD_ARGS}
     for name in ("video_self_attention_mask", "attention_kwargs"):
         if kw[name] is not None:
@@ -231,7 +228,7 @@ def prepare(run, kwargs: dict) -> Prepared:
             continue  # all valid: diffusers' bias is 0 everywhere, adding it changes nothing
         put(name, _cast(mask, dtype))
     if nv_pad != nv and run.mask_pad_keys:
-        put("video_kv_mask", run.constant(("mask", nv, nv_pad), lambda: layout.key_mask(nv, nv_pad)), REPLICATED)
+        put("video_kv_mask", run.pad_key_mask((nv, nv_pad)), REPLICATED)
     for name, (cos, sin) in tables.items():
         # one table for the batch (the grid), or per sample (the caller's coordinates)
         spec = CHANNELS if cos.shape[0] == 1 else P(BATCH, None, TP)

@@ -7,13 +7,14 @@ Run it with `difflet_tpu.Runner(model, mesh, config)`; notes: docs/models/qwen_i
 import numpy as np
 
 from difflet_tpu import schedulers
-from difflet_tpu.port import Pipeline, PortSpec
+from difflet_tpu.port import Pipeline, port_spec
 from difflet_tpu.runner import Runner
 
-from .config import CLASS_NAME, PRESETS, QwenImageConfig, config_from_diffusers
+from . import config, keys, model, port
+from .config import IGNORED_KEYS, CLASS_NAME, PRESETS, QwenImageConfig, config_from_diffusers
 from .keys import key_map
 from .model import PLAN, QwenImageTransformer2DModel, build, time_proj
-from .port import FORWARD_ARGS, example_inputs, flops, forward, image_shapes, prepare
+from .port import example_inputs, flops, image_shapes
 from .rope import joint_tables
 
 # Qwen/Qwen-Image's scheduler config (FlowMatchEulerDiscreteScheduler): dynamic shifting
@@ -41,24 +42,10 @@ def schedule(steps: int, image_seq_len: int, cfg: schedulers.SchedulerConfig = S
 # text stream's linears use plain collectives on TPU (`model.stream_par`).
 AG_DEFAULT = "pallas"
 
-SPEC = PortSpec(
-    name="qwen_image",
-    class_names=(CLASS_NAME,),
-    model_class=QwenImageTransformer2DModel,
-    config_from_diffusers=config_from_diffusers,
-    presets=PRESETS,
-    build=build,
-    plan=PLAN,
-    key_map=key_map,
-    prepare=prepare,
-    forward=forward,
-    forward_args=FORWARD_ARGS,
-    heads=lambda c: {"num_attention_heads": c.num_attention_heads},
-    released="qwen-image",
-    bench_shape=dict(height=1024, width=1024, frames=1),
+SPEC = port_spec(
+    config, model, keys, port, name="qwen_image", model_class=QwenImageTransformer2DModel,
+    released="qwen-image", bench_shape=dict(height=1024, width=1024, frames=1),
     tiny_shape=dict(height=64, width=96, frames=1),
-    example_inputs=example_inputs,
-    flops=flops,
     # QwenImagePipeline: 50 steps, true CFG (true_cfg_scale 4.0, a negative prompt) as one
     # batch-2 call with rows [negative, positive], timestep / 1000.
     pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedule(steps, inputs["hidden_states"].shape[1]),
@@ -66,6 +53,6 @@ SPEC = PortSpec(
     ag_default=AG_DEFAULT,
 )
 
-__all__ = ["AG_DEFAULT", "SCHEDULER", "SPEC", "CLASS_NAME", "PLAN", "PRESETS", "QwenImageConfig",
+__all__ = ["AG_DEFAULT", "SCHEDULER", "SPEC", "IGNORED_KEYS", "CLASS_NAME", "PLAN", "PRESETS", "QwenImageConfig",
            "QwenImageTransformer2DModel", "Runner", "build", "config_from_diffusers", "example_inputs", "flops",
            "image_shapes", "joint_tables", "key_map", "schedule", "time_proj"]

@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from difflet_tpu import port_config as PC
+
 CLASS_NAME = "QwenImageTransformer2DModel"
 ROPE_THETA = 10000       # QwenEmbedRope(theta=10000, ...), not a config key
 ROPE_TABLE = 4096        # QwenEmbedRope's positions: arange(4096) and -4096..-1
 EPS = 1e-6               # block norms, q/k RMSNorm, txt_norm, norm_out
 MLP_RATIO = 4            # FeedForward(dim, dim_out=dim, activation_fn="gelu-approximate"), mult 4
 IGNORED_CONFIG_KEYS = ("pooled_projection_dim",)
+IGNORED_KEYS = ()  # checkpoint keys the loader leaves unused (SPEC.ignored_keys): none
 
 PRESETS: dict[str, dict] = {
     "qwen-image": dict(_class_name=CLASS_NAME, patch_size=2, in_channels=64, out_channels=16, num_layers=60,
@@ -55,7 +58,7 @@ PRESETS: dict[str, dict] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenImageConfig:
+class QwenImageConfig(PC.PortConfig):
     """The port's frozen config (diffusers names and defaults)."""
 
     patch_size: int = 2
@@ -76,10 +79,6 @@ class QwenImageConfig:
     split_rope: bool = True
 
     @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
     def mlp_dim(self) -> int:
         return self.inner_dim * MLP_RATIO
 
@@ -89,34 +88,23 @@ class QwenImageConfig:
         return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
 
-_INTS = ("patch_size", "in_channels", "num_layers", "attention_head_dim", "num_attention_heads",
-         "joint_attention_dim")
-_BOOLS = ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
+# Every QwenImageTransformer2DModel.__init__ argument (diffusers transformer_qwenimage.py) and its type.
+SCHEMA = {
+    "patch_size": PC.pos_int, "in_channels": PC.pos_int, "out_channels": PC.optional(PC.pos_int),
+    "num_layers": PC.pos_int, "attention_head_dim": PC.pos_int, "num_attention_heads": PC.pos_int,
+    "joint_attention_dim": PC.pos_int, "guidance_embeds": PC.boolean, "axes_dims_rope": PC.pos_ints(3),
+    "zero_cond_t": PC.boolean, "use_additional_t_cond": PC.boolean, "use_layer3d_rope": PC.boolean,
+}
 
 
 def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) -> QwenImageConfig:
     """The port config from a diffusers `config.json` dict (or a PRESETS entry).
 
-    Raises ValueError naming the key for values the port does not support.
+    Raises ValueError naming the key for values the port does not support
+    (types and ranges: difflet_tpu.port_config).
     """
-    cfg = {**cfg, **overrides}
-    if cfg.get("_class_name", CLASS_NAME) != CLASS_NAME:
-        raise ValueError(f"_class_name: {cfg['_class_name']!r} is not {CLASS_NAME}")
-    fields = {f.name for f in dataclasses.fields(QwenImageConfig)} - {"split_rope"}
-    unknown = sorted(k for k in cfg if not k.startswith("_") and k not in fields and k not in IGNORED_CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"{unknown[0]}: not a {CLASS_NAME} config key this port knows (unknown keys: {unknown})")
-    values = {k: cfg[k] for k in fields if k in cfg}
-    for key in _INTS:
-        v = values.get(key, 1)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{key}: {v!r} is not a positive integer")
-    v = values.get("out_channels")
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise ValueError(f"out_channels: {v!r} is not a positive integer or null")
-    for key in _BOOLS:
-        if not isinstance(values.get(key, False), bool):
-            raise ValueError(f"{key}: {values[key]!r} is not a bool")
+    cfg = {k: v for k, v in cfg.items() if k not in IGNORED_CONFIG_KEYS}
+    values = PC.parse(cfg, overrides, CLASS_NAME, SCHEMA)
     if values.get("guidance_embeds"):
         raise ValueError("guidance_embeds: true is not supported: diffusers 0.42.1 builds no guidance embedder "
                          "for it (QwenImageTransformer2DModel ignores the flag) and its forward raises a "
@@ -125,17 +113,6 @@ def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) ->
         raise ValueError("zero_cond_t with use_additional_t_cond is not supported: diffusers adds the (B, D) "
                          "additional embedding to the (2B, D) doubled timestep embedding, which only runs at "
                          "batch 1; no released Qwen-Image model sets both")
-    if "axes_dims_rope" in values:
-        axes = values["axes_dims_rope"]
-        if not isinstance(axes, (list, tuple)) or len(axes) != 3 or any(
-                isinstance(d, bool) or not isinstance(d, int) for d in axes):
-            raise ValueError(f"axes_dims_rope: {axes!r} is not three integers (frame, height, width)")
-        values["axes_dims_rope"] = tuple(int(d) for d in axes)
     c = QwenImageConfig(**values, split_rope=bool(split_rope))
-    if any(d <= 0 or d % 2 for d in c.axes_dims_rope):
-        raise ValueError(f"axes_dims_rope: {list(c.axes_dims_rope)} must be positive even numbers "
-                         f"(RoPE rotates channel pairs)")
-    if sum(c.axes_dims_rope) != c.attention_head_dim:
-        raise ValueError(f"axes_dims_rope: {list(c.axes_dims_rope)} sums to {sum(c.axes_dims_rope)}, "
-                         f"not attention_head_dim = {c.attention_head_dim}")
+    PC.check_rope_axes("axes_dims_rope", c.axes_dims_rope, c.attention_head_dim)
     return c

@@ -40,10 +40,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from difflet_tpu import nn
-from difflet_tpu.layers import AdaLN, FeedForward, TimestepEmbedding, Weight, modulate, rms_norm
+from difflet_tpu.layers import AdaLayerNormContinuous, AdaLN, FeedForward, TimestepEmbedding, Weight, modulate, rms_norm
 from difflet_tpu.layers.embeddings import timestep_frequencies
-from difflet_tpu.layers.attention import split_heads
-from difflet_tpu.layers.mmdit import JointAttention, clip_fp16
+from difflet_tpu.layers.mmdit import JointAttention, clip_fp16, joint_attention_plan
 from difflet_tpu.parallel import COLUMN, ROW, Parallel
 
 from .config import EPS, QwenImageConfig
@@ -73,14 +72,7 @@ from .config import EPS, QwenImageConfig
 PLAN = {
     "transformer_blocks.img_mod.linear": COLUMN,
     "transformer_blocks.txt_mod.linear": COLUMN,
-    "transformer_blocks.attn.to_q": COLUMN,
-    "transformer_blocks.attn.to_k": COLUMN,
-    "transformer_blocks.attn.to_v": COLUMN,
-    "transformer_blocks.attn.add_q_proj": COLUMN,
-    "transformer_blocks.attn.add_k_proj": COLUMN,
-    "transformer_blocks.attn.add_v_proj": COLUMN,
-    "transformer_blocks.attn.to_out.0": ROW,
-    "transformer_blocks.attn.to_add_out": ROW,
+    **joint_attention_plan("transformer_blocks.attn"),
     "transformer_blocks.img_mlp.net.0.proj": COLUMN,
     "transformer_blocks.img_mlp.net.2": ROW,
     "transformer_blocks.txt_mlp.net.0.proj": COLUMN,
@@ -166,24 +158,6 @@ class QwenTimestepProjEmbeddings(nnx.Module):
 # The dual-stream block
 # --------------------------------------------------------------------------
 
-class QwenJointAttention(JointAttention):
-    """`JointAttention` (added K/V, `[text | image]`) whose two streams may talk to the
-    other ranks differently: `txt_par` for add_q/add_k/add_v_proj and to_add_out
-    (`stream_par`)."""
-
-    def __call__(self, par, txt_par, hidden_states, encoder_hidden_states, rope, kv_mask):
-        par.local_heads(self.heads)
-        q, k, v = nn.column(par, hidden_states, [self.to_q, self.to_k, self.to_v])
-        eq, ek, ev = nn.column(txt_par, encoder_hidden_states, [self.add_q_proj, self.add_k_proj, self.add_v_proj])
-        img = (self._norm(q, self.norm_q), self._norm(k, self.norm_k), split_heads(v, self.head_dim))
-        txt = (self._norm(eq, self.norm_added_q), self._norm(ek, self.norm_added_k), split_heads(ev, self.head_dim))
-        n = txt[0].shape[1]
-        o = self.attend(par, *(jnp.concatenate(pair, axis=1) for pair in zip(txt, img)), rope, kv_mask)
-        hidden_out = nn.row(par, [(o[:, n:], self.to_out["0"])])
-        encoder_out = nn.row(txt_par, [(o[:, :n], self.to_add_out)])
-        return hidden_out, encoder_out
-
-
 class QwenImageTransformerBlock(nnx.Module):
     """diffusers' `QwenImageTransformerBlock`: per stream adaLN modulation (`img_mod`,
     `txt_mod`: shift, scale, gate for attention, then for the MLP), LayerNorms without
@@ -192,8 +166,8 @@ class QwenImageTransformerBlock(nnx.Module):
 
     def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, *, dtype, rngs: nnx.Rngs):
         self.img_mod = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
-        self.attn = QwenJointAttention(dim, num_attention_heads, attention_head_dim, added_kv=True,
-                                       context_first=True, eps=EPS, dtype=dtype, rngs=rngs)
+        self.attn = JointAttention(dim, num_attention_heads, attention_head_dim, added_kv=True,
+                                   context_first=True, eps=EPS, dtype=dtype, rngs=rngs)
         self.img_mlp = FeedForward(dim, dim_out=dim, activation_fn="gelu-approximate", dtype=dtype, rngs=rngs)
         self.txt_mod = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
         self.txt_mlp = FeedForward(dim, dim_out=dim, activation_fn="gelu-approximate", dtype=dtype, rngs=rngs)
@@ -209,7 +183,8 @@ class QwenImageTransformerBlock(nnx.Module):
 
         img_modulated = modulate(hidden_states, img_shift1, img_scale1, EPS)
         txt_modulated = modulate(encoder_hidden_states, txt_shift1, txt_scale1, EPS)
-        img_attn_output, txt_attn_output = self.attn(img_par, txt_par, img_modulated, txt_modulated, rope, kv_mask)
+        img_attn_output, txt_attn_output = self.attn(img_par, img_modulated, txt_modulated, rope, kv_mask,
+                                                     context_par=txt_par)
         hidden_states = hidden_states + img_gate1 * img_attn_output
         encoder_hidden_states = encoder_hidden_states + txt_gate1 * txt_attn_output
 
@@ -238,7 +213,7 @@ class QwenImageTransformer2DModel(nnx.Module):
         self.transformer_blocks = nn.stacked(
             lambda r: QwenImageTransformerBlock(D, c.num_attention_heads, c.attention_head_dim, dtype=dtype, rngs=r),
             c.num_layers, rngs)
-        self.norm_out = AdaLN(D, 2, dtype=dtype, rngs=rngs)  # AdaLayerNormContinuous: scale, shift
+        self.norm_out = AdaLayerNormContinuous(D, EPS, dtype=dtype, rngs=rngs)
         self.proj_out = nn.Linear(D, c.out_features, dtype=dtype, rngs=rngs)
 
     @property
@@ -274,8 +249,7 @@ class QwenImageTransformer2DModel(nnx.Module):
             self.transformer_blocks, (hidden_states, encoder_hidden_states),
             lambda block, carry: block(par, *carry, temb, rope, kv_mask, token_replace))
 
-        scale, shift = self.norm_out(par, temb)
-        return self.proj_out(modulate(hidden_states, shift, scale, EPS))
+        return self.proj_out(self.norm_out(par, hidden_states, temb))
 
 
 def build(config: QwenImageConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> QwenImageTransformer2DModel:

@@ -24,7 +24,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from difflet_tpu import layout
-from difflet_tpu.port import Prepared
+from difflet_tpu.port import (Prepared, call_model, check_per_sample, packed_image_grid, packed_streams, randn,
+                              returned_sample, shape)
 
 from .config import QwenImageConfig
 from .rope import check_shapes, joint_tables
@@ -33,10 +34,6 @@ FORWARD_ARGS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states
                 "guidance", "attention_kwargs", "controlnet_block_samples", "additional_t_cond", "return_dict")
 TEXT_LEN = 128  # example_inputs' prompt tokens (QwenImagePipeline passes the prompt's own length, template cut)
 VAE_SCALE = 8   # QwenImagePipeline: vae_scale_factor 8, latents packed 2x2 -> pixels / 16 per token side
-
-
-def _shape(x):
-    return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
 
 
 def image_shapes(img_shapes, batch: int) -> tuple:
@@ -83,24 +80,12 @@ def _check(run, kw):
     for name in ("hidden_states", "encoder_hidden_states", "timestep"):
         if kw.get(name) is None:
             raise ValueError(f"{name} is required")
-    hs, ehs = _shape(kw["hidden_states"]), _shape(kw["encoder_hidden_states"])
-    if len(hs) != 3 or hs[-1] != c.in_channels:
-        raise ValueError(f"hidden_states: shape {hs}, expected (batch, image tokens, in_channels={c.in_channels}) "
-                         f"(2x2-packed latents)")
-    B, n_img = hs[0], hs[1]
-    if len(ehs) != 3 or ehs[0] != B or ehs[-1] != c.joint_attention_dim:
-        raise ValueError(f"encoder_hidden_states: shape {ehs}, expected ({B}, text tokens, "
-                         f"joint_attention_dim={c.joint_attention_dim})")
-    n_txt = ehs[1]
-    if n_img < 1 or n_txt < 1:
-        raise ValueError(f"empty stream: {n_img} image and {n_txt} text tokens")
+    B, n_img, n_txt = packed_streams(c, kw["hidden_states"], kw["encoder_hidden_states"])
     mask = kw.get("encoder_hidden_states_mask")
-    if mask is not None and _shape(mask) != (B, n_txt):
-        raise ValueError(f"encoder_hidden_states_mask: shape {_shape(mask)}, expected (batch, text tokens) = "
+    if mask is not None and shape(mask) != (B, n_txt):
+        raise ValueError(f"encoder_hidden_states_mask: shape {shape(mask)}, expected (batch, text tokens) = "
                          f"{(B, n_txt)}")
-    s = _shape(kw["timestep"])
-    if len(s) > 1 or (len(s) == 1 and s[0] not in (1, B)):
-        raise ValueError(f"timestep: shape {s}, expected ({B},) (or one value for the batch)")
+    check_per_sample("timestep", kw["timestep"], B)
     if kw.get("guidance") is not None:
         raise ValueError("guidance must be None: QwenImageTransformer2DModel has no guidance embedder (diffusers "
                          "0.42.1's forward raises a TypeError when it is passed); use true CFG in the pipeline")
@@ -126,9 +111,6 @@ def _check(run, kw):
 
 def prepare(run, kw: dict) -> Prepared:
     """diffusers kwargs -> the step's inputs (eager: validation, padding, tables, masks)."""
-    unknown = set(kw) - set(FORWARD_ARGS)
-    if unknown:
-        raise TypeError(f"unexpected Qwen-Image forward kwargs {sorted(unknown)}")
     B, n_img, n_txt, shapes = _check(run, kw)
     c = run.cfg
     n_img_pad, n_txt_pad = run.rows(n_img, "image tokens"), run.rows(n_txt, "text tokens")
@@ -156,8 +138,7 @@ def prepare(run, kw: dict) -> Prepared:
         inputs["kv_mask"], specs["kv_mask"] = kv, run.batch_spec()  # (B, S): per sample
         key = "text"
     elif pad_masked:
-        inputs["kv_mask"] = run.constant(("mask", n_txt, n_txt_pad, n_img, n_img_pad), lambda: np.concatenate(
-            [layout.key_mask(n_txt, n_txt_pad), layout.key_mask(n_img, n_img_pad)]))
+        inputs["kv_mask"] = run.pad_key_mask((n_txt, n_txt_pad), (n_img, n_img_pad))
         specs["kv_mask"] = P()
         key = "pad"
     else:
@@ -171,18 +152,11 @@ def prepare(run, kw: dict) -> Prepared:
         inputs["cond_rows"] = run.constant(("cond_rows", first, n_img, n_img_pad),
                                            lambda: (np.arange(n_img_pad) >= first) & (np.arange(n_img_pad) < n_img))
         specs["cond_rows"] = run.row_spec(ndim=1, axis=0, batch=None)  # per token, no batch
-    return_dict = kw.get("return_dict", True)
-
-    def finish(out):
-        out = layout.unpad(out, n_img)
-        return out if return_dict else (out,)
-
-    return Prepared(key=key, inputs=inputs, specs=specs, out_specs=rows, finish=finish)
+    return Prepared(key=key, inputs=inputs, specs=specs, out_specs=rows,
+                    finish=returned_sample(n_img, kw.get("return_dict", True)))
 
 
-def forward(model, par, inputs: dict, key):
-    """The step: the model on the prepared inputs (see `QwenImageTransformer2DModel.__call__`)."""
-    return model(par, **inputs)
+forward = call_model  # the step: `QwenImageTransformer2DModel.__call__(par, **inputs)`
 
 
 # --------------------------------------------------------------------------
@@ -202,14 +176,11 @@ def example_inputs(config: QwenImageConfig, *, height: int = 1024, width: int = 
     (QwenImageLayeredPipeline's `is_rgb`). `frames` is ignored (images).
     """
     del frames
-    if height % 16 or width % 16:
-        raise ValueError(f"height and width must be multiples of 16 (VAE 8x, 2x2 packing), got {height}x{width}")
-    h, w = height // 16, width // 16
+    h, w = packed_image_grid(height, width)
     c = config
     rng = np.random.default_rng(seed)
-    out = dict(hidden_states=rng.standard_normal((batch, h * w, c.in_channels)).astype(np.float32).astype(dtype),
-               encoder_hidden_states=rng.standard_normal((batch, text_len, c.joint_attention_dim))
-               .astype(np.float32).astype(dtype),
+    out = dict(hidden_states=randn(rng, (batch, h * w, c.in_channels), dtype),
+               encoder_hidden_states=randn(rng, (batch, text_len, c.joint_attention_dim), dtype),
                timestep=np.full((batch,), 1.0, np.float32),
                img_shapes=[[(1, h, w)]] * batch)
     if batch > 1:
@@ -225,8 +196,8 @@ def flops(config: QwenImageConfig, inputs: dict) -> float:
     """Analytic forward FLOPs: linears 2*n*d_in*d_out, attention 4*S^2*D per block;
     softmax, norms and RoPE ignored."""
     c = config
-    B, n_img = _shape(inputs["hidden_states"])[:2]
-    n_txt = _shape(inputs["encoder_hidden_states"])[1]
+    B, n_img = shape(inputs["hidden_states"])[:2]
+    n_txt = shape(inputs["encoder_hidden_states"])[1]
     S, D, F = n_img + n_txt, c.inner_dim, c.mlp_dim
     stream = lambda n: 2 * n * (4 * D * D + 2 * D * F)
     mods = 2 * D * 6 * D * (3 if c.zero_cond_t else 2)

@@ -33,12 +33,6 @@ from difflet_tpu import layout
 from .config import ROPE_TABLE, ROPE_THETA, QwenImageConfig
 
 
-def inv_freqs(dim: int, theta: float = ROPE_THETA) -> np.ndarray:
-    """`1.0 / torch.pow(theta, torch.arange(0, dim, 2).float().div(dim))` in float32."""
-    exponent = (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)).astype(np.float32)
-    return (np.float32(1.0) / np.power(np.float64(theta), exponent.astype(np.float64)).astype(np.float32))
-
-
 def image_positions(shapes, layer3d: bool = False):
     """(positions `[N, 3]` int64 (frame, height, width) of the image tokens, max_vid_index)."""
     out, max_vid = [], 0
@@ -75,10 +69,10 @@ def check_shapes(shapes, n_txt: int, layer3d: bool = False):
 
 
 def angles(positions, axes_dim) -> np.ndarray:
-    """float32 angles `[S, sum(axes_dim) / 2]`: per axis `position * inv_freqs(dim)`."""
+    """float32 angles `[S, sum(axes_dim) / 2]`: per axis `position * inv` (`layout.rope_inv_freqs`)."""
     positions = np.asarray(positions)
-    return np.concatenate([(positions[:, i].astype(np.float32)[:, None] * inv_freqs(d)[None, :]).astype(np.float32)
-                           for i, d in enumerate(axes_dim)], axis=1)
+    return np.concatenate([(positions[:, i].astype(np.float32)[:, None] * layout.rope_inv_freqs(d, ROPE_THETA)[None, :])
+                           .astype(np.float32) for i, d in enumerate(axes_dim)], axis=1)
 
 
 def joint_tables(c: QwenImageConfig, shapes, n_txt: int, n_txt_pad: int, n_img_pad: int):

@@ -8,34 +8,22 @@ Notes: docs/models/wan.md.
 """
 
 from difflet_tpu import schedulers
-from difflet_tpu.port import Pipeline, PortSpec
+from difflet_tpu.port import Pipeline, port_spec
 from difflet_tpu.runner import Runner
 
+from . import config, keys, model, port
 from .config import (IGNORED_KEYS, CLASS_NAME, EXPERT_BOUNDARY, FLOW_SHIFT, FLOW_SHIFTS, PRESETS, WanConfig,
                      config_from_diffusers, preset)
-from .model import PLAN, WanTransformer3DModel, build, key_map
-from .port import (FORWARD_ARGS, WanExperts, encode_text, example_inputs, flops, forward, load_experts,
-                   patchify, prepare, text_kv_shapes, unpatchify)
+from .keys import key_map
+from .model import PLAN, WanTransformer3DModel, build
+from .port import (WanExperts, encode_text, example_inputs, flops, load_experts, patchify, text_kv_shapes,
+                   unpatchify)
 from .rope import rope_tables
 
-SPEC = PortSpec(
-    name="wan",
-    class_names=(CLASS_NAME,),
-    model_class=WanTransformer3DModel,
-    config_from_diffusers=config_from_diffusers,
-    presets=PRESETS,
-    build=build,
-    plan=PLAN,
-    key_map=key_map,
-    prepare=prepare,
-    forward=forward,
-    forward_args=FORWARD_ARGS,
-    heads=lambda c: {"num_attention_heads": c.num_attention_heads},
-    released="Wan2.1-T2V-14B",
-    bench_shape=dict(height=480, width=832, frames=9),
+SPEC = port_spec(
+    config, model, keys, port, name="wan", model_class=WanTransformer3DModel,
+    released="Wan2.1-T2V-14B", bench_shape=dict(height=480, width=832, frames=9),
     tiny_shape=dict(height=64, width=96, frames=9),
-    example_inputs=example_inputs,
-    flops=flops,
     # WanPipeline: 50 steps, classifier-free guidance 5.0 (batch 2), the flow
     # shift per checkpoint (config.FLOW_SHIFTS).
     pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedulers.wan_schedule(
@@ -46,7 +34,7 @@ SPEC = PortSpec(
     # cache_text: reuse the text K/V while the calls pass the very same
     # encoder_hidden_states (and image) objects (a denoise loop).
     options=dict(cache_text=False),
-    ignored_keys=IGNORED_KEYS,  # diffusers' _keys_to_ignore_on_load_unexpected
+    extra_kwargs=("text_kv",),  # encode_text's cache instead of encoder_hidden_states
     methods=dict(encode_text=encode_text, text_kv_shapes=text_kv_shapes),
 )
 

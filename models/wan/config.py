@@ -69,7 +69,7 @@ PER_TOKEN_TIMESTEP_PRESETS = ("Wan2.2-TI2V-5B",)
 
 
 @dataclasses.dataclass(frozen=True)
-class WanConfig:
+class WanConfig(PC.PortConfig):
     """The port's frozen config (diffusers names)."""
 
     patch_size: tuple = (1, 2, 2)
@@ -90,10 +90,6 @@ class WanConfig:
     # and norm_q/norm_k weights permuted per head at load); the forward rotates
     # split halves with permuted tables. Recorded so a cache is not permuted twice.
     split_rope: bool = True
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
 
     @property
     def patch_features(self) -> int:

@@ -20,17 +20,15 @@ rows; S = every row; D = heads * head_dim; P = tp size):
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from difflet_tpu import layout, nn, weights
+from difflet_tpu import nn
 from difflet_tpu.layers import (FeedForward, LayerNorm, PixArtAlphaTextProjection, TimestepEmbedding, Weight,
                                 apply_rotary_emb, attend, get_timestep_embedding, merge_heads, modulate,
                                 rms_norm_across_heads)
-from difflet_tpu.parallel import COLUMN, ROW, SHARDED, Parallel, path_names
+from difflet_tpu.parallel import COLUMN, ROW, SHARDED, Parallel
 
 from difflet_tpu.models.wan.config import WanConfig
 
@@ -79,16 +77,6 @@ PLAN = {
     "blocks.ffn.net.0.proj": COLUMN,
     "blocks.ffn.net.2": ROW,
 }
-
-# Parameters diffusers keeps in float32 (`_keep_in_fp32_modules`).
-KEEP_FP32 = ("condition_embedder.time_embedder.", "scale_shift_table", "blocks.scale_shift_table",
-             "blocks.norm2.", "condition_embedder.image_embedder.norm1.",
-             "condition_embedder.image_embedder.norm2.")
-
-
-def _keeps_fp32(path: str) -> bool:
-    return any(path == p or path.startswith(p) for p in KEEP_FP32)
-
 
 def _chunks(mod, k: int):
     """diffusers' `.chunk(k, dim)` of a modulation tensor, each broadcastable to (B, n, D).
@@ -315,42 +303,3 @@ class WanTransformer3DModel(nnx.Module):
 def build(config: WanConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs) -> WanTransformer3DModel:
     """The model with random parameters (float32 kept where diffusers keeps it)."""
     return WanTransformer3DModel(config, dtype=dtype, rngs=rngs)
-
-
-# --------------------------------------------------------------------------
-# Checkpoint keys
-# --------------------------------------------------------------------------
-
-SPLIT_ROPE_PARAMS = ("blocks.attn1.to_q.kernel", "blocks.attn1.to_q.bias", "blocks.attn1.to_k.kernel",
-                     "blocks.attn1.to_k.bias", "blocks.attn1.norm_q.scale", "blocks.attn1.norm_k.scale")
-
-
-def key_map(config: WanConfig, model) -> dict[str, weights.Key]:
-    """Parameter path -> diffusers key. Patch embedding: the Conv3d as a Linear;
-    float32-kept parameters keep the model's float32 dtype; with split_rope,
-    self-attention's q/k rows, biases and across-heads norm weights are
-    permuted per head to split-halves order (the norm's sum of squares is
-    invariant to a channel permutation applied to it and its weight)."""
-    km = weights.default_key_map(model, stacked={"blocks": config.num_layers})
-    km["patch_embedding.kernel"] = weights.Key("patch_embedding.weight", "conv_as_linear")
-    dtypes = _param_dtypes(model)
-    for path in km:
-        if _keeps_fp32(path):
-            km[path] = dataclasses.replace(km[path], dtype=str(dtypes[path]))
-    if config.split_rope:
-        perm = tuple(int(i) for i in layout.heads_permutation(config.num_attention_heads,
-                                                              config.attention_head_dim))
-        for path in SPLIT_ROPE_PARAMS:
-            km[path] = dataclasses.replace(km[path], perm=perm)
-    return km
-
-
-def _param_dtypes(model) -> dict[str, jnp.dtype]:
-    state = nnx.state(model, nnx.Param)
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        names = path_names(path)
-        if names and names[-1] == "value":
-            names = names[:-1]
-        out[".".join(names)] = jnp.dtype(leaf.dtype)
-    return out

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from difflet_tpu import layout
 from difflet_tpu.config import Config
+from difflet_tpu.layout import patchify
 from difflet_tpu.mesh import BATCH, TP
 from difflet_tpu.port import Prepared
 from difflet_tpu.runner import Runner
@@ -57,15 +58,6 @@ KV_NAMES = ("k", "v", "k_img", "v_img")
 
 def _xp(x):
     return np if isinstance(x, np.ndarray) else jnp
-
-
-def patchify(x, patch_size):
-    """(B, C, F, H, W) -> (B, F'H'W', C*pt*ph*pw), features (c, pt, ph, pw), tokens (f, h, w)."""
-    B, C, F, H, W = x.shape
-    pt, ph, pw = patch_size
-    x = x.reshape(B, C, F // pt, pt, H // ph, ph, W // pw, pw)
-    x = _xp(x).transpose(x, (0, 2, 4, 6, 1, 3, 5, 7))
-    return x.reshape(B, (F // pt) * (H // ph) * (W // pw), C * pt * ph * pw)
 
 
 def unpatchify(y, grid, patch_size):
@@ -179,9 +171,6 @@ def _cached_text_kv(run, ehs, img):
 def prepare(run, kw: dict) -> Prepared:
     """diffusers kwargs (plus `text_kv=`) -> the step's inputs (eager: validation,
     patchify, padding, tables)."""
-    unknown = set(kw) - set(FORWARD_ARGS) - {"text_kv"}
-    if unknown:
-        raise TypeError(f"unexpected Wan forward kwargs {sorted(unknown)}")
     B, grid, per_token = _check(run, kw)
     c = run.cfg
     N = math.prod(grid)
@@ -201,7 +190,7 @@ def prepare(run, kw: dict) -> Prepared:
                                                             lambda: rope_tables(c, grid, rows))
     specs["freqs_cos"] = specs["freqs_sin"] = P()
     if rows > N and run.mask_pad_keys:
-        inputs["kv_mask"] = run.constant(("mask", N, rows), lambda: layout.key_mask(N, rows))
+        inputs["kv_mask"] = run.pad_key_mask((N, rows))
         specs["kv_mask"] = P()
 
     ehs, img = kw.get("encoder_hidden_states"), kw.get("encoder_hidden_states_image")

@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 from difflet_tpu import collective_matmul as cm
-from difflet_tpu import weights
+from difflet_tpu import layout, weights
 from difflet_tpu.config import Config
 from difflet_tpu.mesh import make_mesh
 from difflet_tpu.parallel import Parallel
@@ -225,7 +225,7 @@ def test_rope_positions():
     # the tables: text row j rotates by max_vid + j on every axis, pad rows are identity
     c = qi.config_from_diffusers(qi.PRESETS["tiny"], split_rope=False)
     cos, sin = qi.joint_tables(c, ((1, 3, 4),), 5, 8, 16)
-    inv = np.concatenate([rope.inv_freqs(d) for d in c.axes_dims_rope])
+    inv = np.concatenate([layout.rope_inv_freqs(d, 10000) for d in c.axes_dims_rope])
     np.testing.assert_allclose(cos[3, ::2], np.cos(np.float32(2 + 3) * inv), atol=1e-7)
     assert np.all(cos[5:8] == 1) and np.all(sin[5:8] == 0) and np.all(cos[8 + 12:] == 1)
 
@@ -235,8 +235,8 @@ def test_rope_inverse_frequencies_are_torch_float32():
     torch 2.13's bits for d = 16 (bit-equal for d in 2..128 when the fixtures were made, and so
     are the float32 angles position * inv)."""
     torch_bits = [0x3f800000, 0x3ea1e89b, 0x3dcccccd, 0x3d0186e3, 0x3c23d70a, 0x3b4f3e38, 0x3a83126f, 0x39a5cb60]
-    assert rope.inv_freqs(16).view(np.uint32).tolist() == torch_bits
-    assert rope.inv_freqs(4).view(np.uint32).tolist() == [0x3f800000, 0x3c23d70a]
+    assert layout.rope_inv_freqs(16, 10000).view(np.uint32).tolist() == torch_bits
+    assert layout.rope_inv_freqs(4, 10000).view(np.uint32).tolist() == [0x3f800000, 0x3c23d70a]
     a = rope.angles(np.array([[-4096, 7, 4095]]), (2, 4, 16))
     assert a.dtype == np.float32 and a[0, 0] == -4096.0 and a[0, 2] == np.float32(7) * np.float32(0.01)
 
@@ -269,7 +269,7 @@ def test_config_flags():
     (dict(zero_cond_t=True, use_additional_t_cond=True), "zero_cond_t with use_additional_t_cond is not supported"),
     (dict(zero_cond_t=1), "zero_cond_t: 1 is not a bool"),
     (dict(use_layer3d_rope="yes"), "use_layer3d_rope: 'yes' is not a bool"),
-    (dict(pooled_projections_dim=768), "pooled_projections_dim: not a QwenImageTransformer2DModel config key"),
+    (dict(pooled_projections_dim=768), "'pooled_projections_dim': not a QwenImageTransformer2DModel config key"),
     (dict(axes_dims_rope=[2, 2, 2]), "sums to 6, not attention_head_dim = 8"),
     (dict(axes_dims_rope=[2, 3, 3]), "positive even numbers"),
     (dict(_class_name="FluxTransformer2DModel"), "is not QwenImageTransformer2DModel"),
@@ -331,7 +331,7 @@ def test_input_errors_before_compilation():
         for message, bad in _bad_inputs(kwargs):
             with pytest.raises(ValueError, match=message):
                 r(**bad)
-        with pytest.raises(TypeError, match="unexpected Qwen-Image forward kwargs"):
+        with pytest.raises(TypeError, match="unexpected QwenImageTransformer2DModel forward kwargs"):
             r(**kwargs, txt_seq_lens=[8, 8])
         assert not r._steps
     model, _ = load("qwen_image_layered")
