@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from difflet_tpu.collective_matmul import LayerWeight
+from difflet_tpu.collective_matmul import KERNEL_ACTIVATIONS, Epilogue, LayerWeight
 
 
 def fp32(dtype):
@@ -48,12 +48,38 @@ def weight(linear: Linear):
     return linear.kernel.get_value()
 
 
+def kernel_activation(activation):
+    """The name under which the Pallas all-gather kernel applies `activation`
+    (`collective_matmul.KERNEL_ACTIVATIONS`), or None if it cannot."""
+    from difflet_tpu.layers.feedforward import gelu_tanh  # the ports' GELU (tanh), by identity
+
+    if isinstance(activation, str):
+        return activation if activation in KERNEL_ACTIVATIONS else None
+    for name, fn in KERNEL_ACTIVATIONS.items():
+        if activation is fn or (name == "gelu_tanh" and activation is gelu_tanh):
+            return name
+    return None
+
+
 def epilogue(linear: Linear, activation=None):
-    """Row-wise epilogue for a column-parallel product: bias, then activation."""
+    """Row-wise epilogue for a column-parallel product: bias, then activation.
+
+    An `Epilogue` (bias and/or GELU tanh, which the Pallas all-gather kernel
+    applies on its float32 tile) when the activation is None or one the
+    kernel knows (`kernel_activation`), else a plain function (applied after
+    the kernel). Either computes `activation(y + bias)` the same way when
+    called on a product.
+    """
+    bias = None if linear.bias is None else linear.bias[...]
+    if activation is None:
+        return Epilogue(bias) if bias is not None else None
+    name = kernel_activation(activation)
+    if name is not None:
+        return Epilogue(bias, name)
 
     def fn(y):
         y = linear.add_bias(y)
-        return y if activation is None else activation(y)
+        return activation(y)
 
     return fn
 
