@@ -243,7 +243,8 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
         biases = [_kernel_bias(e.bias, layer) if f else None for e, f in zip(epilogues, fused)]
         acts = [e.activation if f else None for e, f in zip(epilogues, fused)]
         reason = kernel.unsupported_reason(x.shape, [w.shape[1] for w in weights], x.dtype, P,
-                                           bias_dtypes=[None if b is None else b.dtype for b in biases],
+                                           biases=[None if b is None else (b.size // b.shape[-1], b.dtype)
+                                                   for b in biases],
                                            activations=acts)
         if reason is None:
             ys = kernel.all_gather_matmul(x, stacks, layer=layer, biases=biases, activations=acts,

@@ -70,7 +70,7 @@ def epilogue(linear: Linear, activation=None):
     the kernel). Either computes `activation(y + bias)` the same way when
     called on a product.
     """
-    bias = None if linear.bias is None else linear.bias[...]
+    bias = None if linear.bias is None else linear.bias.get_value()  # in scan_blocks a LayerWeight
     if activation is None:
         return Epilogue(bias) if bias is not None else None
     name = kernel_activation(activation)
@@ -116,13 +116,15 @@ def scan_blocks(blocks, carry, fn, xs=None):
     blocks, e.g. each block's text K/V): `fn(block, carry, x)`.
 
     The scan runs over the layer index and every parameter but the `Linear`
-    kernels: a block's kernel is a `LayerWeight` (the whole stack and the
-    index), so the Pallas collective-matmul kernels DMA its layer straight out
-    of the stack instead of from a per-layer copy; every other use slices the
-    layer out (`kernel[...]`), the same slice `lax.scan` takes of its inputs.
+    kernels and biases: a block's kernel (and bias) is a `LayerWeight` (the
+    whole stack and the index), so the Pallas collective-matmul kernels DMA its
+    layer straight out of the stack instead of from a per-layer copy (the
+    all-gather kernel reads a column-parallel bias the same way, for its fused
+    epilogue); every other use slices the layer out (`kernel[...]`,
+    `bias[...]`), the same slice `lax.scan` takes of its inputs.
     """
     linears = {path for path, node in nnx.iter_graph(blocks) if isinstance(node, Linear)}
-    is_kernel = lambda path, _: path[-1] == "kernel" and tuple(path[:-1]) in linears
+    is_kernel = lambda path, _: path[-1] in ("kernel", "bias") and tuple(path[:-1]) in linears
     graphdef, kernels, rest = nnx.split(blocks, is_kernel, ...)
 
     def body(c_i, s_x):  # the layer index is carried (a slice of an arange would feed the kernels)

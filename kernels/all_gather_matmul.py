@@ -24,7 +24,8 @@ Layout and tiling (per rank; isz = itemsize):
     VMEM  xbuf  [2 dirs, R slots, B, h, K]   received halves, R = 3 (see below)
           wbuf  [2, K, tn]                    weight tiles, double-buffered
           obuf  [2, 2 dirs, B, h, tn]         product tiles on their way to HBM
-          bbuf_i [1, n_i]                     weight i's bias row (only if it has one)
+          bbuf_i [L_i, n_i]                   weight i's bias, all its L_i rows (1 unless
+                                              stacked; only if it has one)
     HBM   x, w_i, bias_i (inputs), out_i (outputs); memory_space ANY (w_i kept
           in HBM, `_common.in_hbm`), moved by explicit DMA
     SMEM  tables int32[2 + 2P] (scalar prefetch, see _common.ring_tables)
@@ -35,12 +36,16 @@ the whole stack and its layer index, so no weight-sized copy of the layer is
 made before the call.
 
 Epilogue (per weight, static): each product tile leaves the MXU as float32;
-the bias row's columns (bbuf_i, DMA'd once at entry from `bias_i` or
-`bias_i.at[layer]`, a few KiB) are added in float32, then the activation
+the bias row's columns are added in float32, then the activation
 (None or "gelu_tanh": `jax.nn.gelu(approximate=True)`) is applied in
 float32, and only then is the tile cast to x's dtype and written out. So a
 bias/GELU costs no pass over the output in HBM; for float32 x the result is
-the unfused `act(x @ w + bias)` computed in the same order.
+the unfused `act(x @ w + bias)` computed in the same order. The bias is small
+(a stacked [L, n_i] of bf16 is L * n_i * 2 bytes, ~0.3 MiB for Wan's FFN), so
+the whole array is DMA'd into bbuf_i once at entry and the row `layer` picked
+in registers per column tile (a masked sum over the L_i rows, exact): a DMA
+of one row at a traced index would not be aligned to HBM's (sublane, lane)
+tiles, which Mosaic refuses.
 
 One weight-tile stream runs over every (hop, weight, column tile) step t: tile
 t+1 loads (HBM -> wbuf[(t+1)%2]) while tile t is multiplied with both halves;
@@ -99,11 +104,12 @@ ACTIVATIONS = {"gelu_tanh": lambda y: jax.nn.gelu(y, approximate=True)}
 
 def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
           col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT, row_tile_limit=DEFAULT_ROW_TILE_LIMIT,
-          bias_dtypes=None, activations=None):
+          biases=None, activations=None):
     """(reason, tn, row_tiles, VmemPlan): reason is None if the kernel can run.
 
-    bias_dtypes / activations: per weight, the bias dtype (None: no bias) and
-    activation name (None: none), as `all_gather_matmul` takes them."""
+    biases / activations: per weight, None (no bias) or the bias's (rows,
+    dtype), rows 1 for [n_i] and L for a stacked [L, n_i]; the activation name
+    or None, as `all_gather_matmul` takes them."""
     dtype = jnp.dtype(dtype)
     reason = _common.dtype_reason(dtype)
     if reason:
@@ -123,19 +129,20 @@ def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
     if not widths or any(int(n) % _common.LANES or int(n) <= 0 for n in widths):
         return f"weight widths {list(widths)} are not all positive multiples of 128", None, None, None
     h = s // 2
-    bias_dtypes = list(bias_dtypes) if bias_dtypes is not None else [None] * len(widths)
+    biases = list(biases) if biases is not None else [None] * len(widths)
     activations = list(activations) if activations is not None else [None] * len(widths)
-    if len(bias_dtypes) != len(widths) or len(activations) != len(widths):
+    if len(biases) != len(widths) or len(activations) != len(widths):
         return "one bias and one activation (or None) per weight", None, None, None
     bad = [a for a in activations if a is not None and a not in ACTIVATIONS]
     if bad:
         return f"activations {bad} are not among {sorted(ACTIVATIONS)}", None, None, None
-    for bd in bias_dtypes:
-        if bd is not None and _common.dtype_reason(bd):
-            return "bias: " + _common.dtype_reason(bd), None, None, None
-    # bias rows in VMEM: one row, padded by Mosaic to a whole sublane tile of its dtype
-    bias_bufs = [_common.buffer(f"bias {i}", (_common.sublane_rows(bd), n), bd)
-                 for i, (bd, n) in enumerate(zip(bias_dtypes, widths)) if bd is not None]
+    for b in biases:
+        if b is not None and _common.dtype_reason(b[1]):
+            return "bias: " + _common.dtype_reason(b[1]), None, None, None
+    # biases in VMEM: all rows, padded by Mosaic to whole sublane tiles of their dtype
+    pad = lambda rows, bd: -(-int(rows) // _common.sublane_rows(bd)) * _common.sublane_rows(bd)
+    bias_bufs = [_common.buffer(f"bias {i}", (pad(*b), n), b[1])
+                 for i, (b, n) in enumerate(zip(biases, widths)) if b is not None]
     cap = _common.vmem_capacity_bytes()
     plan = None
     for tn in _common.column_tile_candidates(widths, col_tile_limit):
@@ -159,16 +166,16 @@ def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
             f"{recv_slots} slots per direction) > {cap / 2**20:.0f} MiB on this chip"), None, None, plan
 
 
-def unsupported_reason(x_shape, widths, dtype, axis_size, *, bias_dtypes=None,
+def unsupported_reason(x_shape, widths, dtype, axis_size, *, biases=None,
                        activations=None) -> str | None:
     """None if `all_gather_matmul` runs for these shapes, else one sentence why not."""
-    return _plan(x_shape, list(widths), dtype, axis_size, bias_dtypes=bias_dtypes, activations=activations)[0]
+    return _plan(x_shape, list(widths), dtype, axis_size, biases=biases, activations=activations)[0]
 
 
-def vmem_plan(x_shape, widths, dtype, axis_size, *, bias_dtypes=None,
+def vmem_plan(x_shape, widths, dtype, axis_size, *, biases=None,
               activations=None) -> _common.VmemPlan | None:
     """The VMEM buffer plan (and requested scoped limit) for these shapes."""
-    return _plan(x_shape, list(widths), dtype, axis_size, bias_dtypes=bias_dtypes, activations=activations)[3]
+    return _plan(x_shape, list(widths), dtype, axis_size, biases=biases, activations=activations)[3]
 
 
 # --------------------------------------------------------------------------
@@ -217,8 +224,7 @@ def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tile
 
     # Own halves into slot 0 (local DMA), the bias rows and the first weight tile, at once.
     local = [pltpu.make_async_copy(x_hbm.at[:, pl.ds(d * h, h)], xbuf.at[d, 0], x_sem.at[d]) for d in (0, 1)]
-    bias_rows = [pltpu.make_async_copy(b_hbm[k].at[layer[0] if st else 0], bbuf[k], b_sem.at[k])
-                 for k, st in enumerate(st for st in bias_stacked if st is not None)]
+    bias_rows = [pltpu.make_async_copy(b_hbm[k], bbuf[k], b_sem.at[k]) for k in range(nb)]
     for cp in local + bias_rows:
         cp.start()
     w_copy(0, 0, 0).start()
@@ -273,7 +279,12 @@ def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tile
                 bias = None
                 if bias_of[i] is not None:  # this column tile of the bias row, float32 [1, tn]
                     col = pl.multiple_of(c * tn, tn)
-                    bias = bbuf[bias_of[i]][:, pl.ds(col, tn)].astype(jnp.float32)
+                    rows = bbuf[bias_of[i]][:, pl.ds(col, tn)].astype(jnp.float32)  # [L_i, tn]
+                    if bias_stacked[i]:  # row `layer`: a masked sum (exact: one term is non-zero)
+                        pick = lax.broadcasted_iota(jnp.int32, rows.shape, 0) == layer[0]
+                        bias = jnp.sum(jnp.where(pick, rows, 0.0), axis=0, keepdims=True)
+                    else:
+                        bias = rows
                 act = ACTIVATIONS[activations[i]] if activations[i] is not None else None
                 for d in (0, 1):
                     for b in range(B):
@@ -348,7 +359,8 @@ def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, 
     P = lax.axis_size(axis_name)
     reason, tn, tiles, plan = _plan(x.shape, widths, x.dtype, P, recv_slots=_recv_slots,
                                     col_tile_limit=_col_tile_limit, row_tile_limit=_row_tile_limit,
-                                    bias_dtypes=[None if b is None else b.dtype for b in biases],
+                                    biases=[None if b is None else (b.size // b.shape[-1], b.dtype)
+                                            for b in biases],
                                     activations=activations)
     if reason:
         raise ValueError(f"all_gather_matmul kernel: {reason}")
@@ -367,8 +379,8 @@ def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, 
                                tn=tn, tiles=tiles, slots=_recv_slots,
                                unit=_common.sublane_rows(x.dtype), bias_stacked=tuple(bias_stacked),
                                activations=tuple(activations))
-    # bias rows as [L or 1, 1, n] (free reshapes): the kernel DMAs row [layer or 0] into VMEM
-    bias_ops = [b.reshape(-1, 1, b.shape[-1]) for b in biases if b is not None]
+    # biases as [L, n] (a stack, as given) or [1, n]: the kernel DMAs all rows into VMEM
+    bias_ops = [b.reshape(-1, b.shape[-1]) for b in biases if b is not None]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     n_total = sum(widths)
     itemsize = jnp.dtype(x.dtype).itemsize
@@ -389,7 +401,7 @@ def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, 
                 pltpu.VMEM((2, _recv_slots, B, h, K), x.dtype),   # xbuf
                 pltpu.VMEM((2, K, tn), x.dtype),                  # wbuf
                 pltpu.VMEM((2, 2, B, h, tn), x.dtype),            # obuf
-                *[pltpu.VMEM((1, b.shape[-1]), b.dtype) for b in bias_ops],  # bbuf: bias rows
+                *[pltpu.VMEM(b.shape, b.dtype) for b in bias_ops],  # bbuf: biases (all rows)
                 pltpu.SemaphoreType.DMA((2,)),                    # x_sem: own halves -> slot 0
                 pltpu.SemaphoreType.DMA((2, _recv_slots)),        # recv_sem per direction, slot
                 pltpu.SemaphoreType.DMA((2,)),                    # send_sem per direction

@@ -33,8 +33,8 @@ if kind == "ag":
     args = [sd((S, K), P("tp", None))] + [sd((K, 4 * w), P(None, "tp")) for w in widths]
 elif kind == "ag_epi":  # every weight with a bias; GELU (tanh) on the last one, as the ports' MLP inputs
     acts = [None] * (n - 1) + ["gelu_tanh"]
-    reason = agk.unsupported_reason((S // 4, K), widths, bf, 4, bias_dtypes=[bf] * n, activations=acts)
-    plan = agk.vmem_plan((S // 4, K), widths, bf, 4, bias_dtypes=[bf] * n, activations=acts)
+    reason = agk.unsupported_reason((S // 4, K), widths, bf, 4, biases=[(1, bf)] * n, activations=acts)
+    plan = agk.vmem_plan((S // 4, K), widths, bf, 4, biases=[(1, bf)] * n, activations=acts)
     f = jax.shard_map(lambda x, *a: cm.all_gather_matmul(x, list(a[:n]), impl="pallas",
                                                          epilogues=[cm.Epilogue(b, ac) for b, ac in zip(a[n:], acts)]),
                       mesh=mesh, in_specs=(P("tp", None),) + (P(None, "tp"),) * n + (P("tp"),) * n,
