@@ -42,10 +42,18 @@ array, as `difflet_tpu.nn.scan_blocks` hands a scanned block its linears.
 The Pallas kernels take the stack and the layer index and DMA that layer's
 tiles straight out of it, so no per-layer copy of the weight is made; every
 other path slices the layer out (`as_array`), as `lax.scan` would have.
+
+Epilogues (per weight, applied to its product rows) are callables, or
+`Epilogue`s: a bias and/or an activation the all-gather kernel can apply
+itself, on the float32 tile before the cast, so no pass over its output
+follows. Every other path (the JAX ring, `sp-xla`, TP) calls the
+`Epilogue` like any other function, and the kernel path applies callables
+that are not `Epilogue`s after the kernel, as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -80,6 +88,45 @@ class LayerWeight:
 
     def __getitem__(self, key):
         return lax.dynamic_index_in_dim(self.stack, self.layer, axis=0, keepdims=False)[key]
+
+
+# Activations the Pallas all-gather kernel applies in its epilogue, by name.
+def gelu_tanh(y):
+    """GELU with the tanh approximation (diffusers' "gelu-approximate")."""
+    return jax.nn.gelu(y, approximate=True)
+
+
+KERNEL_ACTIVATIONS = {"gelu_tanh": gelu_tanh}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Epilogue:
+    """A column-parallel product's epilogue: `activation(y + bias)`.
+
+    bias: None, this rank's `[n]` columns, or a `LayerWeight` of a stacked
+      `[L, n]` bias (the all-gather kernel DMAs that layer's row).
+    activation: None or a name in `KERNEL_ACTIVATIONS` ("gelu_tanh").
+
+    Called on a product (`epilogue(y)`), it adds the bias and applies the
+    activation in `y`'s dtype, exactly as the unfused code did; the Pallas
+    all-gather kernel applies it on its float32 tile instead.
+    """
+
+    bias: object = None
+    activation: str | None = None
+
+    def __post_init__(self):
+        if self.activation is not None and self.activation not in KERNEL_ACTIVATIONS:
+            raise ValueError(f"Epilogue activation must be None or one of {sorted(KERNEL_ACTIVATIONS)}, "
+                             f"got {self.activation!r}")
+        if self.bias is not None and getattr(self.bias, "ndim", None) != 1:
+            raise ValueError(f"Epilogue bias must be [n] (or a LayerWeight of [L, n]), got shape "
+                             f"{getattr(self.bias, 'shape', None)}")
+
+    def __call__(self, y):
+        if self.bias is not None:
+            y = y + as_array(self.bias)
+        return y if self.activation is None else KERNEL_ACTIVATIONS[self.activation](y)
 
 
 def as_array(w):
@@ -161,7 +208,9 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
       assemble: "concat" (one gather over the arrived chunks, in global row
         order) or "dus" (dynamic_update_slice into a buffer).
       epilogues: optional per-weight row-wise functions (bias, activation)
-        applied to each product chunk, so they fuse into the ring's matmuls.
+        applied to each product chunk, so they fuse into the ring's matmuls;
+        the Pallas kernel applies `Epilogue`s itself (on its float32 tile)
+        and any other function after the kernel.
       interpret: run a Pallas kernel in TPU interpret mode (off TPU).
 
     Returns:
@@ -174,9 +223,11 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
     epilogues = list(epilogues) if epilogues is not None else [None] * len(weights)
     if len(epilogues) != len(weights):
         raise ValueError("all_gather_matmul: one epilogue (or None) per weight")
-    for w in weights:
+    for w, e in zip(weights, epilogues):
         if w.ndim != 2 or w.shape[0] != x.shape[-1]:
             raise ValueError(f"all_gather_matmul: weight {w.shape} does not take x {x.shape}")
+        if isinstance(e, Epilogue) and e.bias is not None and tuple(e.bias.shape) != (w.shape[1],):
+            raise ValueError(f"all_gather_matmul: bias {tuple(e.bias.shape)} does not match weight {w.shape}")
     P = lax.axis_size(axis_name)
     _check_shard("all_gather_matmul", x.shape[-2], P)
     finish = lambda ys: [y if e is None else e(y) for y, e in zip(ys, epilogues)]
@@ -187,13 +238,32 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
     if impl == "pallas":
         from difflet_tpu.kernels import all_gather_matmul as kernel
 
-        reason = kernel.unsupported_reason(x.shape, [w.shape[1] for w in weights], x.dtype, P)
+        stacks, layer = _stacked(weights)
+        fused = [isinstance(e, Epilogue) for e in epilogues]
+        biases = [_kernel_bias(e.bias, layer) if f else None for e, f in zip(epilogues, fused)]
+        acts = [e.activation if f else None for e, f in zip(epilogues, fused)]
+        reason = kernel.unsupported_reason(x.shape, [w.shape[1] for w in weights], x.dtype, P,
+                                           biases=[None if b is None else (b.size // b.shape[-1], b.dtype)
+                                                   for b in biases],
+                                           activations=acts)
         if reason is None:
-            stacks, layer = _stacked(weights)
-            return finish(kernel.all_gather_matmul(x, stacks, layer=layer, axis_name=axis_name,
-                                                   interpret=interpret))
+            ys = kernel.all_gather_matmul(x, stacks, layer=layer, biases=biases, activations=acts,
+                                          axis_name=axis_name, interpret=interpret)
+            return [y if f or e is None else e(y) for y, e, f in zip(ys, epilogues, fused)]
         _notice_fallback("all_gather_matmul", (x.shape, tuple(w.shape for w in weights), str(x.dtype)), reason)
     return _ag_ring(x, [as_array(w) for w in weights], epilogues, axis_name, P, assemble)
+
+
+def _kernel_bias(bias, layer):
+    """A bias as the kernel takes it: `[n]`, or `[L, n]` read at the weights'
+    layer (a `LayerWeight` of the same layer); any other stack is sliced here."""
+    if bias is None:
+        return None
+    if isinstance(bias, LayerWeight):
+        if layer is not None and bias.layer is layer:
+            return bias.stack
+        return as_array(bias)
+    return bias
 
 
 def _ag_ring(x, weights, epilogues, axis_name, P, assemble):

@@ -215,7 +215,9 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list) -> KernelHo
     the kernel's operand and result shapes ((dtype, dims) each, as the compiled text
     prints them); None if they do not look like that kernel's.
 
-    all-gather + matmul: x [B, s, K], w_i [K, n_i] -> out_i [B, S, n_i], P = S / s.
+    all-gather + matmul: x [B, s, K], w_i [K, n_i] (, bias_i) -> out_i [B, S, n_i], P = S / s.
+      Bias operands (the fused epilogue's, after the weights) are read once per
+      call, a few KiB, and not priced; nor is the epilogue's VPU/EUP work.
       Hop j multiplies the two halves it holds (s rows) by every weight, streams every
       weight once and writes s rows of products; meanwhile it sends both halves on
       (h = s/2 rows each way) for hop j+1. Before hop 0 the kernel waits for its own
@@ -237,7 +239,8 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list) -> KernelHo
     dt = floats[0][0]
     isz = array_bytes(dt, (1,))
     if kind == "all_gather_matmul":
-        (_, x), ws = floats[0], [layer(d) for _, d in floats[1:]]
+        # operands x, w_1..w_m, then the epilogue's biases ([n_i] or [L, n_i]): one weight per output
+        (_, x), ws = floats[0], [layer(d) for _, d in floats[1:1 + len(outs)]]
         if len(x) != 3 or not ws or any(len(w) != 2 or w[0] != x[2] for w in ws):
             return None
         B, s, K = x

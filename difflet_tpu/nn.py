@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from difflet_tpu.collective_matmul import LayerWeight
+from difflet_tpu.collective_matmul import KERNEL_ACTIVATIONS, Epilogue, LayerWeight
 
 
 def fp32(dtype):
@@ -48,12 +48,38 @@ def weight(linear: Linear):
     return linear.kernel.get_value()
 
 
+def kernel_activation(activation):
+    """The name under which the Pallas all-gather kernel applies `activation`
+    (`collective_matmul.KERNEL_ACTIVATIONS`), or None if it cannot."""
+    from difflet_tpu.layers.feedforward import gelu_tanh  # the ports' GELU (tanh), by identity
+
+    if isinstance(activation, str):
+        return activation if activation in KERNEL_ACTIVATIONS else None
+    for name, fn in KERNEL_ACTIVATIONS.items():
+        if activation is fn or (name == "gelu_tanh" and activation is gelu_tanh):
+            return name
+    return None
+
+
 def epilogue(linear: Linear, activation=None):
-    """Row-wise epilogue for a column-parallel product: bias, then activation."""
+    """Row-wise epilogue for a column-parallel product: bias, then activation.
+
+    An `Epilogue` (bias and/or GELU tanh, which the Pallas all-gather kernel
+    applies on its float32 tile) when the activation is None or one the
+    kernel knows (`kernel_activation`), else a plain function (applied after
+    the kernel). Either computes `activation(y + bias)` the same way when
+    called on a product.
+    """
+    bias = None if linear.bias is None else linear.bias.get_value()  # in scan_blocks a LayerWeight
+    if activation is None:
+        return Epilogue(bias) if bias is not None else None
+    name = kernel_activation(activation)
+    if name is not None:
+        return Epilogue(bias, name)
 
     def fn(y):
         y = linear.add_bias(y)
-        return y if activation is None else activation(y)
+        return activation(y)
 
     return fn
 
@@ -90,13 +116,15 @@ def scan_blocks(blocks, carry, fn, xs=None):
     blocks, e.g. each block's text K/V): `fn(block, carry, x)`.
 
     The scan runs over the layer index and every parameter but the `Linear`
-    kernels: a block's kernel is a `LayerWeight` (the whole stack and the
-    index), so the Pallas collective-matmul kernels DMA its layer straight out
-    of the stack instead of from a per-layer copy; every other use slices the
-    layer out (`kernel[...]`), the same slice `lax.scan` takes of its inputs.
+    kernels and biases: a block's kernel (and bias) is a `LayerWeight` (the
+    whole stack and the index), so the Pallas collective-matmul kernels DMA its
+    layer straight out of the stack instead of from a per-layer copy (the
+    all-gather kernel reads a column-parallel bias the same way, for its fused
+    epilogue); every other use slices the layer out (`kernel[...]`,
+    `bias[...]`), the same slice `lax.scan` takes of its inputs.
     """
     linears = {path for path, node in nnx.iter_graph(blocks) if isinstance(node, Linear)}
-    is_kernel = lambda path, _: path[-1] == "kernel" and tuple(path[:-1]) in linears
+    is_kernel = lambda path, _: path[-1] in ("kernel", "bias") and tuple(path[:-1]) in linears
     graphdef, kernels, rest = nnx.split(blocks, is_kernel, ...)
 
     def body(c_i, s_x):  # the layer index is carried (a slice of an arange would feed the kernels)

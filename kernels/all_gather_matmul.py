@@ -8,7 +8,9 @@ weights; it returns, per weight, every row of the sequence times its columns:
     w_i      [L, K, n_i]    column shards of L stacked layers (a plain [K, n_i]
                             is L = 1), n_i multiples of 128, widths may differ;
                             the kernel reads layer `layer` only
-    out_i    [B, S, n_i]    rows in global order (rank q's rows at [q*s, (q+1)*s))
+    bias_i   [n_i] or [L, n_i]  optional, per weight (a stack is read at `layer`)
+    out_i    [B, S, n_i]    rows in global order (rank q's rows at [q*s, (q+1)*s)),
+                            act_i(x @ w_i + bias_i) with the epilogue below
 
 Ring (as `difflet_tpu.collective_matmul._ag_ring`): the shard splits into a
 forward half (rows [0, h), h = s/2) and a backward half (rows [h, s)). At hop
@@ -22,14 +24,28 @@ Layout and tiling (per rank; isz = itemsize):
     VMEM  xbuf  [2 dirs, R slots, B, h, K]   received halves, R = 3 (see below)
           wbuf  [2, K, tn]                    weight tiles, double-buffered
           obuf  [2, 2 dirs, B, h, tn]         product tiles on their way to HBM
-    HBM   x, w_i (inputs), out_i (outputs); memory_space ANY (w_i kept in HBM,
-          `_common.in_hbm`), moved by explicit DMA
+          bbuf_i [L_i, n_i]                   weight i's bias, all its L_i rows (1 unless
+                                              stacked; only if it has one)
+    HBM   x, w_i, bias_i (inputs), out_i (outputs); memory_space ANY (w_i kept
+          in HBM, `_common.in_hbm`), moved by explicit DMA
     SMEM  tables int32[2 + 2P] (scalar prefetch, see _common.ring_tables)
           layer  int32[1]       (scalar prefetch: weight tiles come from w_i.at[layer])
 
 Weight tiles are DMA'd from `w_i.at[layer, :, cols]`: a block scan passes
 the whole stack and its layer index, so no weight-sized copy of the layer is
 made before the call.
+
+Epilogue (per weight, static): each product tile leaves the MXU as float32;
+the bias row's columns are added in float32, then the activation
+(None or "gelu_tanh": `jax.nn.gelu(approximate=True)`) is applied in
+float32, and only then is the tile cast to x's dtype and written out. So a
+bias/GELU costs no pass over the output in HBM; for float32 x the result is
+the unfused `act(x @ w + bias)` computed in the same order. The bias is small
+(a stacked [L, n_i] of bf16 is L * n_i * 2 bytes, ~0.3 MiB for Wan's FFN), so
+the whole array is DMA'd into bbuf_i once at entry and the row `layer` picked
+in registers per column tile (a masked sum over the L_i rows, exact): a DMA
+of one row at a traced index would not be aligned to HBM's (sublane, lane)
+tiles, which Mosaic refuses.
 
 One weight-tile stream runs over every (hop, weight, column tile) step t: tile
 t+1 loads (HBM -> wbuf[(t+1)%2]) while tile t is multiplied with both halves;
@@ -41,7 +57,7 @@ dtype's sublane count, at most `max_row_tile` rows) to bound the f32 results.
     hop j:  wait recv(j) ─┬─ send slot j -> neighbours' slot j+1 (remote DMA) ─┐
                           └─ for (weight, column tile):                         │
                                wait w tile, prefetch next w tile,              │
-                               obuf <- xbuf[., slot j] @ wbuf, DMA -> out rows  │
+                               obuf <- act(xbuf[., slot j] @ wbuf + b), DMA out │
             wait send(j) <──────────────────────────────────────────────────────┘
 
 Receive slots (R = 3) and why a neighbour cannot overwrite a slot in use.
@@ -78,14 +94,22 @@ DEFAULT_COLUMN_TILE_LIMIT = 512
 DEFAULT_ROW_TILE_LIMIT = 512
 COLLECTIVE_ID = 7
 
+# Epilogue activations, applied to the float32 tile (after the bias).
+ACTIVATIONS = {"gelu_tanh": lambda y: jax.nn.gelu(y, approximate=True)}
+
 
 # --------------------------------------------------------------------------
 # Plan: tiles and the VMEM each buffer takes
 # --------------------------------------------------------------------------
 
 def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
-          col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT, row_tile_limit=DEFAULT_ROW_TILE_LIMIT):
-    """(reason, tn, row_tiles, VmemPlan): reason is None if the kernel can run."""
+          col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT, row_tile_limit=DEFAULT_ROW_TILE_LIMIT,
+          biases=None, activations=None):
+    """(reason, tn, row_tiles, VmemPlan): reason is None if the kernel can run.
+
+    biases / activations: per weight, None (no bias) or the bias's (rows,
+    dtype), rows 1 for [n_i] and L for a stacked [L, n_i]; the activation name
+    or None, as `all_gather_matmul` takes them."""
     dtype = jnp.dtype(dtype)
     reason = _common.dtype_reason(dtype)
     if reason:
@@ -105,6 +129,20 @@ def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
     if not widths or any(int(n) % _common.LANES or int(n) <= 0 for n in widths):
         return f"weight widths {list(widths)} are not all positive multiples of 128", None, None, None
     h = s // 2
+    biases = list(biases) if biases is not None else [None] * len(widths)
+    activations = list(activations) if activations is not None else [None] * len(widths)
+    if len(biases) != len(widths) or len(activations) != len(widths):
+        return "one bias and one activation (or None) per weight", None, None, None
+    bad = [a for a in activations if a is not None and a not in ACTIVATIONS]
+    if bad:
+        return f"activations {bad} are not among {sorted(ACTIVATIONS)}", None, None, None
+    for b in biases:
+        if b is not None and _common.dtype_reason(b[1]):
+            return "bias: " + _common.dtype_reason(b[1]), None, None, None
+    # biases in VMEM: all rows, padded by Mosaic to whole sublane tiles of their dtype
+    pad = lambda rows, bd: -(-int(rows) // _common.sublane_rows(bd)) * _common.sublane_rows(bd)
+    bias_bufs = [_common.buffer(f"bias {i}", (pad(*b), n), b[1])
+                 for i, (b, n) in enumerate(zip(biases, widths)) if b is not None]
     cap = _common.vmem_capacity_bytes()
     plan = None
     for tn in _common.column_tile_candidates(widths, col_tile_limit):
@@ -117,6 +155,10 @@ def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
             # values Mosaic materialises per dot: the x row piece, the weight tile, the f32 result
             _common.buffer("dot operands", (tm * K + K * tn,), dtype),
             _common.buffer("f32 result", (tm, tn), jnp.float32),
+            # the epilogue's float32 temporaries (bias added, GELU's inner terms)
+            *([_common.buffer("f32 epilogue", (2, tm, tn), jnp.float32)]
+              if any(a is not None for a in activations) else []),
+            *bias_bufs,
         ))
         if plan.limit <= cap:
             return None, tn, tiles, plan
@@ -124,24 +166,37 @@ def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
             f"{recv_slots} slots per direction) > {cap / 2**20:.0f} MiB on this chip"), None, None, plan
 
 
-def unsupported_reason(x_shape, widths, dtype, axis_size) -> str | None:
+def unsupported_reason(x_shape, widths, dtype, axis_size, *, biases=None,
+                       activations=None) -> str | None:
     """None if `all_gather_matmul` runs for these shapes, else one sentence why not."""
-    return _plan(x_shape, list(widths), dtype, axis_size)[0]
+    return _plan(x_shape, list(widths), dtype, axis_size, biases=biases, activations=activations)[0]
 
 
-def vmem_plan(x_shape, widths, dtype, axis_size) -> _common.VmemPlan | None:
+def vmem_plan(x_shape, widths, dtype, axis_size, *, biases=None,
+              activations=None) -> _common.VmemPlan | None:
     """The VMEM buffer plan (and requested scoped limit) for these shapes."""
-    return _plan(x_shape, list(widths), dtype, axis_size)[3]
+    return _plan(x_shape, list(widths), dtype, axis_size, biases=biases, activations=activations)[3]
 
 
 # --------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------
 
-def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tiles, slots, unit):
+def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tiles, slots, unit,
+            bias_stacked, activations):
     nw = len(widths)
-    w_hbm, out_hbm = refs[:nw], refs[nw:2 * nw]
-    xbuf, wbuf, obuf, x_sem, recv_sem, send_sem, w_sem, o_sem = refs[2 * nw:]
+    has_bias = [st is not None for st in bias_stacked]
+    nb = sum(has_bias)
+    w_hbm = refs[:nw]
+    b_hbm = refs[nw:nw + nb]
+    out_hbm = refs[nw + nb:2 * nw + nb]
+    xbuf, wbuf, obuf = refs[2 * nw + nb:2 * nw + nb + 3]
+    bbuf = refs[2 * nw + nb + 3:2 * nw + 2 * nb + 3]
+    x_sem, recv_sem, send_sem, w_sem, o_sem, b_sem = refs[2 * nw + 2 * nb + 3:]
+    bias_of, k = [], 0  # weight i -> its bias slot (None: no bias)
+    for hb in has_bias:
+        bias_of.append(k if hb else None)
+        k += hb
     ncols = [n // tn for n in widths]
     steps_per_hop = sum(ncols)
     total_steps = P * steps_per_hop
@@ -167,9 +222,10 @@ def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tile
         return pltpu.make_async_copy(obuf.at[par, d], out_hbm[i].at[:, pl.ds(row(j, d), h), pl.ds(col, tn)],
                                      o_sem.at[par, d])
 
-    # Own halves into slot 0 (local DMA) and the first weight tile, at once.
+    # Own halves into slot 0 (local DMA), the bias rows and the first weight tile, at once.
     local = [pltpu.make_async_copy(x_hbm.at[:, pl.ds(d * h, h)], xbuf.at[d, 0], x_sem.at[d]) for d in (0, 1)]
-    for cp in local:
+    bias_rows = [pltpu.make_async_copy(b_hbm[k], bbuf[k], b_sem.at[k]) for k in range(nb)]
+    for cp in local + bias_rows:
         cp.start()
     w_copy(0, 0, 0).start()
 
@@ -182,7 +238,7 @@ def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tile
     for j in range(P):
         slot = j % slots
         if j == 0:
-            for cp in local:
+            for cp in local + bias_rows:
                 cp.wait()
         else:
             for d in (0, 1):
@@ -220,11 +276,25 @@ def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tile
                         o_copy(i, j, d, c, par).wait()
 
                 w = wbuf[par]
+                bias = None
+                if bias_of[i] is not None:  # this column tile of the bias row, float32 [1, tn]
+                    col = pl.multiple_of(c * tn, tn)
+                    rows = bbuf[bias_of[i]][:, pl.ds(col, tn)].astype(jnp.float32)  # [L_i, tn]
+                    if bias_stacked[i]:  # row `layer`: a masked sum (exact: one term is non-zero)
+                        pick = lax.broadcasted_iota(jnp.int32, rows.shape, 0) == layer[0]
+                        bias = jnp.sum(jnp.where(pick, rows, 0.0), axis=0, keepdims=True)
+                    else:
+                        bias = rows
+                act = ACTIVATIONS[activations[i]] if activations[i] is not None else None
                 for d in (0, 1):
                     for b in range(B):
                         for r0, tm in tiles:
                             y = jnp.dot(xbuf[d, slot, b, pl.ds(r0, tm), :], w,
                                         preferred_element_type=jnp.float32)
+                            if bias is not None:
+                                y = y + bias
+                            if act is not None:
+                                y = act(y)
                             obuf[par, d, b, pl.ds(r0, tm), :] = y.astype(obuf.dtype)
                 for d in (0, 1):
                     o_copy(i, j, d, c, par).start()
@@ -242,7 +312,7 @@ def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tile
             o_copy(0, 0, d, 0, t % 2).wait()
 
 
-def all_gather_matmul(x, weights, *, layer=None, axis_name="tp", interpret=False,
+def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, axis_name="tp", interpret=False,
                       _recv_slots=RECV_SLOTS, _col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT,
                       _row_tile_limit=DEFAULT_ROW_TILE_LIMIT):
     """Gathers `x` over `axis_name` while multiplying it by each weight.
@@ -252,22 +322,46 @@ def all_gather_matmul(x, weights, *, layer=None, axis_name="tp", interpret=False
       weights: column shards `[K, N_i/P]`; with `layer`, stacked `[L, K, N_i/P]`.
       layer: the layer to read from stacked weights (an int32 scalar, may be
         traced, e.g. a block scan's index); None for `[K, N_i/P]` weights.
+      biases: optional, per weight None, `[N_i/P]` or (with `layer`) a stacked
+        `[L, N_i/P]` read at `layer`; added to the float32 product.
+      activations: optional, per weight None or a name in `ACTIVATIONS`
+        ("gelu_tanh"), applied after the bias, before the cast.
       interpret: False (Mosaic), True (TPU interpret mode) or a
         `pltpu.InterpretParams` (e.g. with detect_races=True).
 
     Returns:
-      One `[..., S, N_i/P]` array per weight, rows in global order.
+      One `[..., S, N_i/P]` array per weight, rows in global order:
+      `act_i(x_all @ w_i + bias_i)`.
     """
     weights = list(weights)
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    activations = list(activations) if activations is not None else [None] * len(weights)
+    if len(biases) != len(weights) or len(activations) != len(weights):
+        raise ValueError("all_gather_matmul kernel: one bias and one activation (or None) per weight")
+    stacked_layer = layer is not None
     if layer is None:  # one layer: [K, n] -> [1, K, n], a free reshape
         weights, layer = [w[None] for w in weights], 0
     if any(w.ndim != 3 for w in weights) or len({w.shape[0] for w in weights}) != 1:
         raise ValueError(f"all_gather_matmul kernel: stacked weights [L, K, n_i] of one L, got "
                          f"{[w.shape for w in weights]}")
     widths = [int(w.shape[2]) for w in weights]
+    bias_stacked = []  # per weight: None (no bias), False ([n]), True ([L, n] read at `layer`)
+    for b, n in zip(biases, widths):
+        if b is None:
+            bias_stacked.append(None)
+        elif b.ndim == 1 and b.shape == (n,):
+            bias_stacked.append(False)
+        elif stacked_layer and b.ndim == 2 and b.shape[1] == n:
+            bias_stacked.append(True)
+        else:
+            raise ValueError(f"all_gather_matmul kernel: bias {b.shape} for a weight of width {n} "
+                             f"(want [{n}]{', or [L, %d] with layer' % n if stacked_layer else ''})")
     P = lax.axis_size(axis_name)
     reason, tn, tiles, plan = _plan(x.shape, widths, x.dtype, P, recv_slots=_recv_slots,
-                                    col_tile_limit=_col_tile_limit, row_tile_limit=_row_tile_limit)
+                                    col_tile_limit=_col_tile_limit, row_tile_limit=_row_tile_limit,
+                                    biases=[None if b is None else (b.size // b.shape[-1], b.dtype)
+                                            for b in biases],
+                                    activations=activations)
     if reason:
         raise ValueError(f"all_gather_matmul kernel: {reason}")
     for w in weights:
@@ -283,14 +377,17 @@ def all_gather_matmul(x, weights, *, layer=None, axis_name="tp", interpret=False
 
     kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, K=K, widths=tuple(widths),
                                tn=tn, tiles=tiles, slots=_recv_slots,
-                               unit=_common.sublane_rows(x.dtype))
+                               unit=_common.sublane_rows(x.dtype), bias_stacked=tuple(bias_stacked),
+                               activations=tuple(activations))
+    # biases as [L, n] (a stack, as given) or [1, n]: the kernel DMAs all rows into VMEM
+    bias_ops = [b.reshape(-1, b.shape[-1]) for b in biases if b is not None]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     n_total = sum(widths)
     itemsize = jnp.dtype(x.dtype).itemsize
     cost = pl.CostEstimate(
         flops=2 * B * S * K * n_total,
-        transcendentals=0,
-        # x once, every weight tile once per hop, every product once.
+        transcendentals=B * S * sum(n for n, a in zip(widths, activations) if a is not None),
+        # x once, every weight tile once per hop, every product once (bias rows: negligible).
         bytes_accessed=itemsize * (B * s * K + P * K * n_total + B * S * n_total),
     )
     outs = pl.pallas_call(
@@ -298,22 +395,24 @@ def all_gather_matmul(x, weights, *, layer=None, axis_name="tp", interpret=False
         out_shape=[_common.out_struct((B, S, n), x.dtype, x) for n in widths],
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            in_specs=[any_spec] * (1 + len(weights)),
+            in_specs=[any_spec] * (1 + len(weights) + len(bias_ops)),
             out_specs=[any_spec] * len(weights),
             scratch_shapes=[
                 pltpu.VMEM((2, _recv_slots, B, h, K), x.dtype),   # xbuf
                 pltpu.VMEM((2, K, tn), x.dtype),                  # wbuf
                 pltpu.VMEM((2, 2, B, h, tn), x.dtype),            # obuf
+                *[pltpu.VMEM(b.shape, b.dtype) for b in bias_ops],  # bbuf: biases (all rows)
                 pltpu.SemaphoreType.DMA((2,)),                    # x_sem: own halves -> slot 0
                 pltpu.SemaphoreType.DMA((2, _recv_slots)),        # recv_sem per direction, slot
                 pltpu.SemaphoreType.DMA((2,)),                    # send_sem per direction
                 pltpu.SemaphoreType.DMA((2,)),                    # w_sem per weight buffer
                 pltpu.SemaphoreType.DMA((2, 2)),                  # o_sem per obuf, direction
+                pltpu.SemaphoreType.DMA((max(1, len(bias_ops)),)),  # b_sem per bias row
             ],
         ),
         compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, vmem_limit_bytes=plan.limit),
         cost_estimate=cost,
         interpret=_common.interpret_params(interpret),
         name="all_gather_matmul",
-    )(tables, layer, x3, *[_common.in_hbm(w) for w in weights])
+    )(tables, layer, x3, *[_common.in_hbm(w) for w in weights], *bias_ops)
     return [o.reshape(*lead, S, o.shape[-1]) for o in outs]

@@ -116,6 +116,36 @@ def test_epilogues_apply_per_chunk():
     assert rel(got, ref) <= 1e-5
 
 
+def test_epilogue_description_is_validated_and_computes_the_unfused_epilogue():
+    b = jnp.arange(8, dtype=jnp.float32)
+    y = jnp.linspace(-3, 3, 16 * 8, dtype=jnp.float32).reshape(16, 8)
+    assert (cm.Epilogue(b, "gelu_tanh")(y) == jax.nn.gelu(y + b, approximate=True)).all()
+    assert (cm.Epilogue(b)(y) == y + b).all()
+    assert (cm.Epilogue(None, "gelu_tanh")(y) == jax.nn.gelu(y, approximate=True)).all()
+    stack = jnp.stack([b, 2 * b, 3 * b])
+    assert (cm.Epilogue(cm.LayerWeight(stack, jnp.int32(2)))(y) == y + 3 * b).all()
+    with pytest.raises(ValueError, match="activation"):
+        cm.Epilogue(b, "silu")
+    with pytest.raises(ValueError, match="bias must be"):
+        cm.Epilogue(jnp.zeros((2, 8)))
+
+
+def test_nn_epilogue_is_a_kernel_epilogue_for_bias_and_gelu_tanh_only():
+    from flax import nnx
+
+    from difflet_tpu import nn
+    from difflet_tpu.layers.feedforward import ACTIVATIONS, gelu_tanh
+
+    lin = nn.Linear(8, 16, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert isinstance(nn.epilogue(lin), cm.Epilogue) and nn.epilogue(lin).activation is None
+    e = nn.epilogue(lin, gelu_tanh)
+    assert isinstance(e, cm.Epilogue) and e.activation == "gelu_tanh"
+    assert nn.epilogue(lin, ACTIVATIONS["gelu-approximate"]).activation == "gelu_tanh"
+    for other in (ACTIVATIONS["gelu"], ACTIVATIONS["linear-silu"]):  # applied after the kernel, as before
+        assert not isinstance(nn.epilogue(lin, other), cm.Epilogue)
+    assert nn.epilogue(nn.Linear(8, 16, bias=False, dtype=jnp.float32, rngs=nnx.Rngs(0))) is None
+
+
 def test_errors_before_compilation():
     mesh = make_mesh(4)
     x = np.zeros((12, 8), np.float32)  # 3 rows per rank: halves do not split

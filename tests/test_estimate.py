@@ -281,6 +281,18 @@ def test_stacked_weights_price_as_their_one_layer():
     assert stacked == plain and plain is not None
 
 
+def test_fused_epilogue_biases_do_not_change_the_hops():
+    # The all-gather kernel's fused epilogue adds bias operands after the weights ([n] or a
+    # stacked [L, n]); the hops are those of the weights alone (one weight per output).
+    x = ("bf16", (1, 1184, 5120))
+    out = [("bf16", (1, 4736, 1280))] * 2
+    ws = [("bf16", (40, 5120, 1280))] * 2
+    plain = E.collective_matmul_hops("all_gather_matmul", [("s32", (10,)), ("s32", (1,)), x] + ws, out)
+    biased = E.collective_matmul_hops("all_gather_matmul", [("s32", (10,)), ("s32", (1,)), x] + ws
+                                      + [("bf16", (40, 1280)), ("bf16", (1, 1280))], out)
+    assert biased == plain and plain is not None and "n=1280+1280" in plain.site
+
+
 def test_kernel_hops_and_jax_ring_hops_price_transfer_alike():
     # The same three hops as a JAX ring: per hop both halves as permutes (one per direction)
     # with the hop's matmul scheduled between start and done, then the last hop's matmul.

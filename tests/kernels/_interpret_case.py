@@ -17,6 +17,15 @@ re-raise). The race detector is always on. Spec keys:
            "ag"/"rs" pass the stack and `layer=` to the kernel, the dispatch
            kinds pass `LayerWeight`s (optional)
 
+  kind "ag_epi": the all-gather kernel with epilogues; keys bias (per weight,
+           true/false), act (per weight, null or "gelu_tanh"), dispatch (true:
+           through collective_matmul with `Epilogue`s, and `LayerWeight`s when
+           stacked; the bias then a LayerWeight of a [layers, n] stack too),
+           layers/at as above (the biases stacked [layers, n] as well).
+           Reports rel_err against float64 numpy act(x @ w + b) and
+           unfused_err: the fused result against the kernel without
+           epilogues followed by the same epilogue as an XLA pass.
+
 Float32 cases use small integer values, so every product is exact and the
 kernel must equal numpy bit for bit; bf16 cases use normal values and a
 tolerance.
@@ -91,6 +100,10 @@ def run(spec):
 
     logging.getLogger("difflet_tpu.collective_matmul").addHandler(Count(level=logging.WARNING))
     result = {}
+    if kind == "ag_epi":
+        result.update(epilogues(spec, params, mesh, dt, rng, lead, knobs))
+        result["warnings"] = warnings
+        return result
     if "layers" in spec:
         result["rel_err"] = stacked(spec, kind, params, mesh, dt, rng, lead)
         result["warnings"] = warnings
@@ -195,6 +208,85 @@ def stacked(spec, kind, params, mesh, dt, rng, lead):
             o = np.asarray(o.astype(jnp.float32))
             errs.append(float(np.abs(o - ref).max() / max(1.0, np.abs(ref).max())))
     return errs
+
+
+def gelu_tanh64(y):
+    return 0.5 * y * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (y + 0.044715 * y ** 3)))
+
+
+def epilogues(spec, params, mesh, dt, rng, lead, knobs):
+    """The kernel's fused bias/GELU against float64 numpy and against the unfused path."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from difflet_tpu import collective_matmul as cm
+    from difflet_tpu.kernels import all_gather_matmul as agk
+
+    x, ws = inputs(dict(spec, kind="ag"), rng)
+    nw = len(ws)
+    stack = (spec["layers"],) if "layers" in spec else ()
+    has_b, acts = spec["bias"], spec["act"]
+    bs = [rng.integers(-3, 4, size=stack + (w.shape[-1],)).astype(np.float32) if hb else None
+          for w, hb in zip(ws, has_b)]
+    if dt == jnp.bfloat16:
+        import ml_dtypes
+
+        bs = [None if b is None else (b / 4).astype(ml_dtypes.bfloat16).astype(np.float32) for b in bs]
+    bidx = [i for i, b in enumerate(bs) if b is not None]
+    stacked = bool(stack)
+    dispatch = spec.get("dispatch", False)
+
+    def split(a):
+        w, b = list(a[:nw]), list(a[nw:])
+        full = [None] * nw
+        for i, v in zip(bidx, b):
+            full[i] = v
+        return w, full
+
+    def fused(x, layer, *a):
+        w, b = split(a)
+        if dispatch:
+            wrap = (lambda v: cm.LayerWeight(v, layer)) if stacked else (lambda v: v)
+            eps = [cm.Epilogue(None if bb is None else wrap(bb), ac) for bb, ac in zip(b, acts)]
+            return cm.all_gather_matmul(x, [wrap(v) for v in w], impl="pallas", epilogues=eps, interpret=params)
+        return agk.all_gather_matmul(x, w, layer=layer if stacked else None, biases=b, activations=acts,
+                                     interpret=params, **knobs)
+
+    def unfused(x, layer, *a):  # the kernel's bare products, then the epilogue as an XLA pass
+        w, b = split(a)
+        ys = agk.all_gather_matmul(x, w, layer=layer if stacked else None, interpret=params,
+                                   **{k: v for k, v in knobs.items() if k != "_recv_slots"})
+        out = []
+        for y, bb, ac in zip(ys, b, acts):
+            if bb is not None:
+                y = y + (bb[layer] if stacked else bb)
+            out.append(y if ac is None else cm.KERNEL_ACTIVATIONS[ac](y))
+        return out
+
+    wspec = P(None, None, "tp") if stacked else P(None, "tp")
+    bspec = P(None, "tp") if stacked else P("tp")
+    specs = (P(*lead, "tp", None), P()) + (wspec,) * nw + (bspec,) * len(bidx)
+    g = {k: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=[P(*lead, None, "tp")] * nw))
+         for k, f in (("fused", fused), ("unfused", unfused))}
+    args = [jnp.asarray(w, dt) for w in ws] + [jnp.asarray(bs[i], dt) for i in bidx]
+    rel, unf = [], []
+    for l in (spec["at"] if stacked else [0]):
+        outs = g["fused"](jnp.asarray(x, dt), jnp.int32(l), *args)
+        base = g["unfused"](jnp.asarray(x, dt), jnp.int32(l), *args)
+        for i, (o, u) in enumerate(zip(outs, base)):
+            w = ws[i][l] if stacked else ws[i]
+            ref = x.astype(np.float64) @ w.astype(np.float64)
+            if bs[i] is not None:
+                ref = ref + (bs[i][l] if stacked else bs[i]).astype(np.float64)
+            if acts[i] is not None:
+                ref = gelu_tanh64(ref)
+            o = np.asarray(o.astype(jnp.float32)).astype(np.float64)
+            u = np.asarray(u.astype(jnp.float32)).astype(np.float64)
+            scale = max(1.0, np.abs(ref).max())
+            rel.append(float(np.abs(o - ref).max() / scale))
+            unf.append(float(np.abs(o - u).max() / scale))
+    return dict(rel_err=rel, unfused_err=unf)
 
 
 def main():

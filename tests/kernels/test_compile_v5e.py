@@ -31,6 +31,16 @@ if kind == "ag":
     f = jax.shard_map(lambda x, *w: cm.all_gather_matmul(x, list(w), impl="pallas"), mesh=mesh,
                       in_specs=(P("tp", None),) + (P(None, "tp"),) * n, out_specs=[P(None, "tp")] * n)
     args = [sd((S, K), P("tp", None))] + [sd((K, 4 * w), P(None, "tp")) for w in widths]
+elif kind == "ag_epi":  # every weight with a bias; GELU (tanh) on the last one, as the ports' MLP inputs
+    acts = [None] * (n - 1) + ["gelu_tanh"]
+    reason = agk.unsupported_reason((S // 4, K), widths, bf, 4, biases=[(1, bf)] * n, activations=acts)
+    plan = agk.vmem_plan((S // 4, K), widths, bf, 4, biases=[(1, bf)] * n, activations=acts)
+    f = jax.shard_map(lambda x, *a: cm.all_gather_matmul(x, list(a[:n]), impl="pallas",
+                                                         epilogues=[cm.Epilogue(b, ac) for b, ac in zip(a[n:], acts)]),
+                      mesh=mesh, in_specs=(P("tp", None),) + (P(None, "tp"),) * n + (P("tp"),) * n,
+                      out_specs=[P(None, "tp")] * n)
+    args = ([sd((S, K), P("tp", None))] + [sd((K, 4 * w), P(None, "tp")) for w in widths]
+            + [sd((4 * w,), P("tp")) for w in widths])
 else:
     reason = rsk.unsupported_reason([(S, k) for k in widths], [(k, N) for k in widths], bf, 4)
     plan = rsk.vmem_plan([(S, k) for k in widths], [(k, N) for k in widths], bf, 4)
@@ -55,6 +65,9 @@ SHAPES = [
     ("wan-ffn-down", "rs", 4736, 0, [3456], 5120),
     ("flux-single-qkv-mlp", "ag", 4608, 3072, [768, 768, 768, 3072], 0),
     ("flux-single-out-2pairs", "rs", 4608, 0, [768, 3072], 3072),
+    # fused epilogues: bias on every weight, GELU (tanh) on the last
+    ("wan-ffn-up-bias-gelu", "ag_epi", 4736, 5120, [3456], 0),
+    ("flux-single-qkv-mlp-bias-gelu", "ag_epi", 4608, 3072, [768, 768, 768, 3072], 0),
 ]
 
 

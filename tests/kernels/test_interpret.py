@@ -137,3 +137,43 @@ def test_unsupported_shape_falls_back_to_the_ring_with_one_warning(kind, spec, w
     # traced twice (two jits), warned once
     assert len(r["warnings"]) == 1, r["warnings"]
     assert "using the JAX ring" in r["warnings"][0] and r["reason"] in r["warnings"][0]
+
+
+# Fused epilogues (bias, GELU tanh) on the kernel's float32 tile, against float64
+# numpy act(x @ w + b) and against the unfused path (the kernel's bare products,
+# then the same epilogue as an XLA pass). float32: integer x, w, b, so the
+# product and bias are exact and only GELU rounds; the fused result must equal
+# the unfused one bit for bit. bf16: one rounding (fused) instead of two.
+EPILOGUE_CASES = [
+    ("f32-bias-gelu-2w", dict(dtype="float32", batch=[1], S=128, K=128, widths=[128, 256], bias=[True, True],
+                              act=[None, "gelu_tanh"], col_tile=128, row_tile=8), 1e-6, 0.0),
+    ("f32-gelu-nobias", dict(dtype="float32", batch=[], S=64, K=128, widths=[256], bias=[False],
+                             act=["gelu_tanh"]), 1e-6, 0.0),
+    # stacked [L, K, n] weights and [L, n] biases at several runtime layer indices
+    ("f32-stacked-L3", dict(dtype="float32", batch=[], S=128, K=128, widths=[128, 256, 128],
+                            bias=[True, False, True], act=["gelu_tanh", None, "gelu_tanh"], layers=3, at=[0, 1, 2],
+                            col_tile=128, row_tile=8), 1e-6, 0.0),
+    # through collective_matmul: Epilogue(LayerWeight bias) with LayerWeight weights
+    ("f32-dispatch-stacked-L4", dict(dtype="float32", batch=[2], S=64, K=128, widths=[128, 256],
+                                     bias=[True, True], act=[None, "gelu_tanh"], layers=4, at=[3, 0],
+                                     dispatch=True), 1e-6, 0.0),
+    ("bf16-bias-gelu", dict(dtype="bfloat16", batch=[1], S=256, K=128, widths=[128, 256], bias=[True, True],
+                            act=["gelu_tanh", None], col_tile=128, row_tile=16), 1e-2, 2e-2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,spec,tol,unfused_tol", EPILOGUE_CASES, ids=[c[0] for c in EPILOGUE_CASES])
+def test_fused_epilogue_matches_float64_and_the_unfused_path(name, spec, tol, unfused_tol):
+    r = check_ok(dict(kind="ag_epi", **spec), tol)
+    assert max(r["unfused_err"]) <= unfused_tol, r["unfused_err"]
+    assert len(r["rel_err"]) == len(spec.get("at", [0])) * len(spec["widths"])
+    assert r["warnings"] == []  # the dispatch ran the kernel, not the ring
+
+
+@pytest.mark.slow
+def test_race_detector_flags_the_fused_epilogue_kernel_with_one_slot_too_few():
+    r = run_case(dict(kind="ag_epi", slots=2, dtype="float32", batch=[], S=128, K=128, widths=[256], bias=[True],
+                      act=["gelu_tanh"], col_tile=128, row_tile=8))
+    assert not r["ok"], "the race detector did not flag the epilogue kernel with one receive slot too few"
+    assert "RACE DETECTED" in r["error"], r["error"][-2000:]
