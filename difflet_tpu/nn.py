@@ -51,14 +51,9 @@ def weight(linear: Linear):
 def kernel_activation(activation):
     """The name under which the Pallas all-gather kernel applies `activation`
     (`collective_matmul.KERNEL_ACTIVATIONS`), or None if it cannot."""
-    from difflet_tpu.layers.feedforward import gelu_tanh  # the ports' GELU (tanh), by identity
-
     if isinstance(activation, str):
         return activation if activation in KERNEL_ACTIVATIONS else None
-    for name, fn in KERNEL_ACTIVATIONS.items():
-        if activation is fn or (name == "gelu_tanh" and activation is gelu_tanh):
-            return name
-    return None
+    return next((name for name, fn in KERNEL_ACTIVATIONS.items() if activation is fn), None)
 
 
 def epilogue(linear: Linear, activation=None):

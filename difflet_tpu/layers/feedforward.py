@@ -5,12 +5,12 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from difflet_tpu import nn
+from difflet_tpu import collective_matmul, nn
 
 
-def gelu_tanh(x):
-    """diffusers' "gelu-approximate" / "gelu_tanh": GELU with the tanh approximation."""
-    return jax.nn.gelu(x, approximate=True)
+# diffusers' "gelu-approximate" / "gelu_tanh": the one the Pallas all-gather kernel
+# can apply in its epilogue (nn.epilogue recognises it by identity)
+gelu_tanh = collective_matmul.gelu_tanh
 
 
 # diffusers' activation_fn names -> the function after net.0.proj
