@@ -750,11 +750,12 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
     ideal = analytic / (P * chip.bf16_flops)
     used = cal if args.calibrated == "yes" else raw
     sp_kernel = config.ag_kernel("pallas", "tpu") if pmode == "sp" else None
+    rs_kernel = config.rs_kernel("tpu") if pmode == "sp" else None
     coords = {d.id: _coords(d)[:3] for d in mesh.devices.flat}
     hops = [ring_hops(g, coords) for g in tp_groups(mesh)]
     return dict(
         model=f"{fam}:{preset}", family=fam, preset=preset, mode=variant, parallel_mode=pmode,
-        ag_impl=sp_kernel, shape=shape, batch=batch, chips=P, mesh=format_mesh(dict(mesh.shape)),
+        ag_impl=sp_kernel, rs_impl=rs_kernel, shape=shape, batch=batch, chips=P, mesh=format_mesh(dict(mesh.shape)),
         tp_ring_max_hops=max(max(h) for h in hops), compile_s=round(compile_s, 2),
         hbm=dict(mem, capacity=chip.hbm_bytes, fits=mem["total"] <= chip.hbm_bytes),
         flops=dict(xla_per_chip=cost.get("flops"), analytic_total=analytic, analytic_per_chip=analytic / P),

@@ -17,6 +17,7 @@ PREFIX = "DIFFLET_TPU_"
 
 BOOL_VALUES = {"0": False, "1": True}
 KERNEL_VALUES = ("jax", "pallas")
+RS_KERNEL_VALUES = ("auto", "jax", "pallas")
 ASSEMBLE_VALUES = ("concat", "dus")
 
 
@@ -33,7 +34,11 @@ class Config:
     sp_kernel: all-gather-matmul implementation under SP, "jax" (the ring) or
         "pallas" (the VMEM-resident kernel); None takes the model's default on
         TPU and the JAX ring elsewhere (`DIFFLET_TPU_SP_KERNEL`).
-    sp_rs_kernel: matmul-reduce-scatter implementation under SP (`DIFFLET_TPU_SP_RS_KERNEL`).
+    sp_rs_kernel: matmul-reduce-scatter implementation under SP: "jax" (the
+        ring), "pallas" (the kernel) or "auto": on a TPU whose chip constants are
+        known (`estimate.CHIPS`), the kernel at each site whose ring hops are
+        ICI-bound (`kernels.matmul_reduce_scatter.ici_bound`) and the ring
+        elsewhere; the ring off TPU (`DIFFLET_TPU_SP_RS_KERNEL`).
     sp_ag_assemble: how the JAX all-gather ring builds its output: "concat"
         (one gather over the arrived chunks) or "dus" (dynamic_update_slice
         into a buffer) (`DIFFLET_TPU_SP_AG_ASSEMBLE`).
@@ -60,7 +65,7 @@ class Config:
 
     sp: bool = False
     sp_kernel: str | None = None
-    sp_rs_kernel: str = "jax"
+    sp_rs_kernel: str = "auto"
     sp_ag_assemble: str = "concat"
     sp_single: bool = True
     sp_pad: bool = True
@@ -75,8 +80,8 @@ class Config:
                 raise ConfigError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         if self.sp_kernel is not None and self.sp_kernel not in KERNEL_VALUES:
             raise ConfigError(f"Config.sp_kernel must be one of {KERNEL_VALUES} or None, got {self.sp_kernel!r}")
-        if self.sp_rs_kernel not in KERNEL_VALUES:
-            raise ConfigError(f"Config.sp_rs_kernel must be one of {KERNEL_VALUES}, got {self.sp_rs_kernel!r}")
+        if self.sp_rs_kernel not in RS_KERNEL_VALUES:
+            raise ConfigError(f"Config.sp_rs_kernel must be one of {RS_KERNEL_VALUES}, got {self.sp_rs_kernel!r}")
         if self.sp_ag_assemble not in ASSEMBLE_VALUES:
             raise ConfigError(f"Config.sp_ag_assemble must be one of {ASSEMBLE_VALUES}, got {self.sp_ag_assemble!r}")
         if self.compile_cache is not None:
@@ -118,6 +123,13 @@ class Config:
         if self.sp_kernel is not None:
             return self.sp_kernel
         return model_default if platform == "tpu" else "jax"
+
+    def rs_kernel(self, platform: str) -> str:
+        """The matmul-reduce-scatter implementation under SP: "auto" (chosen per
+        site, `Parallel.row`) stays "auto" on TPU and is the JAX ring elsewhere."""
+        if self.sp_rs_kernel == "auto" and platform != "tpu":
+            return "jax"
+        return self.sp_rs_kernel
 
 
 def _parse_bool(var: str, value: str) -> bool:
@@ -167,7 +179,7 @@ def _parse_path(var: str, value: str) -> str:
 ENV_VARS = {
     "DIFFLET_TPU_SP": ("sp", _parse_bool),
     "DIFFLET_TPU_SP_KERNEL": ("sp_kernel", _parse_choice(KERNEL_VALUES)),
-    "DIFFLET_TPU_SP_RS_KERNEL": ("sp_rs_kernel", _parse_choice(KERNEL_VALUES)),
+    "DIFFLET_TPU_SP_RS_KERNEL": ("sp_rs_kernel", _parse_choice(RS_KERNEL_VALUES)),
     "DIFFLET_TPU_SP_AG_ASSEMBLE": ("sp_ag_assemble", _parse_choice(ASSEMBLE_VALUES)),
     "DIFFLET_TPU_SP_SINGLE": ("sp_single", _parse_bool),
     "DIFFLET_TPU_SP_PAD": ("sp_pad", _parse_bool),

@@ -84,6 +84,16 @@ CHIPS = {
 }
 
 
+# jax `Device.device_kind` -> CHIPS key (real and deviceless topology devices report the same)
+DEVICE_KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
+
+
+def chip_for_device(device) -> Chip | None:
+    """The constants of `device`'s chip, or None for a device this model has none for (CPU, other TPUs)."""
+    gen = DEVICE_KINDS.get(getattr(device, "device_kind", ""))
+    return None if gen is None else CHIPS[gen]
+
+
 def chip_for(topology: str) -> Chip:
     gen = topology.split(":", 1)[0]
     if gen not in CHIPS:

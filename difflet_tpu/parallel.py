@@ -33,6 +33,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from difflet_tpu import collective_matmul as cm
+from difflet_tpu import estimate
 from difflet_tpu.config import Config
 from difflet_tpu.mesh import TP
 
@@ -53,7 +54,8 @@ class Parallel:
     axis: str = TP
     size: int = 1
     ag_impl: str = "jax"
-    rs_impl: str = "jax"
+    rs_impl: str = "jax"      # "jax", "pallas", "xla", or "auto": per site by `rs_site_impl`
+    chip: str | None = None   # estimate.CHIPS key of the mesh's TPU (per-site choices); None off TPU
     assemble: str = "concat"
     attn_impl: str = "xla"
     interpret: bool = False  # Pallas kernels interpreted (off TPU)
@@ -63,6 +65,9 @@ class Parallel:
             raise ValueError(f"parallel mode must be one of {MODES}, got {self.mode!r}")
         if self.mode == "single" and self.size != 1:
             raise ValueError("mode 'single' runs on one device (size 1)")
+        if self.rs_impl == "auto" and self.chip not in estimate.CHIPS:
+            raise ValueError(f"rs_impl 'auto' chooses by the chip's constants: chip must be one of "
+                             f"{sorted(estimate.CHIPS)}, got {self.chip!r}")
 
     @classmethod
     def for_mesh(cls, mesh, config: Config | None = None, *, mode: str | None = None,
@@ -75,11 +80,17 @@ class Parallel:
         config = Config.from_env() if config is None else config
         if mesh is None:  # one chip: splash attention on a TPU too
             return cls(attn_impl="splash" if jax.default_backend() == "tpu" else "xla")
-        platform = mesh.devices.flat[0].platform
+        device = mesh.devices.flat[0]
+        platform = device.platform
+        chip = estimate.chip_for_device(device)
         mode = mode or ("sp" if config.sp else "tp")
+        rs_impl = config.rs_kernel(platform)
+        if rs_impl == "auto" and chip is None:  # a TPU without chip constants: the ring
+            rs_impl = "jax"
         return cls(mode=mode, size=mesh.shape[TP],
                    ag_impl=config.ag_kernel(ag_default, platform),
-                   rs_impl=config.sp_rs_kernel, assemble=config.sp_ag_assemble,
+                   rs_impl=rs_impl, chip=None if chip is None else chip.name,
+                   assemble=config.sp_ag_assemble,
                    attn_impl="splash" if platform == "tpu" else "xla",
                    interpret=platform != "tpu")
 
@@ -124,10 +135,22 @@ class Parallel:
         elif self.mode == "tp":
             y = cm.matmul_all_reduce(pairs, axis_name=self.axis)
         else:
-            impl = "xla" if self.mode == "sp-xla" else self.rs_impl
+            impl = "xla" if self.mode == "sp-xla" else self.rs_site_impl(pairs)
             y = cm.matmul_reduce_scatter(pairs, axis_name=self.axis, impl=impl,
                                          interpret=self.interpret)
         return y if bias is None else y + bias
+
+    def rs_site_impl(self, pairs) -> str:
+        """`rs_impl`, with "auto" decided for this site: the Pallas kernel where its ring
+        hops are ICI-bound on this chip (`kernels.matmul_reduce_scatter.ici_bound`),
+        the JAX ring where they are compute-bound."""
+        if self.rs_impl != "auto":
+            return self.rs_impl
+        from difflet_tpu.kernels import matmul_reduce_scatter as rs_kernel
+
+        k = sum(x.shape[-1] for x, _ in pairs)
+        itemsize = jnp.dtype(pairs[0][0].dtype).itemsize
+        return "pallas" if rs_kernel.ici_bound(k, itemsize, estimate.CHIPS[self.chip]) else "jax"
 
     # ---- other collectives ----------------------------------------------
 

@@ -135,7 +135,8 @@ class Runner:
         if not self.par.seq_sharded:
             return 1
         mult = 2 * self.par.size
-        if self.par.mode == "sp" and "pallas" in (self.par.ag_impl, self.par.rs_impl):
+        if self.par.mode == "sp" and ("pallas" in (self.par.ag_impl, self.par.rs_impl)
+                                      or self.par.rs_impl == "auto"):
             mult *= kernel_rules.sublane_rows(self.dtype)
         return mult
 

@@ -143,6 +143,22 @@ def unsupported_reason(x_shapes, w_shapes, dtype, axis_size) -> str | None:
     return _plan(x_shapes, w_shapes, dtype, axis_size)[0]
 
 
+def ici_bound(k: int, itemsize: int, chip) -> bool:
+    """Whether a ring hop of this kernel waits on ICI rather than on the MXU on `chip`
+    (a `difflet_tpu.estimate.Chip`), for pairs of total width `k` (sum of k_i).
+
+    Per hop the kernel multiplies both halves, 2 * B * s * k * N flops, while each
+    direction sends one half's sums, B * h * N * itemsize bytes over one link
+    (h = s/2): the hop is ICI-bound when 4 k / peak < itemsize / link bandwidth,
+    i.e. bf16 k < 2189 on v5e (Wan's attention outputs, k = 1280 per chip at P = 4;
+    not its FFN down, k = 3456). The reference PR measured its kernel on a v5e-4
+    faster than the JAX ring there (Wan attention out 0.518 -> 0.504 ms) and slower
+    where compute-bound (Wan FFN down 0.928 -> 1.040 ms), so `Config.sp_rs_kernel`
+    "auto" takes the kernel exactly where this is True.
+    """
+    return 4 * k / chip.bf16_flops < itemsize / chip.ici_link_bw
+
+
 def vmem_plan(x_shapes, w_shapes, dtype, axis_size) -> _common.VmemPlan | None:
     """The VMEM buffer plan (and requested scoped limit) for these shapes."""
     return _plan(x_shapes, w_shapes, dtype, axis_size)[3]

@@ -7,7 +7,7 @@ from difflet_tpu.config import ENV_VARS, Config, ConfigError
 GOOD = {
     "DIFFLET_TPU_SP": [("0", False), ("1", True)],
     "DIFFLET_TPU_SP_KERNEL": [("jax", "jax"), ("pallas", "pallas"), ("PALLAS", "pallas")],
-    "DIFFLET_TPU_SP_RS_KERNEL": [("jax", "jax"), ("pallas", "pallas")],
+    "DIFFLET_TPU_SP_RS_KERNEL": [("jax", "jax"), ("pallas", "pallas"), ("auto", "auto")],
     "DIFFLET_TPU_SP_AG_ASSEMBLE": [("concat", "concat"), ("dus", "dus")],
     "DIFFLET_TPU_SP_SINGLE": [("0", False), ("1", True)],
     "DIFFLET_TPU_SP_PAD": [("0", False), ("1", True)],
@@ -38,7 +38,13 @@ def test_every_variable_is_covered():
 def test_defaults():
     c = Config.from_env({})
     assert (c.sp, c.sp_kernel, c.sp_rs_kernel, c.sp_ag_assemble, c.sp_single, c.sp_pad, c.check_vma, c.split_rope) == (
-        False, None, "jax", "concat", True, True, False, True)
+        False, None, "auto", "concat", True, True, False, True)
+
+
+def test_rs_kernel_auto_is_the_ring_off_tpu():
+    c = Config()
+    assert (c.rs_kernel("tpu"), c.rs_kernel("cpu")) == ("auto", "jax")
+    assert Config(sp_rs_kernel="pallas").rs_kernel("cpu") == "pallas"  # explicit: interpreted off TPU
 
 
 @pytest.mark.parametrize("var", sorted(GOOD))

@@ -71,3 +71,36 @@ def test_place_checks_divisibility():
 def test_heads_must_divide():
     with pytest.raises(ValueError, match="3 heads"):
         Parallel(mode="tp", size=2).local_heads(3)
+
+
+@pytest.mark.parametrize("chip,k,dtype,expect", [
+    ("v5e", 1280, jnp.bfloat16, "pallas"),  # Wan attention out at P = 4: ICI-bound
+    ("v5e", 3456, jnp.bfloat16, "jax"),     # Wan FFN down: compute-bound
+    ("v5e", 768 + 3072, jnp.bfloat16, "jax"),  # FLUX single-block proj_out pairs
+    ("v5e", 3456, jnp.float32, "pallas"),   # twice the bytes per hop
+    ("v6e", 3456, jnp.bfloat16, "pallas"),  # 4.7x the FLOP/s, 2x the link
+])
+def test_rs_auto_takes_the_kernel_where_hops_are_ici_bound(chip, k, dtype, expect):
+    """The rule against the hop arithmetic written out: per hop, both halves'
+    matmul (2 B s k N flops at peak) vs one half of sums each way over a link."""
+    from difflet_tpu import estimate
+
+    B, S, N, P_ = 1, 4736, 5120, 4
+    s = S // P_
+    c = estimate.CHIPS[chip]
+    compute = 2 * B * s * k * N / c.bf16_flops
+    transfer = jnp.dtype(dtype).itemsize * B * (s // 2) * N / c.ici_link_bw
+    assert (transfer > compute) == (expect == "pallas")
+    par = Parallel(mode="sp", size=P_, rs_impl="auto", chip=chip)
+    x = jax.ShapeDtypeStruct((B, S, k), dtype)
+    w = jax.ShapeDtypeStruct((k, N), dtype)
+    assert par.rs_site_impl([(x, w)]) == expect
+    assert Parallel(mode="sp", size=P_, rs_impl="jax", chip=chip).rs_site_impl([(x, w)]) == "jax"
+
+
+def test_rs_auto_needs_chip_constants():
+    with pytest.raises(ValueError, match="chip must be one of"):
+        Parallel(mode="sp", size=4, rs_impl="auto")
+    mesh = make_mesh(2)
+    assert Parallel.for_mesh(mesh, Config(sp=True)).rs_impl == "jax"  # CPU: the ring
+    assert Parallel.for_mesh(mesh, Config(sp=True, sp_rs_kernel="pallas")).rs_impl == "pallas"
