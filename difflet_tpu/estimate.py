@@ -190,15 +190,26 @@ COLLECTIVE_MATMUL_KERNELS = ("all_gather_matmul", "matmul_reduce_scatter")
 _FLOAT_DTYPES = ("bf16", "f32", "f16")
 
 
-def collective_matmul_kind(o: Op) -> str | None:
-    """"all_gather_matmul" / "matmul_reduce_scatter" for the Pallas kernels of
-    kernels/ (named by their `pallas_call(name=...)`), else None."""
+_KERNEL_NAME = re.compile(r"(?:^|/)(" + "|".join(COLLECTIVE_MATMUL_KERNELS) + r")(?:_(\d+)chunks)?(?:$|/)")
+
+
+def collective_matmul_call(o: Op) -> tuple[str, int] | None:
+    """(kind, row chunks) for a call of a Pallas kernel of kernels/, named by its
+    `pallas_call(name=...)`: "all_gather_matmul" / "matmul_reduce_scatter", with
+    "_<C>chunks" when a long sequence runs in C row-chunk calls; else None."""
     if not is_pallas(o):
         return None
-    for kind in COLLECTIVE_MATMUL_KERNELS:
-        if o.name.split(".")[0] == kind or f"/{kind}/" in o.op_name:
-            return kind
+    for name in (o.name.split(".")[0], o.op_name):
+        m = _KERNEL_NAME.search(name)
+        if m:
+            return m.group(1), int(m.group(2) or 1)
     return None
+
+
+def collective_matmul_kind(o: Op) -> str | None:
+    """"all_gather_matmul" / "matmul_reduce_scatter" for the Pallas kernels of kernels/, else None."""
+    call = collective_matmul_call(o)
+    return None if call is None else call[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +231,7 @@ class KernelHops:
     prologue_hbm: float
 
 
-def collective_matmul_hops(kind: str, operands: list, outputs: list) -> KernelHops | None:
+def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int = 1) -> KernelHops | None:
     """The hops of kernels/all_gather_matmul.py or kernels/matmul_reduce_scatter.py from
     the kernel's operand and result shapes ((dtype, dims) each, as the compiled text
     prints them); None if they do not look like that kernel's.
@@ -238,6 +249,9 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list) -> KernelHo
       (the last hop writes out instead), and sends its two accumulator halves
       (h rows x N each way) on, tile by tile; before hop 0 it waits for hop 0's rows.
     The FLOPs and HBM bytes over all hops are the kernels' own `pl.CostEstimate`.
+    chunks: a long sequence's C row-chunk calls (near-equal; the text does not show
+      which rows a call takes): each call priced with 1/C of the rows; after the
+      first, a call also takes the output buffer (aliased) as its last operand.
     A weight may come stacked, [L, K, n_i] / [L, k_i, N] (a block scan's layers,
     the layer index a scalar operand): the kernel reads one layer, priced as above.
     """
@@ -258,12 +272,16 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list) -> KernelHo
         if s <= 0 or S % s:
             return None
         P, n = S // s, sum(w[1] for w in ws)
+        site = (f"all_gather_matmul x[{B},{s},{K}] -> n={'+'.join(str(w[1]) for w in ws)} (P={P}"
+                f"{f', {chunks} row chunks' if chunks > 1 else ''})")
+        s = s / chunks  # this call's rows per rank (on average)
         flops = (2 * B * s * K * n,) * P
         hbm = (isz * (K * n + B * s * n),) * P
-        ici = tuple(isz * B * (s // 2) * K if j < P - 1 else 0.0 for j in range(P))
-        site = f"all_gather_matmul x[{B},{s},{K}] -> n={'+'.join(str(w[1]) for w in ws)} (P={P})"
+        ici = tuple(isz * B * (s / 2) * K if j < P - 1 else 0.0 for j in range(P))
         return KernelHops(kind, site, P, flops, hbm, ici, isz * B * s * K)
     if kind == "matmul_reduce_scatter":
+        if len(floats) % 2 and chunks > 1 and floats[-1][1] == outs[0][1]:
+            floats = floats[:-1]  # the aliased output buffer
         if len(floats) % 2:
             return None
         npairs = len(floats) // 2
@@ -275,10 +293,12 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list) -> KernelHo
         if s <= 0 or S % s:
             return None
         P, k = S // s, sum(x[2] for x in xs)
+        site = (f"matmul_reduce_scatter x[{B},{S},{'+'.join(str(x[2]) for x in xs)}] -> N={N} (P={P}"
+                f"{f', {chunks} row chunks' if chunks > 1 else ''})")
+        s = s / chunks  # this call's rows per rank (on average)
         flops = tuple(2 * B * s * k * N + B * s * N * (npairs - 1) + (B * s * N if j else 0) for j in range(P))
         hbm = tuple(isz * (k * N + (B * s * k if j < P - 1 else B * s * N)) for j in range(P))
-        ici = tuple(isz * B * (s // 2) * N if j < P - 1 else 0.0 for j in range(P))
-        site = f"matmul_reduce_scatter x[{B},{S},{'+'.join(str(x[2]) for x in xs)}] -> N={N} (P={P})"
+        ici = tuple(isz * B * (s / 2) * N if j < P - 1 else 0.0 for j in range(P))
         return KernelHops(kind, site, P, flops, hbm, ici, isz * B * s * k)
     return None
 
@@ -445,7 +465,7 @@ class Simulator:
         if shapes is None:  # older text: the operands' own types
             shapes = [array_shapes(x.type)[0] for x in (self.m.lookup(comp, n) for n in o.operands)
                       if x is not None and array_shapes(x.type)]
-        hops = collective_matmul_hops(kind, shapes, array_shapes(o.type))
+        hops = collective_matmul_hops(kind, shapes, array_shapes(o.type), collective_matmul_call(o)[1])
         name = o.op_name.rsplit("/", 2)[-2] if "/" in o.op_name else kind
         if hops is None:
             self.est.warnings.append(f"{o.name}: {kind} shapes not understood; priced as a whole-kernel roofline")

@@ -65,6 +65,15 @@ def column_tile_candidates(widths, limit: int) -> list[int]:
     return [t for t in range(min(g, limit) // LANES * LANES, 0, -LANES) if g % t == 0]
 
 
+MAX_CHUNKS = 64
+
+
+def row_chunks(shard_rows: int, n: int, unit: int) -> tuple[tuple[int, int], ...]:
+    """A rank's `shard_rows` rows as `n` near-equal static (offset, rows) chunks (one
+    kernel call each, long sequences), each two halves of whole `unit`-row tiles."""
+    return tuple((2 * off, 2 * size) for off, size in row_tiles(shard_rows // 2, -(-shard_rows // (2 * n)), unit))
+
+
 def row_tiles(rows: int, max_rows: int, unit: int) -> tuple[tuple[int, int], ...]:
     """Splits `rows` (a multiple of `unit`) into near-equal static (offset, size)
     pieces, each a multiple of `unit` and at most max(max_rows, unit) rows."""

@@ -44,6 +44,16 @@ Weight tiles are DMA'd from `w_i.at[layer, :, cols]`: a block scan passes
 the whole stack and its layer index, so no weight-sized copy of the layer is
 made before the call.
 
+Long sequences run in row chunks: when the buffers above (sized by the half,
+h rows) do not fit VMEM, every rank's shard splits into C near-equal chunks
+of whole tiles (`_common.row_chunks`, the fewest C that fit) and the ring
+runs once per chunk, one call each: call c reduces rows [row0_c, row0_c +
+2 h_c) of every rank's shard (x rows read at rank offset + row0_c) and writes
+those rows of `out`, the previous call's output buffer passed in and aliased
+(`input_output_aliases`), so no partial output is copied. Each call streams
+the weight P times again (C x the weight traffic; at Wan 480x832x81, C = 3,
+hidden under the MXU work by the estimate) and starts with its own barrier.
+
 Receive slots (R = 3): why a neighbour may run two hops ahead in one direction.
 Upstream U's hop-j' tile c lands in our slot j' % R, tile c; we read it at
 our step (j'+1, c). Within a step the forward half goes first, then the
@@ -85,57 +95,70 @@ COLLECTIVE_ID = 8
 # --------------------------------------------------------------------------
 
 def _plan(x_shapes, w_shapes, dtype, axis_size, *, recv_slots=RECV_SLOTS,
-          col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT, row_tile_limit=DEFAULT_ROW_TILE_LIMIT):
-    """(reason, tn, row_tiles, VmemPlan): reason is None if the kernel can run."""
+          col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT, row_tile_limit=DEFAULT_ROW_TILE_LIMIT, chunks=None):
+    """(reason, tn, row_tiles, VmemPlan, row chunks): reason is None if the kernel can run.
+
+    `chunks`: how many row chunks per rank (one kernel call each,
+    `_common.row_chunks`); None takes the fewest whose buffers fit VMEM. The
+    buffers are sized for the largest chunk; `row_tiles` are its."""
     dtype = jnp.dtype(dtype)
     reason = _common.dtype_reason(dtype)
     if reason:
-        return reason, None, None, None
+        return reason, None, None, None, None
     x_shapes = [tuple(int(d) for d in s) for s in x_shapes]
     w_shapes = [tuple(int(d) for d in s) for s in w_shapes]
     if not 1 <= len(x_shapes) <= 2 or len(x_shapes) != len(w_shapes):
-        return f"one or two (x, w) pairs, got {len(x_shapes)} x and {len(w_shapes)} w", None, None, None
+        return f"one or two (x, w) pairs, got {len(x_shapes)} x and {len(w_shapes)} w", None, None, None, None
     if axis_size < 2:
-        return "the ring needs at least 2 ranks", None, None, None
+        return "the ring needs at least 2 ranks", None, None, None, None
     lead, rows = x_shapes[0][:-2], x_shapes[0][-2]
     N = w_shapes[0][-1]
     for xs, ws in zip(x_shapes, w_shapes):
         if len(xs) < 2 or xs[:-2] != lead or xs[-2] != rows or len(ws) != 2 or ws != (xs[-1], N):
-            return f"pairs x {x_shapes}, w {w_shapes} do not share rows, batch and width", None, None, None
+            return f"pairs x {x_shapes}, w {w_shapes} do not share rows, batch and width", None, None, None, None
     unit = _common.sublane_rows(dtype)
     if rows % (2 * axis_size) or (rows // (2 * axis_size)) % unit:
         return (f"each half of a rank's rows ({rows} / {2 * axis_size}) must be a whole multiple of "
                 f"{unit} rows for {dtype.name} (pad the sequence to a multiple of {2 * unit * axis_size})"), \
-            None, None, None
+            None, None, None, None
     ks = [xs[-1] for xs in x_shapes]
     if any(k % _common.LANES for k in ks):
-        return f"contraction widths {ks} are not all multiples of 128", None, None, None
+        return f"contraction widths {ks} are not all multiples of 128", None, None, None, None
     if N % _common.LANES:
-        return f"output width N = {N} is not a multiple of 128", None, None, None
+        return f"output width N = {N} is not a multiple of 128", None, None, None, None
     B = 1
     for d in lead:
         B *= d
-    h = rows // (2 * axis_size)
     cap = _common.vmem_capacity_bytes()
     plan = None
-    for tn in _common.column_tile_candidates([N], col_tile_limit):
-        nt = N // tn
-        tiles = _common.row_tiles(h, row_tile_limit, unit)
-        tm = max(sz for _, sz in tiles)
-        bufs = [_common.buffer(f"xrows_{i}", (2, 2, B, h, k), dtype) for i, k in enumerate(ks)]
-        bufs += [_common.buffer(f"wbuf_{i}", (2, k, tn), dtype) for i, k in enumerate(ks)]
-        bufs += [
-            _common.buffer("recv", (2, recv_slots, nt, B, h, tn), dtype),
-            _common.buffer("sbuf", (2, 2, B, h, tn), dtype),
-            # values Mosaic materialises per dot: x row pieces, weight tiles, f32 products and sum
-            _common.buffer("dot operands", (sum(tm * k + k * tn for k in ks),), dtype),
-            _common.buffer("f32 acc", (2, tm, tn), jnp.float32),
-        ]
-        plan = _common.VmemPlan(tuple(bufs))
-        if plan.limit <= cap:
-            return None, tn, tiles, plan
+    units = rows // (2 * axis_size * unit)
+    for n_chunks in [chunks] if chunks is not None else range(1, min(units, _common.MAX_CHUNKS) + 1):
+        pieces = _common.row_chunks(rows // axis_size, n_chunks, unit)
+        if len(pieces) != n_chunks:
+            if chunks is None:
+                continue
+            return (f"a rank's {rows // axis_size} rows do not split into {n_chunks} chunks of whole "
+                    f"{unit}-row halves"), None, None, None, None
+        h = max(size for _, size in pieces) // 2
+        for tn in _common.column_tile_candidates([N], col_tile_limit):
+            nt = N // tn
+            tiles = _common.row_tiles(h, row_tile_limit, unit)
+            tm = max(sz for _, sz in tiles)
+            bufs = [_common.buffer(f"xrows_{i}", (2, 2, B, h, k), dtype) for i, k in enumerate(ks)]
+            bufs += [_common.buffer(f"wbuf_{i}", (2, k, tn), dtype) for i, k in enumerate(ks)]
+            bufs += [
+                _common.buffer("recv", (2, recv_slots, nt, B, h, tn), dtype),
+                _common.buffer("sbuf", (2, 2, B, h, tn), dtype),
+                # values Mosaic materialises per dot: x row pieces, weight tiles, f32 products and sum
+                _common.buffer("dot operands", (sum(tm * k + k * tn for k in ks),), dtype),
+                _common.buffer("f32 acc", (2, tm, tn), jnp.float32),
+            ]
+            plan = _common.VmemPlan(tuple(bufs))
+            if plan.limit <= cap:
+                return None, tn, tiles, plan, pieces
     return (f"VMEM budget exceeded: {plan.limit / 2**20:.1f} MiB needed (full-width accumulators in "
-            f"{recv_slots} slots per direction) > {cap / 2**20:.0f} MiB on this chip"), None, None, plan
+            f"{recv_slots} slots per direction, {n_chunks} row chunks) > {cap / 2**20:.0f} MiB on this chip"), \
+        None, None, plan, None
 
 
 def unsupported_reason(x_shapes, w_shapes, dtype, axis_size) -> str | None:
@@ -164,25 +187,31 @@ def vmem_plan(x_shapes, w_shapes, dtype, axis_size) -> _common.VmemPlan | None:
     return _plan(x_shapes, w_shapes, dtype, axis_size)[3]
 
 
+def chunks(x_shapes, w_shapes, dtype, axis_size) -> int | None:
+    """How many row chunks per rank (kernel calls) the plan takes for these shapes."""
+    pieces = _plan(x_shapes, w_shapes, dtype, axis_size)[4]
+    return None if pieces is None else len(pieces)
+
+
 # --------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------
 
-def _kernel(tables, layer, *refs, axis_name, P, B, h, npairs, tn, nt, tiles, slots, unit):
+def _kernel(tables, layer, *refs, axis_name, P, B, h, row0, npairs, tn, nt, tiles, slots, unit, aliased):
     x_hbm = refs[:npairs]
     w_hbm = refs[npairs:2 * npairs]
-    out_hbm = refs[2 * npairs]
-    scratch = refs[2 * npairs + 1:]
+    out_hbm = refs[2 * npairs + aliased]  # (the aliased input is the same buffer)
+    scratch = refs[2 * npairs + 1 + aliased:]
     xrows = scratch[:npairs]
     wbuf = scratch[npairs:2 * npairs]
     recv, sbuf, x_sem, w_sem, recv_sem, s_sem = scratch[2 * npairs:]
     nbr = (tables[0], tables[1])  # forward (r+1), backward (r-1)
     total = P * nt
 
-    def src_row(j, d):  # first row of x for hop j's half in direction d
-        if d == 0:  # rank r-1-j, rows [0, h)
-            return pl.multiple_of(tables[2 + (j + 1) % P], unit)
-        return pl.multiple_of(tables[2 + P + (j + 1) % P] + h, unit)  # rank r+1+j, rows [h, s)
+    def src_row(j, d):  # first row of x for hop j's half in direction d (this call's chunk)
+        if d == 0:  # rank r-1-j, chunk rows [row0, row0 + h)
+            return pl.multiple_of(tables[2 + (j + 1) % P] + row0, unit)
+        return pl.multiple_of(tables[2 + P + (j + 1) % P] + row0 + h, unit)  # rank r+1+j, [row0 + h, row0 + 2h)
 
     def x_copy(i, j, d):
         return pltpu.make_async_copy(x_hbm[i].at[:, pl.ds(src_row(j, d), h)], xrows[i].at[d, j % 2],
@@ -199,7 +228,7 @@ def _kernel(tables, layer, *refs, axis_name, P, B, h, npairs, tn, nt, tiles, slo
 
     def o_copy(d, c, par):
         col = pl.multiple_of(c * tn, tn)
-        return pltpu.make_async_copy(sbuf.at[d, par], out_hbm.at[:, pl.ds(d * h, h), pl.ds(col, tn)],
+        return pltpu.make_async_copy(sbuf.at[d, par], out_hbm.at[:, pl.ds(row0 + d * h, h), pl.ds(col, tn)],
                                      s_sem.at[d, par])
 
     def wait_out(t, d, c, par):  # waits for sbuf[d, par]'s DMA of step t (a send, or the write to out)
@@ -280,7 +309,7 @@ def _kernel(tables, layer, *refs, axis_name, P, B, h, npairs, tn, nt, tiles, slo
 
 def matmul_reduce_scatter(pairs, *, layer=None, axis_name="tp", interpret=False,
                           _recv_slots=RECV_SLOTS, _col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT,
-                          _row_tile_limit=DEFAULT_ROW_TILE_LIMIT):
+                          _row_tile_limit=DEFAULT_ROW_TILE_LIMIT, _chunks=None):
     """This rank's rows of `sum_i x_i @ w_i`, reduced over `axis_name`.
 
     Args:
@@ -305,53 +334,64 @@ def matmul_reduce_scatter(pairs, *, layer=None, axis_name="tp", interpret=False,
     if any(a.dtype != dtype for a in xs + ws):
         raise ValueError("matmul_reduce_scatter kernel: all inputs must share one dtype")
     P = lax.axis_size(axis_name)
-    reason, tn, tiles, plan = _plan([x.shape for x in xs], [w.shape[1:] for w in ws], dtype, P,
-                                    recv_slots=_recv_slots, col_tile_limit=_col_tile_limit,
-                                    row_tile_limit=_row_tile_limit)
+    reason, tn, _, plan, pieces = _plan([x.shape for x in xs], [w.shape[1:] for w in ws], dtype, P,
+                                        recv_slots=_recv_slots, col_tile_limit=_col_tile_limit,
+                                        row_tile_limit=_row_tile_limit, chunks=_chunks)
     if reason:
         raise ValueError(f"matmul_reduce_scatter kernel: {reason}")
     B, lead = _common.fold_batch(xs[0].shape)
     S, N = xs[0].shape[-2], ws[0].shape[-1]
     s = S // P
-    h = s // 2
     nt = N // tn
     ks = [x.shape[-1] for x in xs]
     x3 = [x.reshape(B, S, x.shape[-1]) for x in xs]
+    ws = [_common.in_hbm(w) for w in ws]
     tables = _common.ring_tables(axis_name, s)
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     npairs = len(pairs)
-
-    kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, npairs=npairs, tn=tn, nt=nt,
-                               tiles=tiles, slots=_recv_slots, unit=_common.sublane_rows(dtype))
+    unit = _common.sublane_rows(dtype)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     itemsize = jnp.dtype(dtype).itemsize
-    cost = pl.CostEstimate(
-        flops=2 * B * S * sum(ks) * N + B * S * N * (npairs - 1) + B * (S - s) * N,
-        transcendentals=0,
-        # every row of x once, every weight tile once per hop, out once.
-        bytes_accessed=itemsize * (B * S * sum(ks) + P * sum(ks) * N + B * s * N),
-    )
-    out = pl.pallas_call(
-        kernel,
-        out_shape=_common.out_struct((B, s, N), dtype, xs[0]),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            in_specs=[any_spec] * (2 * npairs),
-            out_specs=any_spec,
-            scratch_shapes=[
-                *[pltpu.VMEM((2, 2, B, h, k), dtype) for k in ks],         # xrows_i
-                *[pltpu.VMEM((2, k, tn), dtype) for k in ks],              # wbuf_i
-                pltpu.VMEM((2, _recv_slots, nt, B, h, tn), dtype),         # recv
-                pltpu.VMEM((2, 2, B, h, tn), dtype),                       # sbuf
-                pltpu.SemaphoreType.DMA((npairs, 2, 2)),                   # x_sem: pair, dir, hop parity
-                pltpu.SemaphoreType.DMA((npairs, 2)),                      # w_sem: pair, buffer
-                pltpu.SemaphoreType.DMA((2, _recv_slots, nt)),             # recv_sem: dir, slot, tile
-                pltpu.SemaphoreType.DMA((2, 2)),                           # s_sem: dir, sbuf
-            ],
-        ),
-        compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, vmem_limit_bytes=plan.limit),
-        cost_estimate=cost,
-        interpret=_common.interpret_params(interpret),
-        name="matmul_reduce_scatter",
-    )(tables, layer, *x3, *[_common.in_hbm(w) for w in ws])
+    out = None
+    for row0, cs in pieces:
+        # One call per row chunk (one, unless a long sequence's buffers would not fit
+        # VMEM): rows [row0, row0 + cs) of every rank's shard, halves of h rows; the
+        # call writes those rows of `out`, the previous call's output passed in and
+        # aliased (no copy).
+        h = cs // 2
+        aliased = int(out is not None)
+        cost = pl.CostEstimate(
+            flops=2 * B * P * cs * sum(ks) * N + B * P * cs * N * (npairs - 1) + B * (P - 1) * cs * N,
+            transcendentals=0,
+            # the chunk's rows of x once, every weight tile once per hop, its rows of out once.
+            bytes_accessed=itemsize * (B * P * cs * sum(ks) + P * sum(ks) * N + B * cs * N),
+        )
+        scratch = [
+            *[pltpu.VMEM((2, 2, B, h, k), dtype) for k in ks],         # xrows_i
+            *[pltpu.VMEM((2, k, tn), dtype) for k in ks],              # wbuf_i
+            pltpu.VMEM((2, _recv_slots, nt, B, h, tn), dtype),         # recv
+            pltpu.VMEM((2, 2, B, h, tn), dtype),                       # sbuf
+            pltpu.SemaphoreType.DMA((npairs, 2, 2)),                   # x_sem: pair, dir, hop parity
+            pltpu.SemaphoreType.DMA((npairs, 2)),                      # w_sem: pair, buffer
+            pltpu.SemaphoreType.DMA((2, _recv_slots, nt)),             # recv_sem: dir, slot, tile
+            pltpu.SemaphoreType.DMA((2, 2)),                           # s_sem: dir, sbuf
+        ]
+        kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, row0=row0, npairs=npairs,
+                                   tn=tn, nt=nt, tiles=_common.row_tiles(h, _row_tile_limit, unit),
+                                   slots=_recv_slots, unit=unit, aliased=aliased)
+        out = pl.pallas_call(
+            kernel,
+            out_shape=_common.out_struct((B, s, N), dtype, xs[0]),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=2,
+                in_specs=[any_spec] * (2 * npairs + aliased),
+                out_specs=any_spec,
+                scratch_shapes=scratch,
+            ),
+            input_output_aliases={2 + 2 * npairs: 0} if aliased else {},
+            compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, vmem_limit_bytes=plan.limit),
+            cost_estimate=cost,
+            interpret=_common.interpret_params(interpret),
+            name="matmul_reduce_scatter" if len(pieces) == 1 else f"matmul_reduce_scatter_{len(pieces)}chunks",
+        )(tables, layer, *x3, *ws, *([out] if aliased else []))
     return out.reshape(*lead, s, N)

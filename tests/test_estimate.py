@@ -450,3 +450,28 @@ def test_chip_constants_match_the_public_specs():
     assert math.isclose(V5E.ici_link_bw, 45e9)
     with pytest.raises(ValueError, match="no chip constants"):
         E.chip_for("v9x:2x2")
+
+
+def test_row_chunk_calls_price_their_share_of_the_rows():
+    # A long sequence runs the reduce-scatter kernel as C calls ("_<C>chunks"), each
+    # on ~1/C of every rank's rows; after the first, a call takes the output buffer
+    # (aliased) as its last operand. C calls together cost the FLOPs, rows and
+    # transfers of one call over all rows, plus C weight passes instead of one.
+    xs, out = [("bf16", (1, 32768, 1280))], [("bf16", (1, 8192, 5120))]
+    w = ("bf16", (40, 1280, 5120))
+    head = [("s32", (10,)), ("s32", (1,))]
+    whole = E.collective_matmul_hops("matmul_reduce_scatter", head + xs + [w], out)
+    first = E.collective_matmul_hops("matmul_reduce_scatter", head + xs + [w], out, chunks=3)
+    later = E.collective_matmul_hops("matmul_reduce_scatter", head + xs + [w] + out, out, chunks=3)
+    assert later == first and "3 row chunks" in first.site
+    assert 3 * sum(first.flops) == pytest.approx(sum(whole.flops))
+    assert 3 * sum(first.ici) == pytest.approx(sum(whole.ici))
+    weight = 2 * 1280 * 5120 * 4  # one pass of the layer's weight per hop
+    assert 3 * (sum(first.hbm) + first.prologue_hbm) == pytest.approx(sum(whole.hbm) + whole.prologue_hbm
+                                                                       + 2 * weight)
+    # the kind and chunk count come from the pallas_call's name
+    op = lambda name: E.Op(name=name, op="custom-call", type="bf16[1]",
+                           text='custom_call_target="tpu_custom_call"')
+    assert E.collective_matmul_call(op("matmul_reduce_scatter_3chunks.7")) == ("matmul_reduce_scatter", 3)
+    assert E.collective_matmul_call(op("all_gather_matmul.2")) == ("all_gather_matmul", 1)
+    assert E.collective_matmul_call(op("matmul_reduce_scatter_x.1")) is None

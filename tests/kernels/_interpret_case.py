@@ -11,7 +11,8 @@ re-raise). The race detector is always on. Spec keys:
   S, K:    sequence rows, contraction width (ag: K per rank is K)
   widths:  ag: per-rank widths of the weights; rs: per-rank k_i of each pair
   N:       rs: output width
-  slots, col_tile, row_tile: private kernel knobs (optional)
+  slots, col_tile, row_tile, chunks: private kernel knobs (optional; chunks:
+           row chunks per rank, one kernel call each, rs only)
   layers, at: stacked weights [layers, ...] read at each layer index in `at`
            (a runtime argument: one compile), against numpy's x @ w[layer];
            "ag"/"rs" pass the stack and `layer=` to the kernel, the dispatch
@@ -86,7 +87,8 @@ def run(spec):
     rng = np.random.default_rng(spec.get("seed", 0))
     params = pltpu.InterpretParams(detect_races=True)
     knobs = {}
-    for key, arg in (("slots", "_recv_slots"), ("col_tile", "_col_tile_limit"), ("row_tile", "_row_tile_limit")):
+    for key, arg in (("slots", "_recv_slots"), ("col_tile", "_col_tile_limit"), ("row_tile", "_row_tile_limit"),
+                     ("chunks", "_chunks")):
         if key in spec:
             knobs[arg] = spec[key]
     kind = spec["kind"]

@@ -68,7 +68,10 @@ SHAPES = [
     # fused epilogues: bias on every weight, GELU (tanh) on the last
     ("wan-ffn-up-bias-gelu", "ag_epi", 4736, 5120, [3456], 0),
     ("flux-single-qkv-mlp-bias-gelu", "ag_epi", 4608, 3072, [768, 768, 768, 3072], 0),
+    # a long sequence in row chunks, one call each (Wan 480x832x81 attention out: 3 calls)
+    ("wan81-attn-out-3chunks", "rs", 32768, 0, [1280], 5120),
 ]
+CALLS = {"wan81-attn-out-3chunks": 3}
 
 
 @pytest.mark.slow
@@ -80,10 +83,10 @@ def test_kernel_compiles_for_v5e_within_its_vmem_limit(name, kind, S, K, widths,
     print(name, out)
     assert out["reason"] is None, f"{name} is unsupported: {out['reason']}"
     kernels = [k for k in out["kernels"] if k["name"].startswith(("all_gather_matmul", "matmul_reduce_scatter"))]
-    assert len(kernels) == 1, out["kernels"]
-    k = kernels[0]
-    assert k["requested"] == out["plan_limit"], (k, out["plan_limit"])
-    assert 0 < k["used"] <= k["requested"] <= V5E_VMEM, k
+    assert len(kernels) == CALLS.get(name, 1), out["kernels"]
+    for k in kernels:
+        assert k["requested"] == out["plan_limit"], (k, out["plan_limit"])
+        assert 0 < k["used"] <= k["requested"] <= V5E_VMEM, k
 
 
 @pytest.mark.slow

@@ -74,6 +74,32 @@ def test_matmul_reduce_scatter_interpret(name, spec, tol):
     check_ok(dict(kind="rs", **spec), tol)
 
 
+# Row-chunked calls (long sequences: each call holds one chunk of every rank's rows in
+# VMEM, writing its rows of the one output buffer, aliased from call to call).
+RS_CHUNK_CASES = [
+    ("f32-1p-2chunks", dict(dtype="float32", batch=[], S=256, N=256, widths=[128], col_tile=128, row_tile=8,
+                            chunks=2), 0.0),
+    ("f32-2p-b2-3chunks-uneven", dict(dtype="float32", batch=[2], S=320, N=256, widths=[128, 256],
+                                      col_tile=128, row_tile=8, chunks=3), 0.0),  # 80 rows: 32+32+16
+    ("bf16-1p-2chunks-L3", dict(dtype="bfloat16", batch=[1], S=512, N=256, widths=[256], col_tile=128,
+                                row_tile=16, chunks=2, layers=3, at=[2, 0]), 2e-2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,spec,tol", RS_CHUNK_CASES, ids=[c[0] for c in RS_CHUNK_CASES])
+def test_matmul_reduce_scatter_row_chunks(name, spec, tol):
+    check_ok(dict(kind="rs", **spec), tol)
+
+
+@pytest.mark.slow
+def test_race_detector_flags_chunked_calls_with_one_receive_slot_too_few():
+    r = run_case(dict(kind="rs", dtype="float32", batch=[], S=256, N=256, widths=[128], col_tile=128, row_tile=8,
+                      chunks=2, slots=2))
+    assert not r["ok"], "the race detector did not flag a chunked kernel with one receive slot too few"
+    assert "RACE DETECTED" in r["error"], r["error"][-2000:]
+
+
 # Stacked weights [L, ...] read at a runtime layer index (a block scan's), first,
 # middle and last layer; float32 exact. Directly and through the dispatch
 # (LayerWeight).

@@ -55,9 +55,32 @@ def test_matmul_reduce_scatter_supported(x_shapes, w_shapes, dtype):
     ([(4736, 128)] * 3, [(128, 512)] * 3, BF16, "one or two"),
     ([(4736, 128), (2368, 128)], [(128, 512)] * 2, BF16, "do not share"),
     ([(4736, 128), (4736, 128)], [(128, 512), (128, 256)], BF16, "do not share"),
-    ([(4, 4736, 3456)], [(3456, 5120)], BF16, "VMEM budget exceeded"),
+    ([(256, 4736, 3456)], [(3456, 5120)], BF16, "VMEM budget exceeded"),  # even in 16-row chunks
     ([(4736, 3456)], [(3456, 5120)], jnp.float16, "float16"),
 ])
 def test_matmul_reduce_scatter_unsupported(x_shapes, w_shapes, dtype, words):
     reason = rsk.unsupported_reason(x_shapes, w_shapes, dtype, 4)
     assert reason is not None and words in reason, reason
+
+
+@pytest.mark.parametrize("x_shapes,w_shapes,want", [
+    ([(4736, 1280)], [(1280, 5120)], 1),            # Wan 480x832x9 attention out: one call
+    ([(4, 4736, 3456)], [(3456, 5120)], 2),         # batch 4, FFN down: two row chunks
+    ([(32768, 1280)], [(1280, 5120)], 3),           # Wan 480x832x81 attention out
+    ([(75776, 3456)], [(3456, 5120)], 8),           # Wan 720x1280x81 FFN down
+])
+def test_matmul_reduce_scatter_row_chunks_fit_vmem(x_shapes, w_shapes, want):
+    """Long sequences run in row chunks (one call each) instead of falling back: the
+    fewest chunks whose buffers fit the chip's VMEM, each half whole 16-row tiles."""
+    assert rsk.unsupported_reason(x_shapes, w_shapes, BF16, 4) is None
+    n = rsk.chunks(x_shapes, w_shapes, BF16, 4)
+    plan = rsk.vmem_plan(x_shapes, w_shapes, BF16, 4)
+    cap = 128 * 2**20
+    assert plan.limit <= cap
+    pieces = rsk._plan(x_shapes, w_shapes, BF16, 4)[4]
+    rows = x_shapes[0][-2] // 4
+    assert [off for off, _ in pieces] == [sum(sz for _, sz in pieces[:i]) for i in range(n)]  # contiguous
+    assert sum(sz for _, sz in pieces) == rows and all(sz % 32 == 0 for _, sz in pieces)
+    assert max(sz for _, sz in pieces) - min(sz for _, sz in pieces) <= 32  # near-equal
+    assert n == want, n
+    assert all(rsk._plan(x_shapes, w_shapes, BF16, 4, chunks=c)[0] is not None for c in range(1, n))
