@@ -46,14 +46,17 @@ other path slices the layer out (`as_array`), as `lax.scan` would have.
 Epilogues (per weight, applied to its product rows) are callables, or
 `Epilogue`s: a bias and/or an activation the all-gather kernel can apply
 itself, on the float32 tile before the cast, so no pass over its output
-follows. An `Epilogue` with `sum_squares=True` makes that weight's output a
-pair `(y, ssq)`: ssq `[..., S, 1]` is each row's sum of squares of y (as
-rounded to y's dtype) over this rank's columns, in float32 (float64 for
-float64), which the kernel accumulates from its tiles (no pass over y) and
-every other path computes from y; an across-heads RMSNorm then needs one
-psum of it (`layers.normalization.rms_norm_across_heads(..., sum_sq=)`). Every other path (the JAX ring, `sp-xla`, TP) calls the
+follows. Every other path (the JAX ring, `sp-xla`, TP) calls the
 `Epilogue` like any other function, and the kernel path applies callables
 that are not `Epilogue`s after the kernel, as before.
+
+An `Epilogue` with `sum_squares=True` makes that weight's output a pair
+`(y, ssq)`: ssq `[..., S, 1]` is each row's sum of squares of y (as rounded
+to y's dtype) over this rank's columns, in float32 (float64 for float64),
+which the kernel accumulates from its tiles (no pass over y) and every other
+path computes from y (the ring per chunk, assembled like y); an across-heads
+RMSNorm then needs one psum of it
+(`layers.normalization.rms_norm_across_heads(..., sum_sq=)`).
 """
 
 from __future__ import annotations
