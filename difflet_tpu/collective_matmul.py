@@ -49,6 +49,14 @@ itself, on the float32 tile before the cast, so no pass over its output
 follows. Every other path (the JAX ring, `sp-xla`, TP) calls the
 `Epilogue` like any other function, and the kernel path applies callables
 that are not `Epilogue`s after the kernel, as before.
+
+An `Epilogue` with `sum_squares=True` makes that weight's output a pair
+`(y, ssq)`: ssq `[..., S, 1]` is each row's sum of squares of y (as rounded
+to y's dtype) over this rank's columns, in float32 (float64 for float64),
+which the kernel accumulates from its tiles (no pass over y) and every other
+path computes from y (the ring per chunk, assembled like y); an across-heads
+RMSNorm then needs one psum of it
+(`layers.normalization.rms_norm_across_heads(..., sum_sq=)`).
 """
 
 from __future__ import annotations
@@ -106,14 +114,20 @@ class Epilogue:
     bias: None, this rank's `[n]` columns, or a `LayerWeight` of a stacked
       `[L, n]` bias (the all-gather kernel DMAs that layer's row).
     activation: None or a name in `KERNEL_ACTIVATIONS` ("gelu_tanh").
+    sum_squares: also return each row's sum of squares of the result, over
+      its (this rank's) columns: the epilogue returns `(y, ssq)`, ssq
+      `[..., rows, 1]` in `promote_types(y.dtype, float32)`.
 
     Called on a product (`epilogue(y)`), it adds the bias and applies the
-    activation in `y`'s dtype, exactly as the unfused code did; the Pallas
-    all-gather kernel applies it on its float32 tile instead.
+    activation in `y`'s dtype, exactly as the unfused code did (and sums the
+    squares of that result); the Pallas all-gather kernel applies it on its
+    float32 tile instead (and sums the squares of the tile as rounded to the
+    output dtype, i.e. of the same values).
     """
 
     bias: object = None
     activation: str | None = None
+    sum_squares: bool = False
 
     def __post_init__(self):
         if self.activation is not None and self.activation not in KERNEL_ACTIVATIONS:
@@ -126,7 +140,16 @@ class Epilogue:
     def __call__(self, y):
         if self.bias is not None:
             y = y + as_array(self.bias)
-        return y if self.activation is None else KERNEL_ACTIVATIONS[self.activation](y)
+        if self.activation is not None:
+            y = KERNEL_ACTIVATIONS[self.activation](y)
+        return (y, row_sum_squares(y)) if self.sum_squares else y
+
+
+def row_sum_squares(y):
+    """Each row's sum of squares over the last axis, `[..., rows, 1]`, in float32
+    (float64 for float64 `y`)."""
+    yf = y.astype(jnp.promote_types(y.dtype, jnp.float32))
+    return jnp.sum(yf * yf, axis=-1, keepdims=True)
 
 
 def as_array(w):
@@ -214,7 +237,9 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
       interpret: run a Pallas kernel in TPU interpret mode (off TPU).
 
     Returns:
-      A list with one `[..., S, N_i/P]` array per weight, rows in global order.
+      A list with one `[..., S, N_i/P]` array per weight, rows in global order;
+      for an `Epilogue(sum_squares=True)` the pair `(y, ssq)`, ssq `[..., S, 1]`
+      (this rank's columns; not summed over ranks).
     """
     _check_impl(impl)
     if assemble not in ASSEMBLE:
@@ -242,13 +267,14 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
         fused = [isinstance(e, Epilogue) for e in epilogues]
         biases = [_kernel_bias(e.bias, layer) if f else None for e, f in zip(epilogues, fused)]
         acts = [e.activation if f else None for e, f in zip(epilogues, fused)]
+        ssq = [e.sum_squares if f else False for e, f in zip(epilogues, fused)]
         reason = kernel.unsupported_reason(x.shape, [w.shape[1] for w in weights], x.dtype, P,
                                            biases=[None if b is None else (b.size // b.shape[-1], b.dtype)
                                                    for b in biases],
-                                           activations=acts)
+                                           activations=acts, sum_squares=ssq)
         if reason is None:
             ys = kernel.all_gather_matmul(x, stacks, layer=layer, biases=biases, activations=acts,
-                                          axis_name=axis_name, interpret=interpret)
+                                          sum_squares=ssq, axis_name=axis_name, interpret=interpret)
             return [y if f or e is None else e(y) for y, e, f in zip(ys, epilogues, fused)]
         _notice_fallback("all_gather_matmul", (x.shape, tuple(w.shape for w in weights), str(x.dtype)), reason)
     return _ag_ring(x, [as_array(w) for w in weights], epilogues, axis_name, P, assemble)
@@ -291,15 +317,14 @@ def _ag_ring(x, weights, epilogues, axis_name, P, assemble):
         if j < P - 1:
             f, b = f_next, b_next
 
-    outs = []
-    for i in range(len(weights)):
-        yf = [a[i] for a in arrived_f]
-        yb = [a[i] for a in arrived_b]
+    def assembled(yf, yb):
+        if isinstance(yf[0], tuple):  # (y, ssq) chunks of an Epilogue(sum_squares=True)
+            return tuple(assembled([a[k] for a in yf], [a[k] for a in yb]) for k in range(len(yf[0])))
         if assemble == "concat":
-            outs.append(_assemble_concat(yf, yb, idx, P))
-        else:
-            outs.append(_assemble_dus(yf, yb, idx, P, s))
-    return outs
+            return _assemble_concat(yf, yb, idx, P)
+        return _assemble_dus(yf, yb, idx, P, s)
+
+    return [assembled([a[i] for a in arrived_f], [a[i] for a in arrived_b]) for i in range(len(weights))]
 
 
 def _assemble_concat(yf, yb, idx, P):

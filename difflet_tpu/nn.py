@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from difflet_tpu.collective_matmul import KERNEL_ACTIVATIONS, Epilogue, LayerWeight
+from difflet_tpu.collective_matmul import KERNEL_ACTIVATIONS, Epilogue, LayerWeight, row_sum_squares
 
 
 def fp32(dtype):
@@ -56,35 +56,45 @@ def kernel_activation(activation):
     return next((name for name, fn in KERNEL_ACTIVATIONS.items() if activation is fn), None)
 
 
-def epilogue(linear: Linear, activation=None):
+def epilogue(linear: Linear, activation=None, sum_squares: bool = False):
     """Row-wise epilogue for a column-parallel product: bias, then activation.
 
     An `Epilogue` (bias and/or GELU tanh, which the Pallas all-gather kernel
     applies on its float32 tile) when the activation is None or one the
     kernel knows (`kernel_activation`), else a plain function (applied after
     the kernel). Either computes `activation(y + bias)` the same way when
-    called on a product.
+    called on a product. With `sum_squares` it returns `(y, ssq)`: ssq each
+    row's float32 sum of squares of y over its columns (`Epilogue.sum_squares`,
+    accumulated by the all-gather kernel from its tiles).
     """
     bias = None if linear.bias is None else linear.bias.get_value()  # in scan_blocks a LayerWeight
     if activation is None:
-        return Epilogue(bias) if bias is not None else None
+        return Epilogue(bias, None, sum_squares) if bias is not None or sum_squares else None
     name = kernel_activation(activation)
     if name is not None:
-        return Epilogue(bias, name)
+        return Epilogue(bias, name, sum_squares)
 
     def fn(y):
-        y = linear.add_bias(y)
-        return activation(y)
+        y = activation(linear.add_bias(y))
+        return (y, row_sum_squares(y)) if sum_squares else y
 
     return fn
 
 
-def column(par, x, linears, activations=None):
-    """Column-parallel `linears` sharing input `x` through `par.column`."""
+def column(par, x, linears, activations=None, sum_squares=None):
+    """Column-parallel `linears` sharing input `x` through `par.column`.
+
+    `sum_squares`: optional, per linear a bool; that linear's output is then
+    the pair `(y, ssq)`, ssq `[..., rows, 1]` the float32 sum over this rank's
+    columns of y's squares, per row (under SP the Pallas all-gather kernel
+    accumulates it from its tiles; elsewhere it is computed from y), for
+    `rms_norm_across_heads(..., sum_sq=ssq)`.
+    """
     linears = list(linears)
     activations = activations or [None] * len(linears)
+    sum_squares = sum_squares or [False] * len(linears)
     return par.column(x, [weight(l) for l in linears],
-                      [epilogue(l, a) for l, a in zip(linears, activations)])
+                      [epilogue(l, a, q) for l, a, q in zip(linears, activations, sum_squares)])
 
 
 def row(par, pairs):

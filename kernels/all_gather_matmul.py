@@ -11,6 +11,11 @@ weights; it returns, per weight, every row of the sequence times its columns:
     bias_i   [n_i] or [L, n_i]  optional, per weight (a stack is read at `layer`)
     out_i    [B, S, n_i]    rows in global order (rank q's rows at [q*s, (q+1)*s)),
                             act_i(x @ w_i + bias_i) with the epilogue below
+    ssq_i    [B, 2P, 1, h]  optional, per weight (`sum_squares`): float32 sum over
+                            this rank's n_i columns of out_i's squares, per row;
+                            half-slab g = 2q + d holds rank q's half d (rows
+                            [g*h, (g+1)*h) in global order), so the wrapper's
+                            reshape to [B, S, 1] is row order (see below)
 
 Ring (as `difflet_tpu.collective_matmul._ag_ring`): the shard splits into a
 forward half (rows [0, h), h = s/2) and a backward half (rows [h, s)). At hop
@@ -26,10 +31,31 @@ Layout and tiling (per rank; isz = itemsize):
           obuf  [2, 2 dirs, B, h, tn]         product tiles on their way to HBM
           bbuf_i [L_i, n_i]                   weight i's bias, all its L_i rows (1 unless
                                               stacked; only if it has one)
+          sbuf  [2, 2 dirs, B, 1, h] f32      row sums of squares on their way to HBM
+                                              (only if some weight has sum_squares)
     HBM   x, w_i, bias_i (inputs), out_i (outputs); memory_space ANY (w_i kept
           in HBM, `_common.in_hbm`), moved by explicit DMA
     SMEM  tables int32[2 + 2P] (scalar prefetch, see _common.ring_tables)
           layer  int32[1]       (scalar prefetch: weight tiles come from w_i.at[layer])
+          slabs  int32[2 + 2P]  (scalar prefetch: ring_tables with 2 rows a shard, i.e.
+                                 2q for the shards of hop j; ssq half-slab = 2q + d)
+
+Sum of squares (per weight, static, `sum_squares`): after the cast, the
+tile is read back as float32 (the output AS ROUNDED, so the sum equals the
+unfused `sum(y.astype(f32) ** 2)` up to summation order), squared and summed
+over its columns; the (tm, 1) column of row sums is relaid out to a lane-major
+(1, tm) row and accumulated over the weight's column tiles in sbuf (the first
+tile writes, the others add). After the last column tile of hop j, sbuf's two
+halves go to HBM by DMA, each to the half-slab of the rows it holds. Why this
+layout: the rows of an arriving half start at a multiple of 8 or 16 rows, not
+of 128, so a lane-major [B, S] output could not be written at its rows by an
+aligned DMA, and a sublane-major [B, S, 1] one is padded to 128 lanes in VMEM
+and HBM (512 bytes a row); a [B, 2P, 1, h] slab is one DMA at a dynamic
+leading index of whole (1, h) rows, padded to 8 sublanes (32 bytes a row,
+about 1% of a bf16 output row of 1280 columns). sbuf is double-buffered over
+successive (hop, ssq weight) steps k: step k waits for step k-2's DMA before
+its first tile writes. The ssq is this rank's columns only: the caller sums
+it over ranks (one psum) for a norm across all columns (Wan's / LTX-2's q, k).
 
 Weight tiles are DMA'd from `w_i.at[layer, :, cols]`: a block scan passes
 the whole stack and its layer index, so no weight-sized copy of the layer is
@@ -104,12 +130,12 @@ ACTIVATIONS = {"gelu_tanh": lambda y: jax.nn.gelu(y, approximate=True)}
 
 def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
           col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT, row_tile_limit=DEFAULT_ROW_TILE_LIMIT,
-          biases=None, activations=None):
+          biases=None, activations=None, sum_squares=None):
     """(reason, tn, row_tiles, VmemPlan): reason is None if the kernel can run.
 
-    biases / activations: per weight, None (no bias) or the bias's (rows,
-    dtype), rows 1 for [n_i] and L for a stacked [L, n_i]; the activation name
-    or None, as `all_gather_matmul` takes them."""
+    biases / activations / sum_squares: per weight, None (no bias) or the
+    bias's (rows, dtype), rows 1 for [n_i] and L for a stacked [L, n_i]; the
+    activation name or None; a bool, as `all_gather_matmul` takes them."""
     dtype = jnp.dtype(dtype)
     reason = _common.dtype_reason(dtype)
     if reason:
@@ -131,8 +157,9 @@ def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
     h = s // 2
     biases = list(biases) if biases is not None else [None] * len(widths)
     activations = list(activations) if activations is not None else [None] * len(widths)
-    if len(biases) != len(widths) or len(activations) != len(widths):
-        return "one bias and one activation (or None) per weight", None, None, None
+    sum_squares = [bool(q) for q in sum_squares] if sum_squares is not None else [False] * len(widths)
+    if len(biases) != len(widths) or len(activations) != len(widths) or len(sum_squares) != len(widths):
+        return "one bias, one activation (or None) and one sum_squares flag per weight", None, None, None
     bad = [a for a in activations if a is not None and a not in ACTIVATIONS]
     if bad:
         return f"activations {bad} are not among {sorted(ACTIVATIONS)}", None, None, None
@@ -155,10 +182,14 @@ def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
             # values Mosaic materialises per dot: the x row piece, the weight tile, the f32 result
             _common.buffer("dot operands", (tm * K + K * tn,), dtype),
             _common.buffer("f32 result", (tm, tn), jnp.float32),
-            # the epilogue's float32 temporaries (bias added, GELU's inner terms)
+            # the epilogue's float32 temporaries (bias added, GELU's inner terms;
+            # the rounded tile read back and squared for a sum of squares)
             *([_common.buffer("f32 epilogue", (2, tm, tn), jnp.float32)]
-              if any(a is not None for a in activations) else []),
+              if any(a is not None for a in activations) or any(sum_squares) else []),
             *bias_bufs,
+            # row sums of squares: [2, 2, B, 1, h] f32, (1, h) padded to (8, 128k)
+            *([_common.buffer("ssq", (2, 2, B, 8, -(-h // _common.LANES) * _common.LANES), jnp.float32)]
+              if any(sum_squares) else []),
         ))
         if plan.limit <= cap:
             return None, tn, tiles, plan
@@ -167,36 +198,44 @@ def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
 
 
 def unsupported_reason(x_shape, widths, dtype, axis_size, *, biases=None,
-                       activations=None) -> str | None:
+                       activations=None, sum_squares=None) -> str | None:
     """None if `all_gather_matmul` runs for these shapes, else one sentence why not."""
-    return _plan(x_shape, list(widths), dtype, axis_size, biases=biases, activations=activations)[0]
+    return _plan(x_shape, list(widths), dtype, axis_size, biases=biases, activations=activations,
+                 sum_squares=sum_squares)[0]
 
 
 def vmem_plan(x_shape, widths, dtype, axis_size, *, biases=None,
-              activations=None) -> _common.VmemPlan | None:
+              activations=None, sum_squares=None) -> _common.VmemPlan | None:
     """The VMEM buffer plan (and requested scoped limit) for these shapes."""
-    return _plan(x_shape, list(widths), dtype, axis_size, biases=biases, activations=activations)[3]
+    return _plan(x_shape, list(widths), dtype, axis_size, biases=biases, activations=activations,
+                 sum_squares=sum_squares)[3]
 
 
 # --------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------
 
-def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tiles, slots, unit,
-            bias_stacked, activations):
+def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tiles, slots, unit,
+            bias_stacked, activations, sum_squares):
     nw = len(widths)
     has_bias = [st is not None for st in bias_stacked]
     nb = sum(has_bias)
-    w_hbm = refs[:nw]
-    b_hbm = refs[nw:nw + nb]
-    out_hbm = refs[nw + nb:2 * nw + nb]
-    xbuf, wbuf, obuf = refs[2 * nw + nb:2 * nw + nb + 3]
-    bbuf = refs[2 * nw + nb + 3:2 * nw + 2 * nb + 3]
-    x_sem, recv_sem, send_sem, w_sem, o_sem, b_sem = refs[2 * nw + 2 * nb + 3:]
+    ns = sum(sum_squares)
+    refs = list(refs)
+    take = lambda n: [refs.pop(0) for _ in range(n)]
+    w_hbm, b_hbm, out_hbm, ssq_hbm = take(nw), take(nb), take(nw), take(ns)
+    xbuf, wbuf, obuf = take(3)
+    bbuf = take(nb)
+    sbuf = take(1)[0] if ns else None
+    x_sem, recv_sem, send_sem, w_sem, o_sem, b_sem, s_sem = refs
     bias_of, k = [], 0  # weight i -> its bias slot (None: no bias)
     for hb in has_bias:
         bias_of.append(k if hb else None)
         k += hb
+    ssq_of, k = [], 0  # weight i -> its ssq output (None: no sum of squares)
+    for q in sum_squares:
+        ssq_of.append(k if q else None)
+        k += q
     ncols = [n // tn for n in widths]
     steps_per_hop = sum(ncols)
     total_steps = P * steps_per_hop
@@ -221,6 +260,10 @@ def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tile
         col = pl.multiple_of(c * tn, tn)
         return pltpu.make_async_copy(obuf.at[par, d], out_hbm[i].at[:, pl.ds(row(j, d), h), pl.ds(col, tn)],
                                      o_sem.at[par, d])
+
+    def s_copy(k, j, d, sp):  # ssq output k's half d of hop j: sbuf[sp, d] -> its half-slab
+        slab = slabs[2 + j] if d == 0 else slabs[2 + P + j] + 1
+        return pltpu.make_async_copy(sbuf.at[sp, d], ssq_hbm[k].at[:, slab], s_sem.at[sp, d])
 
     # Own halves into slot 0 (local DMA), the bias rows and the first weight tile, at once.
     local = [pltpu.make_async_copy(x_hbm.at[:, pl.ds(d * h, h)], xbuf.at[d, 0], x_sem.at[d]) for d in (0, 1)]
@@ -256,7 +299,11 @@ def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tile
             else:
                 nxt = None
 
-            def body(c, carry, i=i, base=base, nxt=nxt, slot=slot, j=j):
+            # the (hop, ssq weight) step of this weight's sums of squares, and its sbuf parity
+            step = j * ns + (ssq_of[i] if ssq_of[i] is not None else 0)
+            sp = step % 2
+
+            def body(c, carry, i=i, base=base, nxt=nxt, slot=slot, j=j, step=step, sp=sp):
                 t = base + c
                 par = t % 2
                 w_copy(i, c, par).wait()
@@ -286,6 +333,12 @@ def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tile
                     else:
                         bias = rows
                 act = ACTIVATIONS[activations[i]] if activations[i] is not None else None
+                ssq = ssq_of[i] is not None
+                if ssq and step >= 2:
+                    @pl.when(c == 0)  # sbuf[sp] went out two ssq steps ago
+                    def _():
+                        for d in (0, 1):
+                            s_copy(0, 0, d, sp).wait()
                 for d in (0, 1):
                     for b in range(B):
                         for r0, tm in tiles:
@@ -295,9 +348,20 @@ def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tile
                                 y = y + bias
                             if act is not None:
                                 y = act(y)
-                            obuf[par, d, b, pl.ds(r0, tm), :] = y.astype(obuf.dtype)
+                            y = y.astype(obuf.dtype)
+                            obuf[par, d, b, pl.ds(r0, tm), :] = y
+                            if ssq:  # the rounded output's squares, summed over this tile's columns
+                                yf = y.astype(jnp.float32)
+                                part = jnp.sum(yf * yf, axis=-1).reshape(1, tm)
+                                prev = sbuf[sp, d, b, :, pl.ds(r0, tm)]
+                                sbuf[sp, d, b, :, pl.ds(r0, tm)] = jnp.where(c > 0, prev + part, part)
                 for d in (0, 1):
                     o_copy(i, j, d, c, par).start()
+                if ssq:
+                    @pl.when(c + 1 == ncols[i])  # this hop's row sums are complete
+                    def _():
+                        for d in (0, 1):
+                            s_copy(ssq_of[i], j, d, sp).start()
                 return carry
 
             lax.fori_loop(0, ncols[i], body, 0)
@@ -310,9 +374,13 @@ def _kernel(tables, layer, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tile
     for t in range(max(0, total_steps - 2), total_steps):
         for d in (0, 1):
             o_copy(0, 0, d, 0, t % 2).wait()
+    for step in range(max(0, P * ns - 2), P * ns):  # ... and the last two ssq steps'
+        for d in (0, 1):
+            s_copy(0, 0, d, step % 2).wait()
 
 
-def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, axis_name="tp", interpret=False,
+def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, sum_squares=None,
+                      axis_name="tp", interpret=False,
                       _recv_slots=RECV_SLOTS, _col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT,
                       _row_tile_limit=DEFAULT_ROW_TILE_LIMIT):
     """Gathers `x` over `axis_name` while multiplying it by each weight.
@@ -326,18 +394,24 @@ def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, 
         `[L, N_i/P]` read at `layer`; added to the float32 product.
       activations: optional, per weight None or a name in `ACTIVATIONS`
         ("gelu_tanh"), applied after the bias, before the cast.
+      sum_squares: optional, per weight a bool: also return the float32 sum
+        over this rank's columns of the output's squares (as rounded to x's
+        dtype), per row. No sum over ranks.
       interpret: False (Mosaic), True (TPU interpret mode) or a
         `pltpu.InterpretParams` (e.g. with detect_races=True).
 
     Returns:
       One `[..., S, N_i/P]` array per weight, rows in global order:
-      `act_i(x_all @ w_i + bias_i)`.
+      `act_i(x_all @ w_i + bias_i)`; for a weight with `sum_squares`, the
+      pair `(y_i, ssq_i)` with ssq_i `[..., S, 1]` float32.
     """
     weights = list(weights)
     biases = list(biases) if biases is not None else [None] * len(weights)
     activations = list(activations) if activations is not None else [None] * len(weights)
-    if len(biases) != len(weights) or len(activations) != len(weights):
-        raise ValueError("all_gather_matmul kernel: one bias and one activation (or None) per weight")
+    sum_squares = [bool(q) for q in sum_squares] if sum_squares is not None else [False] * len(weights)
+    if len(biases) != len(weights) or len(activations) != len(weights) or len(sum_squares) != len(weights):
+        raise ValueError("all_gather_matmul kernel: one bias, one activation (or None) and one "
+                         "sum_squares flag per weight")
     stacked_layer = layer is not None
     if layer is None:  # one layer: [K, n] -> [1, K, n], a free reshape
         weights, layer = [w[None] for w in weights], 0
@@ -361,7 +435,7 @@ def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, 
                                     col_tile_limit=_col_tile_limit, row_tile_limit=_row_tile_limit,
                                     biases=[None if b is None else (b.size // b.shape[-1], b.dtype)
                                             for b in biases],
-                                    activations=activations)
+                                    activations=activations, sum_squares=sum_squares)
     if reason:
         raise ValueError(f"all_gather_matmul kernel: {reason}")
     for w in weights:
@@ -373,12 +447,14 @@ def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, 
     S = s * P
     x3 = x.reshape(B, s, K)
     tables = _common.ring_tables(axis_name, s)
+    slabs = _common.ring_tables(axis_name, 2)  # 2q: the first half-slab of each hop's shard
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    ns = sum(sum_squares)
 
     kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, K=K, widths=tuple(widths),
                                tn=tn, tiles=tiles, slots=_recv_slots,
                                unit=_common.sublane_rows(x.dtype), bias_stacked=tuple(bias_stacked),
-                               activations=tuple(activations))
+                               activations=tuple(activations), sum_squares=tuple(sum_squares))
     # biases as [L, n] (a stack, as given) or [1, n]: the kernel DMAs all rows into VMEM
     bias_ops = [b.reshape(-1, b.shape[-1]) for b in biases if b is not None]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -387,32 +463,38 @@ def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, 
     cost = pl.CostEstimate(
         flops=2 * B * S * K * n_total,
         transcendentals=B * S * sum(n for n, a in zip(widths, activations) if a is not None),
-        # x once, every weight tile once per hop, every product once (bias rows: negligible).
+        # x once, every weight tile once per hop, every product once (bias rows and
+        # sums of squares: negligible).
         bytes_accessed=itemsize * (B * s * K + P * K * n_total + B * S * n_total),
     )
     outs = pl.pallas_call(
         kernel,
-        out_shape=[_common.out_struct((B, S, n), x.dtype, x) for n in widths],
+        out_shape=([_common.out_struct((B, S, n), x.dtype, x) for n in widths]
+                   + [_common.out_struct((B, 2 * P, 1, h), jnp.float32, x)] * ns),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             in_specs=[any_spec] * (1 + len(weights) + len(bias_ops)),
-            out_specs=[any_spec] * len(weights),
+            out_specs=[any_spec] * (len(weights) + ns),
             scratch_shapes=[
                 pltpu.VMEM((2, _recv_slots, B, h, K), x.dtype),   # xbuf
                 pltpu.VMEM((2, K, tn), x.dtype),                  # wbuf
                 pltpu.VMEM((2, 2, B, h, tn), x.dtype),            # obuf
                 *[pltpu.VMEM(b.shape, b.dtype) for b in bias_ops],  # bbuf: biases (all rows)
+                *([pltpu.VMEM((2, 2, B, 1, h), jnp.float32)] if ns else []),  # sbuf: row sums of squares
                 pltpu.SemaphoreType.DMA((2,)),                    # x_sem: own halves -> slot 0
                 pltpu.SemaphoreType.DMA((2, _recv_slots)),        # recv_sem per direction, slot
                 pltpu.SemaphoreType.DMA((2,)),                    # send_sem per direction
                 pltpu.SemaphoreType.DMA((2,)),                    # w_sem per weight buffer
                 pltpu.SemaphoreType.DMA((2, 2)),                  # o_sem per obuf, direction
                 pltpu.SemaphoreType.DMA((max(1, len(bias_ops)),)),  # b_sem per bias row
+                pltpu.SemaphoreType.DMA((2, 2)),                  # s_sem per sbuf, direction
             ],
         ),
         compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, vmem_limit_bytes=plan.limit),
         cost_estimate=cost,
         interpret=_common.interpret_params(interpret),
         name="all_gather_matmul",
-    )(tables, layer, x3, *[_common.in_hbm(w) for w in weights], *bias_ops)
-    return [o.reshape(*lead, S, o.shape[-1]) for o in outs]
+    )(tables, layer, slabs, x3, *[_common.in_hbm(w) for w in weights], *bias_ops)
+    ys = [o.reshape(*lead, S, o.shape[-1]) for o in outs[:len(weights)]]
+    ssqs = iter(outs[len(weights):])  # [B, 2P, 1, h]: half-slabs in global row order
+    return [(y, next(ssqs).reshape(*lead, S, 1)) if q else y for y, q in zip(ys, sum_squares)]

@@ -160,3 +160,100 @@ def test_errors_before_compilation():
         run_ag(mesh, np.zeros((16, 8), np.float32), [w], False, impl="cuda")
     with pytest.raises(ValueError, match="assemble"):
         run_ag(mesh, np.zeros((16, 8), np.float32), [w], False, assemble="stack")
+
+
+def _run_ag_ssq(mesh, x, ws, bs, ssq, batch, **kw):
+    """all_gather_matmul with Epilogue(bias, None, ssq_i); ssq outputs concatenated
+    over ranks on the last axis ([..., S, P]: column r is rank r's columns)."""
+    row = P(None, TP, None) if batch else P(TP, None)
+    col = P(None, None, TP) if batch else P(None, TP)
+
+    def f(x, *a):
+        n = len(ws)
+        return tuple(cm.all_gather_matmul(x, list(a[:n]), epilogues=[cm.Epilogue(b, None, q)
+                                                                     for b, q in zip(a[n:], ssq)], **kw))
+
+    g = jax.shard_map(f, mesh=mesh, in_specs=(row, *[P(None, TP)] * len(ws), *[P(TP)] * len(bs)),
+                      out_specs=tuple((col, col) if q else col for q in ssq), check_vma=False)
+    return jax.jit(g)(x, *ws, *bs)
+
+
+def _per_rank_ssq(y, P_):
+    y = np.asarray(y, np.float64)
+    return np.stack([np.sum(c * c, axis=-1) for c in np.split(y, P_, axis=-1)], axis=-1)
+
+
+@pytest.mark.parametrize("P_", [1, 2, 4])
+@pytest.mark.parametrize("impl,assemble", [("jax", "concat"), ("jax", "dus"), ("xla", "concat"),
+                                           ("pallas", "concat")])
+@pytest.mark.parametrize("batch", [False, True])
+def test_sum_squares_epilogue_every_path(P_, impl, assemble, batch):
+    # The ring (per chunk, assembled like the outputs), sp-xla, P == 1 and the pallas
+    # dispatch's ring fallback (these shapes do not suit the kernel): each weight with
+    # sum_squares returns (y, ssq), ssq [..., S, 1] float32 over this rank's columns.
+    rng = np.random.default_rng(P_ * 7 + batch)
+    S, K = 8 * P_, 24
+    x = rng.standard_normal((2, S, K) if batch else (S, K)).astype(np.float32)
+    ws = [rng.standard_normal((K, n * P_)).astype(np.float32) for n in (8, 4, 12)]
+    bs = [rng.standard_normal(w.shape[1]).astype(np.float32) for w in ws]
+    ssq = [True, False, True]
+    outs = _run_ag_ssq(make_mesh(P_), x, ws, bs, ssq, batch, impl=impl, assemble=assemble,
+                       interpret=impl == "pallas")
+    for o, w, b, q in zip(outs, ws, bs, ssq):
+        ref = x.astype(np.float64) @ w + b
+        if not q:
+            assert rel(o, ref) <= 1e-5
+            continue
+        y, s = o
+        assert rel(y, ref) <= 1e-5
+        assert s.dtype == jnp.float32 and s.shape == x.shape[:-1] + (P_,)
+        np.testing.assert_allclose(np.asarray(s, np.float64), _per_rank_ssq(y, P_), rtol=1e-6)
+
+
+def test_sum_squares_of_bf16_is_float32_within_rounding():
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((16, 32)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((32, 16)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(16), jnp.bfloat16)
+    ((y, s),) = _run_ag_ssq(make_mesh(4), x, [w], [b], [True], False)
+    assert y.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    # The ring squares its bf16 chunks, but XLA (here on CPU) may fuse the square into
+    # the matmul and bias and drop the bf16 round trip in between (as it may for the
+    # unfused norm): within two bf16 roundings (2^-7) of the rounded output's squares.
+    np.testing.assert_allclose(np.asarray(s, np.float64), _per_rank_ssq(np.asarray(y, np.float32), 4), rtol=2**-7)
+
+
+def test_sum_squares_epilogue_called_directly():
+    y = jnp.linspace(-3, 3, 16 * 8, dtype=jnp.float32).reshape(2, 8, 8)
+    b = jnp.arange(8, dtype=jnp.float32)
+    out, s = cm.Epilogue(b, "gelu_tanh", sum_squares=True)(y)
+    ref = jax.nn.gelu(y + b, approximate=True)
+    assert (out == ref).all() and s.shape == (2, 8, 1)
+    np.testing.assert_allclose(s, jnp.sum(ref * ref, axis=-1, keepdims=True), rtol=1e-6)
+    assert cm.row_sum_squares(jnp.ones((3, 4), jnp.bfloat16)).dtype == jnp.float32
+    if jax.config.jax_enable_x64:
+        assert cm.row_sum_squares(jnp.ones((3, 4), jnp.float64)).dtype == jnp.float64
+
+
+def test_nn_column_sum_squares_feeds_rms_norm_across_heads():
+    # single mode: nn.column(..., sum_squares=) returns (y, ssq) and the norm given
+    # ssq equals the norm computing it (the same values, bit for bit)
+    from flax import nnx
+
+    from difflet_tpu import nn
+    from difflet_tpu.layers.normalization import rms_norm_across_heads
+    from difflet_tpu.parallel import Parallel
+
+    par = Parallel()
+    lins = [nn.Linear(8, 16, dtype=jnp.bfloat16, rngs=nnx.Rngs(i), bias=i == 0) for i in range(3)]
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 6, 8)), jnp.bfloat16)
+    (q, qs), (k, ks), v = nn.column(par, x, lins, sum_squares=[True, True, False])
+    for y, lin in ((q, lins[0]), (k, lins[1]), (v, lins[2])):
+        assert (y == lin(x)).all()
+    scale = jnp.linspace(0.5, 1.5, 16, dtype=jnp.bfloat16)
+    for y, s in ((q, qs), (k, ks)):
+        assert s.dtype == jnp.float32 and s.shape == (2, 6, 1)
+        assert (rms_norm_across_heads(par, y, scale, 1e-6, 16, sum_sq=s)
+                == rms_norm_across_heads(par, y, scale, 1e-6, 16)).all()
+    e = nn.epilogue(lins[2], None, sum_squares=True)  # no bias: still an Epilogue, for its ssq
+    assert isinstance(e, cm.Epilogue) and e.sum_squares and e.bias is None

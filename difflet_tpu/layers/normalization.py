@@ -50,13 +50,20 @@ def rms_norm(x, scale=None, eps: float = 1e-6, sum_sq=None, dim: int | None = No
     return y.astype(x.dtype)
 
 
-def rms_norm_across_heads(par, x, scale, eps: float, dim: int):
+def rms_norm_across_heads(par, x, scale, eps: float, dim: int, sum_sq=None):
     """`torch.nn.RMSNorm(dim)` over all heads' channels (Wan's and LTX-2's q/k norms),
     of which this rank holds a column-parallel slice: the per-token sum of squares
     is summed over the `tp` ranks in float32, so every rank divides by the
-    full-width mean (on one device: a plain RMSNorm)."""
-    xf = x.astype(nn.fp32(x.dtype))
-    sum_sq = par.sum_over_ranks(jnp.sum(xf * xf, axis=-1, keepdims=True))
+    full-width mean (on one device: a plain RMSNorm).
+
+    `sum_sq`: optional, this rank's per-token sum of squares of x, `[..., rows, 1]`
+    float32, already computed (`nn.column(..., sum_squares=...)`: the all-gather
+    kernel accumulates it from its tiles, so no pass over x reads it here); it is
+    summed over the ranks the same way."""
+    if sum_sq is None:
+        xf = x.astype(nn.fp32(x.dtype))
+        sum_sq = jnp.sum(xf * xf, axis=-1, keepdims=True)
+    sum_sq = par.sum_over_ranks(sum_sq.astype(nn.fp32(x.dtype)))
     return rms_norm(x, scale, eps, sum_sq=sum_sq, dim=dim)
 
 

@@ -170,18 +170,25 @@ class LTX2Attention(nnx.Module):
         (LTX2PerturbedAttnProcessor), 1 = plain attention, 0 = values only.
         """
         gated = self.to_gate_logits is not None
+        # q (and in self-attention k) come with their per-row sums of squares over this
+        # rank's columns for the across-heads norms (accumulated by the all-gather kernel)
+        key_ssq = None
         if encoder_hidden_states is None:  # self-attention: one gather feeds q, k, v (and the gate)
             outs = nn.column(qpar, hidden_states, [self.to_q, self.to_k, self.to_v]
-                             + ([self.to_gate_logits] if gated else []))
-            query, key, value = outs[:3]
+                             + ([self.to_gate_logits] if gated else []),
+                             sum_squares=[True, True, False] + ([False] if gated else []))
+            (query, query_ssq), (key, key_ssq), value = outs[:3]
         else:
-            outs = nn.column(qpar, hidden_states, [self.to_q] + ([self.to_gate_logits] if gated else []))
-            query = outs[0]
+            outs = nn.column(qpar, hidden_states, [self.to_q] + ([self.to_gate_logits] if gated else []),
+                             sum_squares=[True] + ([False] if gated else []))
+            query, query_ssq = outs[0]
             key, value = nn.column(kvpar, encoder_hidden_states, [self.to_k, self.to_v])
         gate_logits = outs[-1] if gated else None
 
-        query = rms_norm_across_heads(qpar, query, self.norm_q.scale[...], self.norm_eps, self.inner_dim)
-        key = rms_norm_across_heads(qpar, key, self.norm_k.scale[...], self.norm_eps, self.inner_dim)
+        query = rms_norm_across_heads(qpar, query, self.norm_q.scale[...], self.norm_eps, self.inner_dim,
+                                      sum_sq=query_ssq)
+        key = rms_norm_across_heads(qpar, key, self.norm_k.scale[...], self.norm_eps, self.inner_dim,
+                                    sum_sq=key_ssq)
         if query_rotary_emb is not None:
             query = apply_rotary_emb(qpar, query, query_rotary_emb)
             key = apply_rotary_emb(qpar, key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)

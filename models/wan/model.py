@@ -109,8 +109,8 @@ class WanAttention(nnx.Module):
         else:
             self.add_k_proj = self.add_v_proj = self.norm_added_k = None
 
-    def _norm(self, par, x, weight):
-        return rms_norm_across_heads(par, x, weight.scale[...], self.eps, self.dim)
+    def _norm(self, par, x, weight, sum_sq=None):
+        return rms_norm_across_heads(par, x, weight.scale[...], self.eps, self.dim, sum_sq=sum_sq)
 
     def _heads(self, par, t):
         return t.reshape(*t.shape[:-1], par.local_heads(self.heads), self.head_dim)
@@ -120,9 +120,11 @@ class WanAttention(nnx.Module):
 
     def self_attention(self, par, x, cos, sin, kv_mask, split_rope: bool):
         """attn1: x this rank's rows (SP) or all rows; RoPE; pad keys dropped by kv_mask."""
-        q, k, v = nn.column(par, x, [self.to_q, self.to_k, self.to_v])  # (B, S, D/P) each
-        q = self._heads(par, self._norm(par, q, self.norm_q))
-        k = self._heads(par, self._norm(par, k, self.norm_k))
+        # (B, S, D/P) each; q's and k's per-row sums of squares (B, S, 1) for the norms
+        (q, q_ssq), (k, k_ssq), v = nn.column(par, x, [self.to_q, self.to_k, self.to_v],
+                                              sum_squares=[True, True, False])
+        q = self._heads(par, self._norm(par, q, self.norm_q, q_ssq))
+        k = self._heads(par, self._norm(par, k, self.norm_k, k_ssq))
         v = self._heads(par, v)
         q = apply_rotary_emb(q, cos[:, None], sin[:, None], split_rope)
         k = apply_rotary_emb(k, cos[:, None], sin[:, None], split_rope)
@@ -143,8 +145,8 @@ class WanAttention(nnx.Module):
 
     def cross_attention(self, par, x, kv):
         """attn2: q from the video rows, K/V from `context_kv`; no RoPE, no mask."""
-        (q,) = nn.column(par, x, [self.to_q])
-        q = self._heads(par, self._norm(par, q, self.norm_q))
+        ((q, q_ssq),) = nn.column(par, x, [self.to_q], sum_squares=[True])
+        q = self._heads(par, self._norm(par, q, self.norm_q, q_ssq))
         img = None
         if "k_img" in kv:  # I2V: a separate attention over the image tokens, added before to_out
             img = self._attend(par, q, self._heads(par, kv["k_img"]), self._heads(par, kv["v_img"]))

@@ -26,6 +26,15 @@ re-raise). The race detector is always on. Spec keys:
            Reports rel_err against float64 numpy act(x @ w + b) and
            unfused_err: the fused result against the kernel without
            epilogues followed by the same epilogue as an XLA pass.
+           ssq (per weight, true/false, optional): that weight also returns
+           its rows' sums of squares over each rank's columns; reported per
+           such weight: ssq_err (against float64 numpy sums of the returned
+           output's squares: only the kernel's float32 summation differs),
+           ssq_ref_err (against float64 sums of the float64 reference's
+           squares: includes the output's rounding) and ssq_unfused_err
+           (against collective_matmul.row_sum_squares of the unfused output),
+           each max over rows of |ssq - ref| / max(ref_row, 1).
+  ring:    ring size P (2 or 4; default 4) on the 4 CPU devices
 
 Float32 cases use small integer values, so every product is exact and the
 kernel must equal numpy bit for bit; bf16 cases use normal values and a
@@ -82,6 +91,8 @@ def run(spec):
     from difflet_tpu.kernels import matmul_reduce_scatter as rsk
     from difflet_tpu.mesh import make_mesh
 
+    global P_RING
+    P_RING = spec.get("ring", 4)
     mesh = make_mesh(P_RING)
     dt = jnp.dtype(spec["dtype"])
     rng = np.random.default_rng(spec.get("seed", 0))
@@ -229,6 +240,7 @@ def epilogues(spec, params, mesh, dt, rng, lead, knobs):
     nw = len(ws)
     stack = (spec["layers"],) if "layers" in spec else ()
     has_b, acts = spec["bias"], spec["act"]
+    ssqs = spec.get("ssq", [False] * nw)
     bs = [rng.integers(-3, 4, size=stack + (w.shape[-1],)).astype(np.float32) if hb else None
           for w, hb in zip(ws, has_b)]
     if dt == jnp.bfloat16:
@@ -250,33 +262,50 @@ def epilogues(spec, params, mesh, dt, rng, lead, knobs):
         w, b = split(a)
         if dispatch:
             wrap = (lambda v: cm.LayerWeight(v, layer)) if stacked else (lambda v: v)
-            eps = [cm.Epilogue(None if bb is None else wrap(bb), ac) for bb, ac in zip(b, acts)]
+            eps = [cm.Epilogue(None if bb is None else wrap(bb), ac, q) for bb, ac, q in zip(b, acts, ssqs)]
             return cm.all_gather_matmul(x, [wrap(v) for v in w], impl="pallas", epilogues=eps, interpret=params)
         return agk.all_gather_matmul(x, w, layer=layer if stacked else None, biases=b, activations=acts,
-                                     interpret=params, **knobs)
+                                     sum_squares=ssqs, interpret=params, **knobs)
 
     def unfused(x, layer, *a):  # the kernel's bare products, then the epilogue as an XLA pass
         w, b = split(a)
         ys = agk.all_gather_matmul(x, w, layer=layer if stacked else None, interpret=params,
                                    **{k: v for k, v in knobs.items() if k != "_recv_slots"})
         out = []
-        for y, bb, ac in zip(ys, b, acts):
+        for y, bb, ac, q in zip(ys, b, acts, ssqs):
             if bb is not None:
                 y = y + (bb[layer] if stacked else bb)
-            out.append(y if ac is None else cm.KERNEL_ACTIVATIONS[ac](y))
+            y = y if ac is None else cm.KERNEL_ACTIVATIONS[ac](y)
+            out.append((y, cm.row_sum_squares(y)) if q else y)
         return out
 
     wspec = P(None, None, "tp") if stacked else P(None, "tp")
     bspec = P(None, "tp") if stacked else P("tp")
     specs = (P(*lead, "tp", None), P()) + (wspec,) * nw + (bspec,) * len(bidx)
-    g = {k: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=[P(*lead, None, "tp")] * nw))
+    # a sum of squares is [..., S, 1] per rank: concatenated over ranks, [..., S, P] (column r: rank r's)
+    ospec = P(*lead, None, "tp")
+    out_specs = [(ospec, ospec) if q else ospec for q in ssqs]
+    g = {k: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=out_specs))
          for k, f in (("fused", fused), ("unfused", unfused))}
     args = [jnp.asarray(w, dt) for w in ws] + [jnp.asarray(bs[i], dt) for i in bidx]
-    rel, unf = [], []
+    rel, unf, s_err, s_ref, s_unf, s_dtype = [], [], [], [], [], []
+
+    def per_rank_ssq(y):  # float64 [..., S, P]: each rank's columns' sums of squares
+        return np.stack([np.sum(c * c, axis=-1) for c in np.split(y, P_RING, axis=-1)], axis=-1)
+
+    def ssq_rel(a, ref):
+        return float(np.max(np.abs(a - ref) / np.maximum(ref, 1.0)))
+
     for l in (spec["at"] if stacked else [0]):
         outs = g["fused"](jnp.asarray(x, dt), jnp.int32(l), *args)
         base = g["unfused"](jnp.asarray(x, dt), jnp.int32(l), *args)
         for i, (o, u) in enumerate(zip(outs, base)):
+            if ssqs[i]:
+                (o, so), (u, su) = o, u
+                s_dtype.append(str(so.dtype))
+                so = np.asarray(so).astype(np.float64)
+                su = np.asarray(su).astype(np.float64)
+                assert so.shape == o.shape[:-1] + (P_RING,), (so.shape, o.shape)
             w = ws[i][l] if stacked else ws[i]
             ref = x.astype(np.float64) @ w.astype(np.float64)
             if bs[i] is not None:
@@ -288,7 +317,12 @@ def epilogues(spec, params, mesh, dt, rng, lead, knobs):
             scale = max(1.0, np.abs(ref).max())
             rel.append(float(np.abs(o - ref).max() / scale))
             unf.append(float(np.abs(o - u).max() / scale))
-    return dict(rel_err=rel, unfused_err=unf)
+            if ssqs[i]:
+                s_err.append(ssq_rel(so, per_rank_ssq(o)))
+                s_ref.append(ssq_rel(so, per_rank_ssq(ref)))
+                s_unf.append(ssq_rel(so, su))
+    return dict(rel_err=rel, unfused_err=unf, ssq_err=s_err, ssq_ref_err=s_ref, ssq_unfused_err=s_unf,
+                ssq_dtype=s_dtype)
 
 
 def main():

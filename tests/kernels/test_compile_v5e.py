@@ -31,14 +31,19 @@ if kind == "ag":
     f = jax.shard_map(lambda x, *w: cm.all_gather_matmul(x, list(w), impl="pallas"), mesh=mesh,
                       in_specs=(P("tp", None),) + (P(None, "tp"),) * n, out_specs=[P(None, "tp")] * n)
     args = [sd((S, K), P("tp", None))] + [sd((K, 4 * w), P(None, "tp")) for w in widths]
-elif kind == "ag_epi":  # every weight with a bias; GELU (tanh) on the last one, as the ports' MLP inputs
-    acts = [None] * (n - 1) + ["gelu_tanh"]
-    reason = agk.unsupported_reason((S // 4, K), widths, bf, 4, biases=[(1, bf)] * n, activations=acts)
-    plan = agk.vmem_plan((S // 4, K), widths, bf, 4, biases=[(1, bf)] * n, activations=acts)
+elif kind in ("ag_epi", "ag_ssq"):
+    if kind == "ag_epi":  # every weight with a bias; GELU (tanh) on the last one, as the ports' MLP inputs
+        acts, ssq = [None] * (n - 1) + ["gelu_tanh"], [False] * n
+    else:  # every weight with a bias; row sums of squares of the first two (Wan's q, k; not v)
+        acts, ssq = [None] * n, [True] * min(n, 2) + [False] * (n - 2)
+    reason = agk.unsupported_reason((S // 4, K), widths, bf, 4, biases=[(1, bf)] * n, activations=acts,
+                                    sum_squares=ssq)
+    plan = agk.vmem_plan((S // 4, K), widths, bf, 4, biases=[(1, bf)] * n, activations=acts, sum_squares=ssq)
     f = jax.shard_map(lambda x, *a: cm.all_gather_matmul(x, list(a[:n]), impl="pallas",
-                                                         epilogues=[cm.Epilogue(b, ac) for b, ac in zip(a[n:], acts)]),
+                                                         epilogues=[cm.Epilogue(b, ac, q)
+                                                                    for b, ac, q in zip(a[n:], acts, ssq)]),
                       mesh=mesh, in_specs=(P("tp", None),) + (P(None, "tp"),) * n + (P("tp"),) * n,
-                      out_specs=[P(None, "tp")] * n)
+                      out_specs=[(P(None, "tp"), P(None, "tp")) if q else P(None, "tp") for q in ssq])
     args = ([sd((S, K), P("tp", None))] + [sd((K, 4 * w), P(None, "tp")) for w in widths]
             + [sd((4 * w,), P("tp")) for w in widths])
 else:
@@ -70,6 +75,10 @@ SHAPES = [
     ("flux-single-qkv-mlp-bias-gelu", "ag_epi", 4608, 3072, [768, 768, 768, 3072], 0),
     # a long sequence in row chunks, one call each (Wan 480x832x81 attention out: 3 calls)
     ("wan81-attn-out-3chunks", "rs", 32768, 0, [1280], 5120),
+    # row sums of squares (across-heads q/k RMSNorm): bias on every weight; ssq of
+    # self-attention's q and k (not v), of cross-attention's q
+    ("wan-attn-qkv-bias-ssq", "ag_ssq", 4736, 5120, [1280, 1280, 1280], 0),
+    ("wan-cross-q-bias-ssq", "ag_ssq", 4736, 5120, [1280], 0),
 ]
 CALLS = {"wan81-attn-out-3chunks": 3}
 

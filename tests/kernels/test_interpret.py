@@ -203,3 +203,61 @@ def test_race_detector_flags_the_fused_epilogue_kernel_with_one_slot_too_few():
                       act=["gelu_tanh"], col_tile=128, row_tile=8))
     assert not r["ok"], "the race detector did not flag the epilogue kernel with one receive slot too few"
     assert "RACE DETECTED" in r["error"], r["error"][-2000:]
+
+
+# Row sums of squares (`sum_squares`, for the across-heads q/k RMSNorm) of some
+# weights' outputs, over each rank's columns, on rings of 2 and 4 (the 4 CPU
+# devices), with biases, GELU and stacked weights. ssq_err: against float64 numpy
+# sums of the squares of the output the kernel returned (only the float32
+# summation differs); ssq_unfused_err: against collective_matmul.row_sum_squares
+# of the unfused path's output; ssq_ref_err: against the float64 reference's
+# squares (adds the output's own rounding: 0 in float32 integer cases without
+# GELU; bf16 rounds the output to 2^-9, so the squares' sum is within ~2^-8).
+SSQ_CASES = [
+    # (name, spec, ssq_err / ssq_unfused_err tolerance, ssq_ref_err tolerance)
+    ("f32-ring4-3w-some-ssq", dict(ring=4, dtype="float32", batch=[1], S=128, K=128, widths=[256, 128, 256],
+                                   bias=[True, True, False], act=[None, "gelu_tanh", "gelu_tanh"],
+                                   ssq=[True, False, True], col_tile=128, row_tile=8), 1e-6, 1e-6),
+    ("f32-ring2-b2-all-ssq", dict(ring=2, dtype="float32", batch=[2], S=64, K=128, widths=[128, 384],
+                                  bias=[True, True], act=[None, None], ssq=[True, True], col_tile=128,
+                                  row_tile=8), 1e-6, 1e-6),
+    ("f32-ring2-1ssq-default-tiles", dict(ring=2, dtype="float32", batch=[], S=64, K=128, widths=[256, 128],
+                                          bias=[False, True], act=[None, None], ssq=[False, True]), 1e-6, 1e-6),
+    # stacked [L, K, n] weights and [L, n] biases read at runtime layer indices, directly ...
+    ("f32-ring4-stacked-L3", dict(ring=4, dtype="float32", batch=[], S=128, K=128, widths=[128, 256, 128],
+                                  bias=[True, False, True], act=[None, None, "gelu_tanh"], ssq=[True, True, False],
+                                  layers=3, at=[0, 2, 1], col_tile=128, row_tile=8), 1e-6, 1e-6),
+    # ... and through collective_matmul (Epilogue(LayerWeight bias, sum_squares=True), LayerWeight weights)
+    ("f32-ring2-dispatch-stacked-L4", dict(ring=2, dtype="float32", batch=[2], S=64, K=128, widths=[128, 256],
+                                           bias=[True, True], act=[None, None], ssq=[True, False], layers=4,
+                                           at=[3, 0], dispatch=True), 1e-6, 1e-6),
+    ("bf16-ring4-qkv", dict(ring=4, dtype="bfloat16", batch=[1], S=256, K=128, widths=[256, 256, 256],
+                            bias=[True, True, True], act=[None, None, None], ssq=[True, True, False],
+                            col_tile=128, row_tile=16), 1e-6, 2 ** -7),
+    ("bf16-ring2-dispatch", dict(ring=2, dtype="bfloat16", batch=[], S=128, K=256, widths=[128, 256],
+                                 bias=[True, True], act=[None, None], ssq=[True, True], dispatch=True), 1e-6, 2 ** -7),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,spec,tol,ref_tol", SSQ_CASES, ids=[c[0] for c in SSQ_CASES])
+def test_sum_squares_match_float64_and_the_unfused_path(name, spec, tol, ref_tol):
+    out_tol = 1e-6 if spec["dtype"] == "float32" else 1e-2
+    r = check_ok(dict(kind="ag_epi", **spec), out_tol)
+    if spec["dtype"] == "float32":
+        assert max(r["unfused_err"]) == 0.0, r["unfused_err"]  # the outputs themselves: as without ssq
+    n_ssq = len(spec.get("at", [0])) * sum(spec["ssq"])
+    assert len(r["ssq_err"]) == n_ssq and r["ssq_dtype"] == ["float32"] * n_ssq
+    assert max(r["ssq_err"]) <= tol, r["ssq_err"]
+    # the unfused path's ssq is XLA's sum of the same outputs' squares (bf16: it may skip the bf16 round trip)
+    assert max(r["ssq_unfused_err"]) <= (tol if spec["dtype"] == "float32" else 2 ** -7), r["ssq_unfused_err"]
+    assert max(r["ssq_ref_err"]) <= ref_tol, r["ssq_ref_err"]
+    assert r["warnings"] == []  # the dispatch ran the kernel, not the ring
+
+
+@pytest.mark.slow
+def test_race_detector_flags_the_sum_squares_kernel_with_one_slot_too_few():
+    r = run_case(dict(kind="ag_epi", slots=2, dtype="float32", batch=[], S=128, K=128, widths=[256], bias=[True],
+                      act=[None], ssq=[True], col_tile=128, row_tile=8))
+    assert not r["ok"], "the race detector did not flag the sum-of-squares kernel with one receive slot too few"
+    assert "RACE DETECTED" in r["error"], r["error"][-2000:]

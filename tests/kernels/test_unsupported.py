@@ -84,3 +84,20 @@ def test_matmul_reduce_scatter_row_chunks_fit_vmem(x_shapes, w_shapes, want):
     assert max(sz for _, sz in pieces) - min(sz for _, sz in pieces) <= 32  # near-equal
     assert n == want, n
     assert all(rsk._plan(x_shapes, w_shapes, BF16, 4, chunks=c)[0] is not None for c in range(1, n))
+
+
+def test_all_gather_matmul_sum_squares_plan():
+    # Wan's q/k/v with biases and the sums of squares of q and k: supported; the plan
+    # holds the ssq buffer [2, 2, B, 1, h] f32 as Mosaic pads it ((1, h) -> (8, 128k))
+    # and the f32 epilogue temporaries; one flag per weight, else a reason.
+    x, widths, bias = (1184, 5120), [1280] * 3, [(1, BF16)] * 3
+    ssq = [True, True, False]
+    assert agk.unsupported_reason(x, widths, BF16, 4, biases=bias, sum_squares=ssq) is None
+    plan = agk.vmem_plan(x, widths, BF16, 4, biases=bias, sum_squares=ssq)
+    bufs = {name: (shape, nbytes) for name, shape, _, nbytes in plan.buffers}
+    assert bufs["ssq"] == ((2, 2, 1, 8, 640), 2 * 2 * 8 * 640 * 4)  # h = 592 -> 640 lanes
+    assert "f32 epilogue" in bufs
+    base = agk.vmem_plan(x, widths, BF16, 4, biases=bias)
+    assert "ssq" not in {b[0] for b in base.buffers} and plan.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
+    reason = agk.unsupported_reason(x, widths, BF16, 4, sum_squares=[True])
+    assert reason is not None and "sum_squares" in reason, reason

@@ -175,7 +175,7 @@ def test_across_heads_qk_norm_reduced_over_ranks(monkeypatch):
         s, a = run_f64("ltx2_pad", 4, "tp")
         assert rel(s, ref_s) < 1e-12 and rel(a, ref_a) < 1e-12
 
-        def local_only(par, x, weight, eps, dim):
+        def local_only(par, x, weight, eps, dim, sum_sq=None):  # sum_sq: this rank's, also local
             xf = x.astype(jnp.float64)
             return rms_norm(x, weight, eps, sum_sq=jnp.sum(xf * xf, -1, keepdims=True), dim=dim)
 
