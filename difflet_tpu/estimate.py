@@ -263,7 +263,10 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int
     dt = floats[0][0]
     isz = array_bytes(dt, (1,))
     if kind == "all_gather_matmul":
-        # operands x, w_1..w_m, then the epilogue's biases ([n_i] or [L, n_i]): one weight per output
+        # operands x, w_1..w_m, then the epilogue's biases ([n_i] or [L, n_i]): one weight per
+        # product output [B, S, n_i]; the rows' sums of squares ([B, 2P, 1, h] f32, `sum_squares`)
+        # are a few KiB and not priced
+        outs = [o for o in outs if len(o[1]) == 3]
         (_, x), ws = floats[0], [layer(d) for _, d in floats[1:1 + len(outs)]]
         if len(x) != 3 or not ws or any(len(w) != 2 or w[0] != x[2] for w in ws):
             return None

@@ -291,6 +291,11 @@ def test_fused_epilogue_biases_do_not_change_the_hops():
     biased = E.collective_matmul_hops("all_gather_matmul", [("s32", (10,)), ("s32", (1,)), x] + ws
                                       + [("bf16", (40, 1280)), ("bf16", (1, 1280))], out)
     assert biased == plain and plain is not None and "n=1280+1280" in plain.site
+    # per-row sums of squares of some outputs (`sum_squares`): extra [B, 2P, 1, h] f32 results
+    ssq = E.collective_matmul_hops("all_gather_matmul", [("s32", (10,)), ("s32", (1,)), x] + ws
+                                   + [("bf16", (40, 1280)), ("bf16", (1, 1280))],
+                                   out + [("f32", (1, 8, 1, 592))] * 2)
+    assert ssq == plain
 
 
 def test_kernel_hops_and_jax_ring_hops_price_transfer_alike():
