@@ -61,6 +61,17 @@ Weight tiles are DMA'd from `w_i.at[layer, :, cols]`: a block scan passes
 the whole stack and its layer index, so no weight-sized copy of the layer is
 made before the call.
 
+Long sequences run in row chunks: when the buffers above (sized by the half,
+h rows) do not fit VMEM, the shard splits into C near-equal chunks of whole
+tiles (`_common.row_chunks`, the fewest C that fit) and the ring runs once per
+chunk, one call each: call c gathers rows [row0_c, row0_c + 2 h_c) of every
+rank's shard and writes them at their rows of out_i (rank q's at q*s + row0_c),
+the previous call's outputs passed in and aliased (`input_output_aliases`),
+so nothing is copied; its sums of squares come out per call and are put in
+row order by a small concatenation. Each call streams the weights P times
+again (C x the weight traffic, hidden under the MXU work at Wan 480x832x81
+by the estimate) and starts with its own barrier.
+
 Epilogue (per weight, static): each product tile leaves the MXU as float32;
 the bias row's columns are added in float32, then the activation
 (None or "gelu_tanh": `jax.nn.gelu(approximate=True)`) is applied in
@@ -130,71 +141,82 @@ ACTIVATIONS = {"gelu_tanh": lambda y: jax.nn.gelu(y, approximate=True)}
 
 def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
           col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT, row_tile_limit=DEFAULT_ROW_TILE_LIMIT,
-          biases=None, activations=None, sum_squares=None):
-    """(reason, tn, row_tiles, VmemPlan): reason is None if the kernel can run.
+          biases=None, activations=None, sum_squares=None, chunks=None):
+    """(reason, tn, row_tiles, VmemPlan, row chunks): reason is None if the kernel can run.
 
     biases / activations / sum_squares: per weight, None (no bias) or the
     bias's (rows, dtype), rows 1 for [n_i] and L for a stacked [L, n_i]; the
-    activation name or None; a bool, as `all_gather_matmul` takes them."""
+    activation name or None; a bool, as `all_gather_matmul` takes them.
+    chunks: how many row chunks of the shard (one kernel call each,
+    `_common.row_chunks`); None takes the fewest whose buffers fit VMEM. The
+    buffers and `row_tiles` are the largest chunk's."""
     dtype = jnp.dtype(dtype)
     reason = _common.dtype_reason(dtype)
     if reason:
-        return reason, None, None, None
+        return reason, None, None, None, None
     if len(x_shape) < 2:
-        return f"x must be [..., rows, K], got {tuple(x_shape)}", None, None, None
+        return f"x must be [..., rows, K], got {tuple(x_shape)}", None, None, None, None
     if axis_size < 2:
-        return "the ring needs at least 2 ranks", None, None, None
+        return "the ring needs at least 2 ranks", None, None, None, None
     B, _ = _common.fold_batch(x_shape)
     s, K = int(x_shape[-2]), int(x_shape[-1])
     unit = _common.sublane_rows(dtype)
     if s % 2 or (s // 2) % unit:
         return (f"each half of this rank's {s} rows must be a multiple of {unit} rows for {dtype.name} "
-                f"(pad the sequence to a multiple of {2 * unit * axis_size})"), None, None, None
+                f"(pad the sequence to a multiple of {2 * unit * axis_size})"), None, None, None, None, None
     if K % _common.LANES:
-        return f"K = {K} is not a multiple of 128", None, None, None
+        return f"K = {K} is not a multiple of 128", None, None, None, None
     if not widths or any(int(n) % _common.LANES or int(n) <= 0 for n in widths):
-        return f"weight widths {list(widths)} are not all positive multiples of 128", None, None, None
-    h = s // 2
+        return f"weight widths {list(widths)} are not all positive multiples of 128", None, None, None, None
     biases = list(biases) if biases is not None else [None] * len(widths)
     activations = list(activations) if activations is not None else [None] * len(widths)
     sum_squares = [bool(q) for q in sum_squares] if sum_squares is not None else [False] * len(widths)
     if len(biases) != len(widths) or len(activations) != len(widths) or len(sum_squares) != len(widths):
-        return "one bias, one activation (or None) and one sum_squares flag per weight", None, None, None
+        return "one bias, one activation (or None) and one sum_squares flag per weight", None, None, None, None
     bad = [a for a in activations if a is not None and a not in ACTIVATIONS]
     if bad:
-        return f"activations {bad} are not among {sorted(ACTIVATIONS)}", None, None, None
+        return f"activations {bad} are not among {sorted(ACTIVATIONS)}", None, None, None, None
     for b in biases:
         if b is not None and _common.dtype_reason(b[1]):
-            return "bias: " + _common.dtype_reason(b[1]), None, None, None
+            return "bias: " + _common.dtype_reason(b[1]), None, None, None, None
     # biases in VMEM: all rows, padded by Mosaic to whole sublane tiles of their dtype
     pad = lambda rows, bd: -(-int(rows) // _common.sublane_rows(bd)) * _common.sublane_rows(bd)
     bias_bufs = [_common.buffer(f"bias {i}", (pad(*b), n), b[1])
                  for i, (b, n) in enumerate(zip(biases, widths)) if b is not None]
     cap = _common.vmem_capacity_bytes()
     plan = None
-    for tn in _common.column_tile_candidates(widths, col_tile_limit):
-        tiles = _common.row_tiles(h, row_tile_limit, unit)
-        tm = max(sz for _, sz in tiles)
-        plan = _common.VmemPlan((
-            _common.buffer("xbuf", (2, recv_slots, B, h, K), dtype),
-            _common.buffer("wbuf", (2, K, tn), dtype),
-            _common.buffer("obuf", (2, 2, B, h, tn), dtype),
-            # values Mosaic materialises per dot: the x row piece, the weight tile, the f32 result
-            _common.buffer("dot operands", (tm * K + K * tn,), dtype),
-            _common.buffer("f32 result", (tm, tn), jnp.float32),
-            # the epilogue's float32 temporaries (bias added, GELU's inner terms;
-            # the rounded tile read back and squared for a sum of squares)
-            *([_common.buffer("f32 epilogue", (2, tm, tn), jnp.float32)]
-              if any(a is not None for a in activations) or any(sum_squares) else []),
-            *bias_bufs,
-            # row sums of squares: [2, 2, B, 1, h] f32, (1, h) padded to (8, 128k)
-            *([_common.buffer("ssq", (2, 2, B, 8, -(-h // _common.LANES) * _common.LANES), jnp.float32)]
-              if any(sum_squares) else []),
-        ))
-        if plan.limit <= cap:
-            return None, tn, tiles, plan
+    for n_chunks in [chunks] if chunks is not None else range(1, min(s // (2 * unit), _common.MAX_CHUNKS) + 1):
+        pieces = _common.row_chunks(s, n_chunks, unit)
+        if len(pieces) != n_chunks:
+            if chunks is None:
+                continue
+            return (f"this rank's {s} rows do not split into {n_chunks} chunks of whole {unit}-row halves"), \
+                None, None, None, None
+        h = max(size for _, size in pieces) // 2
+        for tn in _common.column_tile_candidates(widths, col_tile_limit):
+            tiles = _common.row_tiles(h, row_tile_limit, unit)
+            tm = max(sz for _, sz in tiles)
+            plan = _common.VmemPlan((
+                _common.buffer("xbuf", (2, recv_slots, B, h, K), dtype),
+                _common.buffer("wbuf", (2, K, tn), dtype),
+                _common.buffer("obuf", (2, 2, B, h, tn), dtype),
+                # values Mosaic materialises per dot: the x row piece, the weight tile, the f32 result
+                _common.buffer("dot operands", (tm * K + K * tn,), dtype),
+                _common.buffer("f32 result", (tm, tn), jnp.float32),
+                # the epilogue's float32 temporaries (bias added, GELU's inner terms;
+                # the rounded tile read back and squared for a sum of squares)
+                *([_common.buffer("f32 epilogue", (2, tm, tn), jnp.float32)]
+                  if any(a is not None for a in activations) or any(sum_squares) else []),
+                *bias_bufs,
+                # row sums of squares: [2, 2, B, 1, h] f32, (1, h) padded to (8, 128k)
+                *([_common.buffer("ssq", (2, 2, B, 8, -(-h // _common.LANES) * _common.LANES), jnp.float32)]
+                  if any(sum_squares) else []),
+            ))
+            if plan.limit <= cap:
+                return None, tn, tiles, plan, pieces
     return (f"VMEM budget exceeded: {plan.limit / 2**20:.1f} MiB needed (halves resident in "
-            f"{recv_slots} slots per direction) > {cap / 2**20:.0f} MiB on this chip"), None, None, plan
+            f"{recv_slots} slots per direction, {n_chunks} row chunks) > {cap / 2**20:.0f} MiB on this chip"), \
+        None, None, plan, None
 
 
 def unsupported_reason(x_shape, widths, dtype, axis_size, *, biases=None,
@@ -211,19 +233,28 @@ def vmem_plan(x_shape, widths, dtype, axis_size, *, biases=None,
                  sum_squares=sum_squares)[3]
 
 
+def chunks(x_shape, widths, dtype, axis_size, *, biases=None, activations=None, sum_squares=None) -> int | None:
+    """How many row chunks of the shard (kernel calls) the plan takes for these shapes."""
+    pieces = _plan(x_shape, list(widths), dtype, axis_size, biases=biases, activations=activations,
+                   sum_squares=sum_squares)[4]
+    return None if pieces is None else len(pieces)
+
+
 # --------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------
 
-def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, K, widths, tn, tiles, slots, unit,
-            bias_stacked, activations, sum_squares):
+def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, row0, K, widths, tn, tiles, slots, unit,
+            bias_stacked, activations, sum_squares, aliased):
     nw = len(widths)
     has_bias = [st is not None for st in bias_stacked]
     nb = sum(has_bias)
     ns = sum(sum_squares)
     refs = list(refs)
     take = lambda n: [refs.pop(0) for _ in range(n)]
-    w_hbm, b_hbm, out_hbm, ssq_hbm = take(nw), take(nb), take(nw), take(ns)
+    w_hbm, b_hbm = take(nw), take(nb)
+    take(nw if aliased else 0)  # the previous chunk's outputs, aliased to out_hbm
+    out_hbm, ssq_hbm = take(nw), take(ns)
     xbuf, wbuf, obuf = take(3)
     bbuf = take(nb)
     sbuf = take(1)[0] if ns else None
@@ -241,13 +272,13 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, K, widths, t
     total_steps = P * steps_per_hop
     nbr = (tables[0], tables[1])  # forward (r+1), backward (r-1)
 
-    def row(j, d):  # first output row of the half held at hop j in direction d
+    def row(j, d):  # first output row of the half held at hop j in direction d (this call's chunk)
         if d == 0:
-            return pl.multiple_of(tables[2 + j], unit)
-        return pl.multiple_of(tables[2 + P + j] + h, unit)
+            return pl.multiple_of(tables[2 + j] + row0, unit)
+        return pl.multiple_of(tables[2 + P + j] + row0 + h, unit)
 
     def send(j, d):  # hop j's half in direction d -> the neighbour's slot for hop j+1
-        src = x_hbm.at[:, pl.ds(d * h, h)] if j == 0 else xbuf.at[d, j % slots]
+        src = x_hbm.at[:, pl.ds(row0 + d * h, h)] if j == 0 else xbuf.at[d, j % slots]
         return pltpu.make_async_remote_copy(
             src, xbuf.at[d, (j + 1) % slots], send_sem.at[d], recv_sem.at[d, (j + 1) % slots],
             device_id={axis_name: nbr[d]})
@@ -266,7 +297,8 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, K, widths, t
         return pltpu.make_async_copy(sbuf.at[sp, d], ssq_hbm[k].at[:, slab], s_sem.at[sp, d])
 
     # Own halves into slot 0 (local DMA), the bias rows and the first weight tile, at once.
-    local = [pltpu.make_async_copy(x_hbm.at[:, pl.ds(d * h, h)], xbuf.at[d, 0], x_sem.at[d]) for d in (0, 1)]
+    local = [pltpu.make_async_copy(x_hbm.at[:, pl.ds(row0 + d * h, h)], xbuf.at[d, 0], x_sem.at[d])
+             for d in (0, 1)]
     bias_rows = [pltpu.make_async_copy(b_hbm[k], bbuf[k], b_sem.at[k]) for k in range(nb)]
     for cp in local + bias_rows:
         cp.start()
@@ -382,7 +414,7 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, K, widths, t
 def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, sum_squares=None,
                       axis_name="tp", interpret=False,
                       _recv_slots=RECV_SLOTS, _col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT,
-                      _row_tile_limit=DEFAULT_ROW_TILE_LIMIT):
+                      _row_tile_limit=DEFAULT_ROW_TILE_LIMIT, _chunks=None):
     """Gathers `x` over `axis_name` while multiplying it by each weight.
 
     Args:
@@ -431,11 +463,11 @@ def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, 
             raise ValueError(f"all_gather_matmul kernel: bias {b.shape} for a weight of width {n} "
                              f"(want [{n}]{', or [L, %d] with layer' % n if stacked_layer else ''})")
     P = lax.axis_size(axis_name)
-    reason, tn, tiles, plan = _plan(x.shape, widths, x.dtype, P, recv_slots=_recv_slots,
-                                    col_tile_limit=_col_tile_limit, row_tile_limit=_row_tile_limit,
-                                    biases=[None if b is None else (b.size // b.shape[-1], b.dtype)
-                                            for b in biases],
-                                    activations=activations, sum_squares=sum_squares)
+    reason, tn, _, plan, pieces = _plan(x.shape, widths, x.dtype, P, recv_slots=_recv_slots,
+                                        col_tile_limit=_col_tile_limit, row_tile_limit=_row_tile_limit,
+                                        biases=[None if b is None else (b.size // b.shape[-1], b.dtype)
+                                                for b in biases],
+                                        activations=activations, sum_squares=sum_squares, chunks=_chunks)
     if reason:
         raise ValueError(f"all_gather_matmul kernel: {reason}")
     for w in weights:
@@ -443,58 +475,74 @@ def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, 
             raise ValueError(f"all_gather_matmul kernel: weight {w.shape} {w.dtype} does not take x {x.shape} {x.dtype}")
     B, lead = _common.fold_batch(x.shape)
     s, K = x.shape[-2], x.shape[-1]
-    h = s // 2
     S = s * P
     x3 = x.reshape(B, s, K)
     tables = _common.ring_tables(axis_name, s)
     slabs = _common.ring_tables(axis_name, 2)  # 2q: the first half-slab of each hop's shard
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     ns = sum(sum_squares)
-
-    kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, K=K, widths=tuple(widths),
-                               tn=tn, tiles=tiles, slots=_recv_slots,
-                               unit=_common.sublane_rows(x.dtype), bias_stacked=tuple(bias_stacked),
-                               activations=tuple(activations), sum_squares=tuple(sum_squares))
+    unit = _common.sublane_rows(x.dtype)
     # biases as [L, n] (a stack, as given) or [1, n]: the kernel DMAs all rows into VMEM
     bias_ops = [b.reshape(-1, b.shape[-1]) for b in biases if b is not None]
+    ws = [_common.in_hbm(w) for w in weights]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     n_total = sum(widths)
     itemsize = jnp.dtype(x.dtype).itemsize
-    cost = pl.CostEstimate(
-        flops=2 * B * S * K * n_total,
-        transcendentals=B * S * sum(n for n, a in zip(widths, activations) if a is not None),
-        # x once, every weight tile once per hop, every product once (bias rows and
-        # sums of squares: negligible).
-        bytes_accessed=itemsize * (B * s * K + P * K * n_total + B * S * n_total),
-    )
-    outs = pl.pallas_call(
-        kernel,
-        out_shape=([_common.out_struct((B, S, n), x.dtype, x) for n in widths]
-                   + [_common.out_struct((B, 2 * P, 1, h), jnp.float32, x)] * ns),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
-            in_specs=[any_spec] * (1 + len(weights) + len(bias_ops)),
-            out_specs=[any_spec] * (len(weights) + ns),
-            scratch_shapes=[
-                pltpu.VMEM((2, _recv_slots, B, h, K), x.dtype),   # xbuf
-                pltpu.VMEM((2, K, tn), x.dtype),                  # wbuf
-                pltpu.VMEM((2, 2, B, h, tn), x.dtype),            # obuf
-                *[pltpu.VMEM(b.shape, b.dtype) for b in bias_ops],  # bbuf: biases (all rows)
-                *([pltpu.VMEM((2, 2, B, 1, h), jnp.float32)] if ns else []),  # sbuf: row sums of squares
-                pltpu.SemaphoreType.DMA((2,)),                    # x_sem: own halves -> slot 0
-                pltpu.SemaphoreType.DMA((2, _recv_slots)),        # recv_sem per direction, slot
-                pltpu.SemaphoreType.DMA((2,)),                    # send_sem per direction
-                pltpu.SemaphoreType.DMA((2,)),                    # w_sem per weight buffer
-                pltpu.SemaphoreType.DMA((2, 2)),                  # o_sem per obuf, direction
-                pltpu.SemaphoreType.DMA((max(1, len(bias_ops)),)),  # b_sem per bias row
-                pltpu.SemaphoreType.DMA((2, 2)),                  # s_sem per sbuf, direction
-            ],
-        ),
-        compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, vmem_limit_bytes=plan.limit),
-        cost_estimate=cost,
-        interpret=_common.interpret_params(interpret),
-        name="all_gather_matmul",
-    )(tables, layer, slabs, x3, *[_common.in_hbm(w) for w in weights], *bias_ops)
-    ys = [o.reshape(*lead, S, o.shape[-1]) for o in outs[:len(weights)]]
-    ssqs = iter(outs[len(weights):])  # [B, 2P, 1, h]: half-slabs in global row order
-    return [(y, next(ssqs).reshape(*lead, S, 1)) if q else y for y, q in zip(ys, sum_squares)]
+    nw, n_in = len(weights), 1 + len(weights) + len(bias_ops)
+    ys, ssq_parts = None, []
+    for row0, cs in pieces:
+        # One call per row chunk (one, unless a long sequence's halves would not fit
+        # VMEM): rows [row0, row0 + cs) of every rank's shard, halves of h rows, written
+        # at their rows of out_i, the previous call's outputs passed in and aliased.
+        h = cs // 2
+        aliased = ys is not None
+        kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, row0=row0, K=K,
+                                   widths=tuple(widths), tn=tn, tiles=_common.row_tiles(h, _row_tile_limit, unit),
+                                   slots=_recv_slots, unit=unit, bias_stacked=tuple(bias_stacked),
+                                   activations=tuple(activations), sum_squares=tuple(sum_squares),
+                                   aliased=aliased)
+        cost = pl.CostEstimate(
+            flops=2 * B * P * cs * K * n_total,
+            transcendentals=B * P * cs * sum(n for n, a in zip(widths, activations) if a is not None),
+            # the chunk's rows of x once, every weight tile once per hop, every product once
+            # (bias rows and sums of squares: negligible).
+            bytes_accessed=itemsize * (B * cs * K + P * K * n_total + B * P * cs * n_total),
+        )
+        outs = pl.pallas_call(
+            kernel,
+            out_shape=([_common.out_struct((B, S, n), x.dtype, x) for n in widths]
+                       + [_common.out_struct((B, 2 * P, 1, h), jnp.float32, x)] * ns),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=3,
+                in_specs=[any_spec] * (n_in + (nw if aliased else 0)),
+                out_specs=[any_spec] * (nw + ns),
+                scratch_shapes=[
+                    pltpu.VMEM((2, _recv_slots, B, h, K), x.dtype),   # xbuf
+                    pltpu.VMEM((2, K, tn), x.dtype),                  # wbuf
+                    pltpu.VMEM((2, 2, B, h, tn), x.dtype),            # obuf
+                    *[pltpu.VMEM(b.shape, b.dtype) for b in bias_ops],  # bbuf: biases (all rows)
+                    *([pltpu.VMEM((2, 2, B, 1, h), jnp.float32)] if ns else []),  # sbuf: row sums of squares
+                    pltpu.SemaphoreType.DMA((2,)),                    # x_sem: own halves -> slot 0
+                    pltpu.SemaphoreType.DMA((2, _recv_slots)),        # recv_sem per direction, slot
+                    pltpu.SemaphoreType.DMA((2,)),                    # send_sem per direction
+                    pltpu.SemaphoreType.DMA((2,)),                    # w_sem per weight buffer
+                    pltpu.SemaphoreType.DMA((2, 2)),                  # o_sem per obuf, direction
+                    pltpu.SemaphoreType.DMA((max(1, len(bias_ops)),)),  # b_sem per bias row
+                    pltpu.SemaphoreType.DMA((2, 2)),                  # s_sem per sbuf, direction
+                ],
+            ),
+            # inputs count the 3 scalar-prefetch operands first
+            input_output_aliases={3 + n_in + i: i for i in range(nw)} if aliased else {},
+            compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, vmem_limit_bytes=plan.limit),
+            cost_estimate=cost,
+            interpret=_common.interpret_params(interpret),
+            name="all_gather_matmul" if len(pieces) == 1 else f"all_gather_matmul_{len(pieces)}chunks",
+        )(tables, layer, slabs, x3, *ws, *bias_ops, *(ys if aliased else []))
+        ys = list(outs[:nw])
+        # [B, 2P, 1, h]: half-slab 2q + d = rank q's half d of this chunk -> [B, P, 2h]
+        ssq_parts.append([o.reshape(B, P, 2 * h) for o in outs[nw:]])
+    ys = [o.reshape(*lead, S, o.shape[-1]) for o in ys]
+    # each rank's rows: its chunks in order -> [B, P, s] -> global row order [B, S, 1]
+    ssqs = iter([jnp.concatenate([part[k] for part in ssq_parts], axis=-1).reshape(*lead, S, 1)
+                 for k in range(ns)])
+    return [(y, next(ssqs)) if q else y for y, q in zip(ys, sum_squares)]

@@ -479,4 +479,12 @@ def test_row_chunk_calls_price_their_share_of_the_rows():
                            text='custom_call_target="tpu_custom_call"')
     assert E.collective_matmul_call(op("matmul_reduce_scatter_3chunks.7")) == ("matmul_reduce_scatter", 3)
     assert E.collective_matmul_call(op("all_gather_matmul.2")) == ("all_gather_matmul", 1)
+    assert E.collective_matmul_call(op("all_gather_matmul_3chunks.5")) == ("all_gather_matmul", 3)
+    # an all-gather chunk call: x [B, s, K] whole (it reads its chunk's rows), the earlier
+    # calls' outputs aliased after the weights; 1/C of the rows
+    x, out, wq = ("bf16", (1, 8192, 5120)), [("bf16", (1, 32768, 1280))], ("bf16", (40, 5120, 1280))
+    whole = E.collective_matmul_hops("all_gather_matmul", head + [x, wq], out)
+    later = E.collective_matmul_hops("all_gather_matmul", head + [x, wq] + out, out, chunks=3)
+    assert 3 * sum(later.flops) == pytest.approx(sum(whole.flops)) and "3 row chunks" in later.site
+    assert 3 * sum(later.ici) == pytest.approx(sum(whole.ici))
     assert E.collective_matmul_call(op("matmul_reduce_scatter_x.1")) is None

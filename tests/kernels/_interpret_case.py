@@ -12,7 +12,7 @@ re-raise). The race detector is always on. Spec keys:
   widths:  ag: per-rank widths of the weights; rs: per-rank k_i of each pair
   N:       rs: output width
   slots, col_tile, row_tile, chunks: private kernel knobs (optional; chunks:
-           row chunks per rank, one kernel call each, rs only)
+           row chunks per rank, one kernel call each)
   layers, at: stacked weights [layers, ...] read at each layer index in `at`
            (a runtime argument: one compile), against numpy's x @ w[layer];
            "ag"/"rs" pass the stack and `layer=` to the kernel, the dispatch

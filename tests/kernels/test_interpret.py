@@ -74,6 +74,28 @@ def test_matmul_reduce_scatter_interpret(name, spec, tol):
     check_ok(dict(kind="rs", **spec), tol)
 
 
+AG_CHUNK_CASES = [
+    ("f32-1w-2chunks", dict(dtype="float32", batch=[], S=256, K=128, widths=[256], col_tile=128, row_tile=8,
+                            chunks=2), 0.0),
+    ("f32-3w-b2-3chunks-uneven", dict(dtype="float32", batch=[2], S=320, K=256, widths=[128, 384, 128],
+                                      col_tile=128, row_tile=8, chunks=3), 0.0),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,spec,tol", AG_CHUNK_CASES, ids=[c[0] for c in AG_CHUNK_CASES])
+def test_all_gather_matmul_row_chunks(name, spec, tol):
+    check_ok(dict(kind="ag", **spec), tol)
+
+
+@pytest.mark.slow
+def test_race_detector_flags_chunked_all_gather_calls_with_one_receive_slot_too_few():
+    r = run_case(dict(kind="ag", dtype="float32", batch=[], S=256, K=128, widths=[256], col_tile=128, row_tile=8,
+                      chunks=2, slots=2))
+    assert not r["ok"], "the race detector did not flag a chunked kernel with one receive slot too few"
+    assert "RACE DETECTED" in r["error"], r["error"][-2000:]
+
+
 # Row-chunked calls (long sequences: each call holds one chunk of every rank's rows in
 # VMEM, writing its rows of the one output buffer, aliased from call to call).
 RS_CHUNK_CASES = [
@@ -236,6 +258,14 @@ SSQ_CASES = [
                             col_tile=128, row_tile=16), 1e-6, 2 ** -7),
     ("bf16-ring2-dispatch", dict(ring=2, dtype="bfloat16", batch=[], S=128, K=256, widths=[128, 256],
                                  bias=[True, True], act=[None, None], ssq=[True, True], dispatch=True), 1e-6, 2 ** -7),
+    # row chunks (one call each, outputs aliased from call to call; sums assembled per chunk):
+    # 80 rows a rank in 3 uneven chunks (32 + 32 + 16), stacked weights, bias, GELU
+    ("f32-ring4-3chunks-uneven-stacked", dict(ring=4, dtype="float32", batch=[1], S=320, K=128, widths=[128, 256],
+                                              bias=[True, False], act=[None, "gelu_tanh"], ssq=[True, True],
+                                              layers=3, at=[2, 0], col_tile=128, row_tile=8, chunks=3), 1e-6, 1e-6),
+    ("bf16-ring4-qkv-2chunks", dict(ring=4, dtype="bfloat16", batch=[1], S=256, K=128, widths=[256, 256, 256],
+                                    bias=[True, True, True], act=[None, None, None], ssq=[True, True, False],
+                                    col_tile=128, row_tile=16, chunks=2), 1e-6, 2 ** -7),
 ]
 
 

@@ -30,7 +30,7 @@ def test_all_gather_matmul_supported(x_shape, widths, dtype):
     ((1184, 5000), [1280], BF16, 4, "K = 5000"),
     ((1184, 5120), [1280], jnp.float16, 4, "float16"),
     ((1184, 5120), [1280], jnp.int8, 4, "int8"),
-    ((8, 1184, 5120), [1280], BF16, 4, "VMEM budget exceeded"),
+    ((256, 1184, 5120), [1280], BF16, 4, "VMEM budget exceeded"),  # even in 16-row chunks
     ((1184, 5120), [1280], BF16, 1, "at least 2 ranks"),
 ])
 def test_all_gather_matmul_unsupported(x_shape, widths, dtype, axis_size, words):
@@ -101,3 +101,21 @@ def test_all_gather_matmul_sum_squares_plan():
     assert "ssq" not in {b[0] for b in base.buffers} and plan.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
     reason = agk.unsupported_reason(x, widths, BF16, 4, sum_squares=[True])
     assert reason is not None and "sum_squares" in reason, reason
+
+
+@pytest.mark.parametrize("x_shape,widths,want", [
+    ((1184, 5120), [1280] * 3, 1),       # Wan 480x832x9 q/k/v: one call
+    ((8, 1184, 5120), [1280], 3),        # batch 8 (did not fit in one call)
+    ((8192, 5120), [1280] * 3, 3),       # Wan 480x832x81 q/k/v
+    ((18944, 5120), [3456], 6),          # Wan 720x1280x81 FFN up
+])
+def test_all_gather_matmul_row_chunks_fit_vmem(x_shape, widths, want):
+    """As the reduce-scatter: the fewest near-equal row chunks whose buffers fit VMEM."""
+    assert agk.unsupported_reason(x_shape, widths, BF16, 4) is None
+    n = agk.chunks(x_shape, widths, BF16, 4)
+    pieces = agk._plan(x_shape, widths, BF16, 4)[4]
+    assert agk.vmem_plan(x_shape, widths, BF16, 4).limit <= 128 * 2**20
+    assert sum(sz for _, sz in pieces) == x_shape[-2] and all(sz % 32 == 0 for _, sz in pieces)
+    assert [off for off, _ in pieces] == [sum(sz for _, sz in pieces[:i]) for i in range(n)]
+    assert n == want, n
+    assert all(agk._plan(x_shape, widths, BF16, 4, chunks=c)[0] is not None for c in range(1, n))
