@@ -196,6 +196,64 @@ def test_rotary_emb_interleaved_and_split_halves():
     assert bf.dtype == jnp.bfloat16
 
 
+def _rope_previous(x, cos, sin, split):
+    """The elementwise RoPE the layers computed before the matmul rotation (slices and a
+    concatenate of the halves / a stacked pair swap), for bit parity."""
+    xf, cos, sin = (jnp.asarray(t).astype(jnp.float32) for t in (x, cos, sin))
+    if split:
+        half = x.shape[-1] // 2
+        c, s = cos[..., :half], sin[..., :half]
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    else:
+        xr = xf.reshape(*xf.shape[:-1], -1, 2)
+        out = xf * cos + jnp.stack([-xr[..., 1], xr[..., 0]], axis=-1).reshape(xf.shape) * sin
+    return out.astype(x.dtype)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_rotary_emb_matmul_rotation_is_bit_exact(split):
+    """bfloat16 q/k rotate by a 0/+-1 matmul accumulated in float32: bit-identical to the
+    elementwise form (float32 as well, which rotates elementwise), close to float64
+    numpy, with full- or half-width tables."""
+    rng = np.random.default_rng(1)
+    S, H, D = 9, 4, 128
+    x = rng.standard_normal((2, S, H, D)).astype(np.float32) * 3
+    ang = rng.uniform(-30, 30, (S, D // 2))
+    if split:
+        cos, sin = np.concatenate([np.cos(ang)] * 2, -1), np.concatenate([np.sin(ang)] * 2, -1)
+    else:
+        cos, sin = np.repeat(np.cos(ang), 2, -1), np.repeat(np.sin(ang), 2, -1)
+    cos, sin = cos.astype(np.float32), sin.astype(np.float32)
+    half_cos, half_sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    # float64 reference: x cos + rot(x) sin with rot from the halves / pairs
+    xd = f64(x)
+    if split:
+        rot = np.concatenate([-xd[..., D // 2:], xd[..., :D // 2]], -1)
+    else:
+        rot = np.stack([-xd[..., 1::2], xd[..., 0::2]], -1).reshape(xd.shape)
+    want = xd * f64(cos)[:, None] + rot * f64(sin)[:, None]
+    r = layers.attention.rotation_matrix(D, split).astype(np.float64)
+    np.testing.assert_array_equal(xd @ r, rot)  # a signed permutation: one +-1 per row and column
+    assert (np.abs(r).sum(0) == 1).all() and (np.abs(r).sum(1) == 1).all()
+    for dtype in (jnp.float32, jnp.bfloat16):
+        xt = jnp.asarray(x, dtype)
+        got = layers.apply_rotary_emb(xt, cos[:, None], sin[:, None], split)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(_rope_previous(xt, cos[:, None], sin[:, None], split), np.float32))
+        got_half = layers.apply_rotary_emb(xt, half_cos[:, None], half_sin[:, None], split)
+        np.testing.assert_array_equal(np.asarray(got_half, np.float32), np.asarray(got, np.float32))
+        if dtype == jnp.float32:
+            np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6, atol=1e-5)
+        else:  # float32 math on the bf16 values, one rounding at the end
+            ref = f64(np.asarray(xt, np.float32))
+            rot_b = np.concatenate([-ref[..., D // 2:], ref[..., :D // 2]], -1) if split else \
+                np.stack([-ref[..., 1::2], ref[..., 0::2]], -1).reshape(ref.shape)
+            want_b = ref * f64(cos)[:, None] + rot_b * f64(sin)[:, None]
+            np.testing.assert_allclose(np.asarray(got, np.float64), want_b, rtol=1e-2, atol=1e-2)
+
+
 def _attention_numpy(q, k, v, mask=None, bias=None):
     s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
     if bias is not None:
