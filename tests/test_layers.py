@@ -117,6 +117,51 @@ def test_layer_norm_and_rms_norm():
     np.testing.assert_allclose(norm(x), rms / scale, rtol=1e-5, atol=1e-5)
 
 
+def _rms_norm_previous(x, scale, eps):
+    """`layers.rms_norm` before its mean of squares read x through an optimization barrier."""
+    xf = jnp.asarray(x).astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * jnp.asarray(scale).astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def test_rms_norm_then_rope_bit_parity_and_float64():
+    """The per-head q/k path (FLUX's `JointAttention._norm` then split-halves RoPE), jitted
+    as the model runs it: float32 and bfloat16 bit-identical to the previous layers
+    (elementwise rotation, no barrier), float32 close to a float64 numpy reference."""
+    rng = np.random.default_rng(2)
+    S, H, D = 11, 3, 128
+    x = (rng.standard_normal((1, S, H * D)) * rng.uniform(0.1, 4.0, H * D)).astype(np.float32)
+    scale = (1 + 0.2 * rng.standard_normal(D)).astype(np.float32)
+    ang = rng.uniform(-30, 30, (S, D // 2))
+    cos = np.concatenate([np.cos(ang)] * 2, -1).astype(np.float32)
+    sin = np.concatenate([np.sin(ang)] * 2, -1).astype(np.float32)
+
+    def new(t, w):
+        return layers.apply_rotary_emb(layers.rms_norm(layers.split_heads(t, D), w, 1e-6),
+                                       cos[:, None], sin[:, None], True)
+
+    def old(t, w):
+        return _rope_previous(_rms_norm_previous(layers.split_heads(t, D), w, 1e-6), cos[:, None], sin[:, None], True)
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        xt, wt = jnp.asarray(x, dtype), jnp.asarray(scale, dtype)
+        got, want = new(xt, wt), old(xt, wt)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        got, want = (np.asarray(jax.jit(fn)(xt, wt), np.float32) for fn in (new, old))
+        if dtype == jnp.float32:
+            np.testing.assert_array_equal(got, want)
+        else:  # jitted, XLA may sum the float32 squares in another order: a bf16 rounding flips rarely
+            diff = got != want
+            assert diff.mean() < 1e-3
+            np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=0)
+    xd = f64(x).reshape(1, S, H, D)
+    nd = xd / np.sqrt((xd * xd).mean(-1, keepdims=True) + 1e-6) * f64(scale)
+    ref = nd * f64(cos)[:, None] + np.concatenate([-nd[..., D // 2:], nd[..., :D // 2]], -1) * f64(sin)[:, None]
+    np.testing.assert_allclose(np.asarray(jax.jit(new)(jnp.asarray(x), jnp.asarray(scale)), np.float64), ref,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_rms_norm_across_heads_sharded_float64():
     """Channels sharded over 2 and 4 ranks (TP and SP): the sum of squares is summed over
     ranks, so every slice equals the full-width numpy norm; normalising each slice

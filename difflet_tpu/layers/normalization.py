@@ -31,9 +31,21 @@ def rms_norm(x, scale=None, eps: float = 1e-6, sum_sq=None, dim: int | None = No
 
     `sum_sq` / `dim`: a per-token sum of squares reduced over ranks and the
     full width it covers (`rms_norm_across_heads`).
+
+    The mean of squares reads x through an `optimization_barrier` (an identity):
+    otherwise XLA shares one float32 copy of x between the reduction and the
+    scaling and writes it out (FLUX's per-head q/k norms: a float32 pass per
+    tensor), where apart each fusion converts the model-dtype x it reads, and
+    the scaling fuses into its consumer (the q/k RoPE and relayout for splash
+    attention, benchmark/qk_passes.py).
     """
-    xf = x.astype(nn.fp32(x.dtype))
-    var = jnp.mean(xf * xf, axis=-1, keepdims=True) if sum_sq is None else sum_sq / dim
+    f = nn.fp32(x.dtype)
+    if sum_sq is None:
+        xs = jax.lax.optimization_barrier(x).astype(f)
+        var = jnp.mean(xs * xs, axis=-1, keepdims=True)
+    else:
+        var = sum_sq / dim
+    xf = x.astype(f)
     y = xf * jax.lax.rsqrt(var + eps)
     if scale is not None:
         y = y * scale.astype(y.dtype)
