@@ -17,8 +17,18 @@ an input (as if the matmul kernel emitted it), so only the psum and the
 elementwise passes remain.
 
 Prints the estimator's price (difflet_tpu.estimate, uncalibrated and with the
-v5e factor) of every priced op of the compiled module, and the sum of the ops
-that are not the attention kernel: the q/k/v preparation per layer.
+v5e factor) of every priced op of the compiled module in schedule order, and the
+sum of the ops that are not the attention kernel, also without the piece's
+boundary ops: an [input] relayout copy of a parameter (XLA picks the layout of
+the q/k reduction and copies the default-layout input into it; inside a model
+the producing matmul is laid out instead, or copies the same way) and the
+[output] op (attention output back to `[B, S, H * D]`, present in a model too).
+That remainder is the q/k path of one layer. ~5 s of compile per variant.
+
+Caveats of a piece this small: its intermediates fit in VMEM (`S(1)` layouts),
+and the compiler prices some layout-changing copies at a fixed ~1900 cycles
+whatever their size; a full step (`python -m difflet_tpu.bench --compile-only`)
+is the check.
 """
 
 from __future__ import annotations
@@ -89,7 +99,11 @@ def build(variant: str, tp: int, sumsq_given: bool):
 
 
 def priced_ops(text: str, chip, calibration):
-    """[(name, op, category, seconds, output type, fused computation's root ops)] in schedule order."""
+    """[(name, op, category, seconds, output type, boundary)] in schedule order, and the
+    Estimate. `boundary`: "input" for a relayout copy of an entry parameter (the
+    piece's inputs arrive in the default layout; in a model the producing matmul
+    decides), "output" for the op writing the result (attention output back to
+    `[B, S, H * D]` for the out projection), else ""."""
     from difflet_tpu import estimate as E
 
     class Recorder(E.Simulator):
@@ -100,18 +114,42 @@ def priced_ops(text: str, chip, calibration):
         def compute_cost(self, comp, o):
             cat, s = super().compute_cost(comp, o)
             if cat != "free":
-                self.rows.append((o.name, o.op, cat, s, o.type.split("{")[0][:80]))
+                self.rows.append([o, cat, s])
             return cat, s
 
         def transfer(self, comp, o, kind):
             dur, nbytes, res = super().transfer(comp, o, kind)
-            self.rows.append((o.name, o.op, "collective:" + kind, dur, o.type.split("{")[0][:80]))
+            self.rows.append([o, "collective:" + kind, dur])
             return dur, nbytes, res
 
-    sim = Recorder(E.parse(text), chip, calibration, E.num_partitions(text))
+    module = E.parse(text)
+    sim = Recorder(module, chip, calibration, E.num_partitions(text))
     sim.run()
     sim.est.total = max([sim.t] + [f for f, _, _ in sim.pending.values()])
-    return sim.rows, sim.est
+    entry = module.computations[module.entry]
+    from_param = set()
+    for o in entry:  # parameters and their async copies / bitcasts
+        if o.op == "parameter" or (o.op in ("copy-start", "copy-done", "bitcast")
+                                   and any(n in from_param for n in o.operands)):
+            from_param.add(o.name)
+    by_name = {o.name: o for o in entry}
+    out = set()
+    root = next((o for o in entry if o.text.lstrip().startswith("ROOT")), entry[-1] if entry else None)
+    todo = [root.name] if root is not None else []
+    while todo:  # the root's producers through bitcasts / tuples
+        n = todo.pop()
+        o = by_name.get(n)
+        if o is None or n in out:
+            continue
+        out.add(n)
+        if o.op in ("bitcast", "tuple", "get-tuple-element"):
+            todo += o.operands
+    rows = []
+    for o, cat, s in sim.rows:
+        boundary = ("input" if o.op == "copy" and any(n in from_param for n in o.operands)
+                    else "output" if o.name in out else "")
+        rows.append((o.name, o.op, cat, s, o.type.split("{")[0][:80], boundary))
+    return rows, sim.est
 
 
 def run(variant: str, topology: str, sumsq_given: bool, dump: str | None):
@@ -141,18 +179,26 @@ def run(variant: str, topology: str, sumsq_given: bool, dump: str | None):
     rows_cal, est_cal = priced_ops(text, chip, cal)
     name = variant + (" (sum of squares given)" if sumsq_given else "")
     print(f"\n== {name}: {topology}, compiled in {compile_s:.1f} s; us per op (raw / x{cal.nonmatmul} calibrated)")
-    total = total_cal = 0.0
-    for (n, op, cat, s, ty), (_, _, _, sc, _) in zip(rows, rows_cal):
+    total = total_cal = qk = qk_cal = 0.0
+    for (n, op, cat, s, ty, boundary), row_cal in zip(rows, rows_cal):
+        sc = row_cal[3]
         attn = cat == "pallas"
-        print(f"  {1e6 * s:8.1f} {1e6 * sc:8.1f}  {cat:22s} {op:18s} {n:40s} {ty}{'  [attention]' if attn else ''}")
+        tag = " [attention]" if attn else f" [{boundary}]" if boundary else ""
+        print(f"  {1e6 * s:8.1f} {1e6 * sc:8.1f}  {cat:22s} {op:12s} {n:40s} {ty}{tag}")
         if not attn:
             total += s
             total_cal += sc
-    print(f"  non-attention ops: {1e6 * total:.1f} us raw, {1e6 * total_cal:.1f} us calibrated "
-          f"(module total {1e6 * est.total:.1f} / {1e6 * est_cal.total:.1f} us)")
+            if not boundary:
+                qk += s
+                qk_cal += sc
+    print(f"  non-attention ops: {1e6 * total:.1f} us raw, {1e6 * total_cal:.1f} us calibrated; without "
+          f"[input]/[output]: {1e6 * qk:.1f} / {1e6 * qk_cal:.1f} us "
+          f"(module {1e6 * est.total:.1f} / {1e6 * est_cal.total:.1f} us)")
     return dict(variant=name, compile_s=round(compile_s, 1), non_attention_us=round(1e6 * total, 1),
-                non_attention_calibrated_us=round(1e6 * total_cal, 1),
-                ops=[dict(name=n, op=op, category=cat, us=round(1e6 * s, 2), type=ty) for n, op, cat, s, ty in rows])
+                non_attention_calibrated_us=round(1e6 * total_cal, 1), qk_path_us=round(1e6 * qk, 1),
+                qk_path_calibrated_us=round(1e6 * qk_cal, 1), module_us=round(1e6 * est.total, 1),
+                ops=[dict(name=n, op=op, category=cat, us=round(1e6 * s, 2), type=ty, boundary=b)
+                     for n, op, cat, s, ty, b in rows])
 
 
 def main(argv=None):
