@@ -256,13 +256,14 @@ def _rope_previous(x, cos, sin, split):
     return out.astype(x.dtype)
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_rotary_emb_matmul_rotation_is_bit_exact(split):
-    """bfloat16 q/k rotate by a 0/+-1 matmul accumulated in float32: bit-identical to the
+@pytest.mark.parametrize("split,D", [(True, 128), (False, 128), (True, 512), (False, 512)])
+def test_rotary_emb_matmul_rotation_is_bit_exact(split, D):
+    """bfloat16 q/k rotate by a 0/+-1 matmul accumulated in float32 (wide interleaved rows
+    per 128-channel block, wide split halves elementwise): bit-identical to the
     elementwise form (float32 as well, which rotates elementwise), close to float64
     numpy, with full- or half-width tables."""
     rng = np.random.default_rng(1)
-    S, H, D = 9, 4, 128
+    S, H = 9, 4
     x = rng.standard_normal((2, S, H, D)).astype(np.float32) * 3
     ang = rng.uniform(-30, 30, (S, D // 2))
     if split:

@@ -24,6 +24,10 @@ def merge_heads(t):
     return t.reshape(*t.shape[:-2], -1)
 
 
+LANE = 128
+MAX_ROTATION_MATMUL = 256  # widest rotation done as a matmul (its FLOPs grow with the width)
+
+
 def rotation_matrix(d: int, split: bool) -> np.ndarray:
     """The `[d, d]` matrix R of RoPE's rotation `rot(x) = x @ R` (entries 0 and +-1):
     split halves `rot(x) = [-x2, x1]`, interleaved pairs `rot(x)_{2i, 2i+1} =
@@ -57,7 +61,9 @@ def apply_rotary_emb(x, cos, sin, split: bool):
     product per output, and bf16 values are exact in float32), so XLA fuses the
     whole rotation, the cast back and a following relayout (splash attention's
     head-major q/k) into the matmul's fusion instead of slicing and concatenating
-    the lane axis (benchmark/qk_passes.py). Other dtypes rotate elementwise.
+    the lane axis (benchmark/qk_passes.py). Interleaved rows wider than 128 rotate
+    per 128-channel block; split halves wider than MAX_ROTATION_MATMUL and other
+    dtypes rotate elementwise.
     (A non-finite x would spread NaN over its row's D channels through the zero
     products of the matmul; q/k after their norms are finite.)
     """
@@ -67,9 +73,12 @@ def apply_rotary_emb(x, cos, sin, split: bool):
     if cos.shape[-1] != d:  # half-width tables: one angle per rotated pair
         cos, sin = (jnp.concatenate([t, t], axis=-1) if split else jnp.repeat(t, 2, axis=-1)
                     for t in (cos, sin))
-    if x.dtype == jnp.bfloat16:
-        rot = jnp.einsum("...d,de->...e", x, jnp.asarray(rotation_matrix(d, split), x.dtype),
-                         preferred_element_type=f)
+    # interleaved pairs never cross a 128-lane block: rotate wide rows block by block
+    block = LANE if not split and d > LANE and d % LANE == 0 else d
+    if x.dtype == jnp.bfloat16 and block <= MAX_ROTATION_MATMUL:
+        xb = x.reshape(*x.shape[:-1], d // block, block)
+        rot = jnp.einsum("...d,de->...e", xb, jnp.asarray(rotation_matrix(block, split), x.dtype),
+                         preferred_element_type=f).reshape(x.shape)
     elif split:
         half = d // 2
         rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
