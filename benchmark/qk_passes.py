@@ -80,12 +80,8 @@ def build(variant: str, tp: int, sumsq_given: bool):
 
     def piece(q, k, v, cos, sin, wq, wk, ssq=None, ssk=None):
         if norm == "across":  # WanAttention.self_attention
-            if sumsq_given:
-                q = rms_norm(q, wq, eps, sum_sq=par.sum_over_ranks(ssq), dim=dim)
-                k = rms_norm(k, wk, eps, sum_sq=par.sum_over_ranks(ssk), dim=dim)
-            else:
-                q = rms_norm_across_heads(par, q, wq, eps, dim)
-                k = rms_norm_across_heads(par, k, wk, eps, dim)
+            q = rms_norm_across_heads(par, q, wq, eps, dim, sum_sq=ssq)
+            k = rms_norm_across_heads(par, k, wk, eps, dim, sum_sq=ssk)
             q, k = split_heads(q, D), split_heads(k, D)
         else:  # JointAttention.self_attend
             q = rms_norm(split_heads(q, D), wq, eps)

@@ -52,14 +52,34 @@ def rms_norm(x, scale=None, eps: float = 1e-6, sum_sq=None, dim: int | None = No
     return y.astype(x.dtype)
 
 
-def rms_norm_across_heads(par, x, scale, eps: float, dim: int):
+LANE = 128
+
+
+def rms_norm_across_heads(par, x, scale, eps: float, dim: int, sum_sq=None):
     """`torch.nn.RMSNorm(dim)` over all heads' channels (Wan's and LTX-2's q/k norms),
     of which this rank holds a column-parallel slice: the per-token sum of squares
     is summed over the `tp` ranks in float32, so every rank divides by the
-    full-width mean (on one device: a plain RMSNorm)."""
-    xf = x.astype(nn.fp32(x.dtype))
-    sum_sq = par.sum_over_ranks(jnp.sum(xf * xf, axis=-1, keepdims=True))
-    return rms_norm(x, scale, eps, sum_sq=sum_sq, dim=dim)
+    full-width mean (on one device: a plain RMSNorm).
+
+    `sum_sq`: this rank's per-token partial sum of squares `[..., 1]` in float32,
+    if its producer computed it; else it is reduced here from x read through an
+    optimization barrier (as `rms_norm` does), with the channels as
+    `[..., C / 128, 128]` blocks (a reshape: the same products; the reduction
+    sums the same squares). In that shape XLA fuses the scaling into the
+    consumer of the head-split result (the q/k RoPE matmul and splash's
+    relayout) instead of writing the normalised tensor in a pass of its own
+    (benchmark/qk_passes.py). With `sum_sq` given, the flat form prices lower
+    (the blocked one writes a float32 copy of x for that fusion)."""
+    f = nn.fp32(x.dtype)
+    c = x.shape[-1]
+    if sum_sq is not None:
+        return rms_norm(x, scale, eps, sum_sq=par.sum_over_ranks(sum_sq.astype(f)), dim=dim)
+    lanes = LANE if c % LANE == 0 else c
+    xb = x.reshape(*x.shape[:-1], c // lanes, lanes)
+    xs = jax.lax.optimization_barrier(xb).astype(f)
+    sum_sq = par.sum_over_ranks(jnp.sum(xs * xs, axis=(-2, -1), keepdims=True))
+    y = rms_norm(xb, scale.reshape(c // lanes, lanes), eps, sum_sq=sum_sq, dim=dim)
+    return y.reshape(x.shape)
 
 
 def modulate(x, shift, scale, eps: float = 1e-6):
