@@ -117,25 +117,105 @@ def test_layer_norm_and_rms_norm():
     np.testing.assert_allclose(norm(x), rms / scale, rtol=1e-5, atol=1e-5)
 
 
-def test_rms_norm_across_heads_sharded_float64():
+def _rms_norm_previous(x, scale, eps):
+    """`layers.rms_norm` before its mean of squares read x through an optimization barrier."""
+    xf = jnp.asarray(x).astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * jnp.asarray(scale).astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def test_rms_norm_then_rope_bit_parity_and_float64():
+    """The per-head q/k path (FLUX's `JointAttention._norm` then split-halves RoPE), jitted
+    as the model runs it: float32 and bfloat16 bit-identical to the previous layers
+    (elementwise rotation, no barrier), float32 close to a float64 numpy reference."""
+    rng = np.random.default_rng(2)
+    S, H, D = 11, 3, 128
+    x = (rng.standard_normal((1, S, H * D)) * rng.uniform(0.1, 4.0, H * D)).astype(np.float32)
+    scale = (1 + 0.2 * rng.standard_normal(D)).astype(np.float32)
+    ang = rng.uniform(-30, 30, (S, D // 2))
+    cos = np.concatenate([np.cos(ang)] * 2, -1).astype(np.float32)
+    sin = np.concatenate([np.sin(ang)] * 2, -1).astype(np.float32)
+
+    def new(t, w):
+        return layers.apply_rotary_emb(layers.rms_norm(layers.split_heads(t, D), w, 1e-6),
+                                       cos[:, None], sin[:, None], True)
+
+    def old(t, w):
+        return _rope_previous(_rms_norm_previous(layers.split_heads(t, D), w, 1e-6), cos[:, None], sin[:, None], True)
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        xt, wt = jnp.asarray(x, dtype), jnp.asarray(scale, dtype)
+        got, want = new(xt, wt), old(xt, wt)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        got, want = (np.asarray(jax.jit(fn)(xt, wt), np.float32) for fn in (new, old))
+        if dtype == jnp.float32:
+            np.testing.assert_array_equal(got, want)
+        else:  # jitted, XLA may sum the float32 squares in another order: a bf16 rounding flips rarely
+            diff = got != want
+            assert diff.mean() < 1e-3
+            np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=0)
+    xd = f64(x).reshape(1, S, H, D)
+    nd = xd / np.sqrt((xd * xd).mean(-1, keepdims=True) + 1e-6) * f64(scale)
+    ref = nd * f64(cos)[:, None] + np.concatenate([-nd[..., D // 2:], nd[..., :D // 2]], -1) * f64(sin)[:, None]
+    np.testing.assert_allclose(np.asarray(jax.jit(new)(jnp.asarray(x), jnp.asarray(scale)), np.float64), ref,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("C", [64, 1024])
+def test_rms_norm_across_heads_sharded_float64(C):
     """Channels sharded over 2 and 4 ranks (TP and SP): the sum of squares is summed over
     ranks, so every slice equals the full-width numpy norm; normalising each slice
-    alone (no reduction) does not."""
+    alone (no reduction) does not. C=1024: 128-channel blocks per rank (1 to 4);
+    given per-rank sums of squares, the same."""
     with jax.enable_x64(True):
         rng = np.random.default_rng(0)
-        x = rng.standard_normal((2, 24, 64)) * rng.uniform(0.1, 3.0, 64)
-        scale = 1 + 0.1 * rng.standard_normal(64)
+        x = rng.standard_normal((2, 24, C)) * rng.uniform(0.1, 3.0, C)
+        scale = 1 + 0.1 * rng.standard_normal(C)
         ref = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
-        one = layers.rms_norm_across_heads(Parallel(), jnp.asarray(x), jnp.asarray(scale), 1e-6, 64)
+        one = layers.rms_norm_across_heads(Parallel(), jnp.asarray(x), jnp.asarray(scale), 1e-6, C)
         assert np.abs(np.asarray(one) - ref).max() < 1e-13
         for tp in (2, 4):
             for par, ok in ((Parallel(mode="tp", size=tp), True), (Parallel(mode="sp", size=tp), True),
                             (Parallel(), False)):  # Parallel(): no reduction over ranks
-                fn = jax.shard_map(lambda a, s, par=par: layers.rms_norm_across_heads(par, a, s, 1e-6, 64),
-                                   mesh=make_mesh(tp), in_specs=(P(None, None, TP), P(TP)),
-                                   out_specs=P(None, None, TP), check_vma=False)
-                err = np.abs(np.asarray(fn(jnp.asarray(x), jnp.asarray(scale))) - ref).max()
-                assert (err < 1e-13) if ok else (err > 1e-2), (tp, par.mode, err)
+                for given in (False, True):
+                    def norm(a, s, par=par, given=given):
+                        ss = jnp.sum(a * a, axis=-1, keepdims=True) if given else None
+                        return layers.rms_norm_across_heads(par, a, s, 1e-6, C, sum_sq=ss)
+
+                    fn = jax.shard_map(norm, mesh=make_mesh(tp), in_specs=(P(None, None, TP), P(TP)),
+                                       out_specs=P(None, None, TP), check_vma=False)
+                    err = np.abs(np.asarray(fn(jnp.asarray(x), jnp.asarray(scale))) - ref).max()
+                    assert (err < 1e-13) if ok else (err > 1e-2), (tp, par.mode, given, err)
+
+
+def test_rms_norm_across_heads_parity_with_previous_layers():
+    """float32: within 1e-6 relative of the previous flat form (mean of squares over the
+    flat channels, no barrier), jitted, sharded over 4 ranks; bfloat16 within a bf16
+    rounding of it on rare elements (the float32 sum of squares may be added in
+    another order)."""
+    rng = np.random.default_rng(3)
+    C = 2048
+    x = (rng.standard_normal((1, 40, C)) * rng.uniform(0.1, 4.0, C)).astype(np.float32)
+    scale = (1 + 0.2 * rng.standard_normal(C)).astype(np.float32)
+
+    def previous(par, a, s):
+        af = a.astype(jnp.float32)
+        ss = par.sum_over_ranks(jnp.sum(af * af, axis=-1, keepdims=True))
+        return (af * jax.lax.rsqrt(ss / C + 1e-6) * s.astype(jnp.float32)).astype(a.dtype)
+
+    par = Parallel(mode="sp", size=4)
+    outs = {}
+    for name, fn in (("new", lambda a, s: layers.rms_norm_across_heads(par, a, s, 1e-6, C)),
+                     ("old", lambda a, s: previous(par, a, s))):
+        sm = jax.shard_map(fn, mesh=make_mesh(4), in_specs=(P(None, None, TP), P(TP)),
+                           out_specs=P(None, None, TP), check_vma=False)
+        outs[name] = {dt: np.asarray(jax.jit(sm)(jnp.asarray(x, dt), jnp.asarray(scale, dt)), np.float32)
+                      for dt in (jnp.float32, jnp.bfloat16)}
+    np.testing.assert_allclose(outs["new"][jnp.float32], outs["old"][jnp.float32], rtol=1e-6, atol=1e-7)
+    new, old = outs["new"][jnp.bfloat16], outs["old"][jnp.bfloat16]
+    assert (new != old).mean() < 1e-3
+    np.testing.assert_allclose(new, old, rtol=2 ** -7, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["single", "tp"])
@@ -194,6 +274,65 @@ def test_rotary_emb_interleaved_and_split_halves():
     assert np.abs(np.asarray(split) - np.asarray(inter)[..., perm]).max() < 1e-6  # same products and sums
     bf = layers.apply_rotary_emb(jnp.asarray(x, jnp.bfloat16), cos[:, None], sin[:, None], split=False)
     assert bf.dtype == jnp.bfloat16
+
+
+def _rope_previous(x, cos, sin, split):
+    """The elementwise RoPE the layers computed before the matmul rotation (slices and a
+    concatenate of the halves / a stacked pair swap), for bit parity."""
+    xf, cos, sin = (jnp.asarray(t).astype(jnp.float32) for t in (x, cos, sin))
+    if split:
+        half = x.shape[-1] // 2
+        c, s = cos[..., :half], sin[..., :half]
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    else:
+        xr = xf.reshape(*xf.shape[:-1], -1, 2)
+        out = xf * cos + jnp.stack([-xr[..., 1], xr[..., 0]], axis=-1).reshape(xf.shape) * sin
+    return out.astype(x.dtype)
+
+
+@pytest.mark.parametrize("split,D", [(True, 128), (False, 128), (True, 512), (False, 512)])
+def test_rotary_emb_matmul_rotation_is_bit_exact(split, D):
+    """bfloat16 q/k rotate by a 0/+-1 matmul accumulated in float32 (wide interleaved rows
+    per 128-channel block, wide split halves elementwise): bit-identical to the
+    elementwise form (float32 as well, which rotates elementwise), close to float64
+    numpy, with full- or half-width tables."""
+    rng = np.random.default_rng(1)
+    S, H = 9, 4
+    x = rng.standard_normal((2, S, H, D)).astype(np.float32) * 3
+    ang = rng.uniform(-30, 30, (S, D // 2))
+    if split:
+        cos, sin = np.concatenate([np.cos(ang)] * 2, -1), np.concatenate([np.sin(ang)] * 2, -1)
+    else:
+        cos, sin = np.repeat(np.cos(ang), 2, -1), np.repeat(np.sin(ang), 2, -1)
+    cos, sin = cos.astype(np.float32), sin.astype(np.float32)
+    half_cos, half_sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    # float64 reference: x cos + rot(x) sin with rot from the halves / pairs
+    xd = f64(x)
+    if split:
+        rot = np.concatenate([-xd[..., D // 2:], xd[..., :D // 2]], -1)
+    else:
+        rot = np.stack([-xd[..., 1::2], xd[..., 0::2]], -1).reshape(xd.shape)
+    want = xd * f64(cos)[:, None] + rot * f64(sin)[:, None]
+    r = layers.attention.rotation_matrix(D, split).astype(np.float64)
+    np.testing.assert_array_equal(xd @ r, rot)  # a signed permutation: one +-1 per row and column
+    assert (np.abs(r).sum(0) == 1).all() and (np.abs(r).sum(1) == 1).all()
+    for dtype in (jnp.float32, jnp.bfloat16):
+        xt = jnp.asarray(x, dtype)
+        got = layers.apply_rotary_emb(xt, cos[:, None], sin[:, None], split)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(_rope_previous(xt, cos[:, None], sin[:, None], split), np.float32))
+        got_half = layers.apply_rotary_emb(xt, half_cos[:, None], half_sin[:, None], split)
+        np.testing.assert_array_equal(np.asarray(got_half, np.float32), np.asarray(got, np.float32))
+        if dtype == jnp.float32:
+            np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6, atol=1e-5)
+        else:  # float32 math on the bf16 values, one rounding at the end
+            ref = f64(np.asarray(xt, np.float32))
+            rot_b = np.concatenate([-ref[..., D // 2:], ref[..., :D // 2]], -1) if split else \
+                np.stack([-ref[..., 1::2], ref[..., 0::2]], -1).reshape(ref.shape)
+            want_b = ref * f64(cos)[:, None] + rot_b * f64(sin)[:, None]
+            np.testing.assert_allclose(np.asarray(got, np.float64), want_b, rtol=1e-2, atol=1e-2)
 
 
 def _attention_numpy(q, k, v, mask=None, bias=None):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from difflet_tpu import nn
 from difflet_tpu.attention import attention, reference_attention
@@ -23,6 +24,27 @@ def merge_heads(t):
     return t.reshape(*t.shape[:-2], -1)
 
 
+LANE = 128
+MAX_ROTATION_MATMUL = 256  # widest rotation done as a matmul (its FLOPs grow with the width)
+
+
+def rotation_matrix(d: int, split: bool) -> np.ndarray:
+    """The `[d, d]` matrix R of RoPE's rotation `rot(x) = x @ R` (entries 0 and +-1):
+    split halves `rot(x) = [-x2, x1]`, interleaved pairs `rot(x)_{2i, 2i+1} =
+    (-x_{2i+1}, x_{2i})`."""
+    r = np.zeros((d, d), np.float32)
+    if split:
+        half = d // 2
+        for i in range(half):
+            r[i + half, i] = -1.0
+            r[i, i + half] = 1.0
+    else:
+        for i in range(0, d, 2):
+            r[i + 1, i] = -1.0
+            r[i, i + 1] = 1.0
+    return r
+
+
 def apply_rotary_emb(x, cos, sin, split: bool):
     """diffusers' `apply_rotary_emb(use_real=True)` on x `[..., D]` in float32, cast back;
     cos / sin broadcast against x (e.g. `[S, 1, D]` for x `[B, S, H, D]`).
@@ -31,21 +53,39 @@ def apply_rotary_emb(x, cos, sin, split: bool):
     `rot(x)` = (-x[2i+1], x[2i]) (`use_real_unbind_dim=-1`). `split=True`: q/k and
     the tables permuted per head to split halves at load (`layout.RopeLayout`; the
     tables' two halves are equal, and half-width tables work too), the rotation
-    `[x1 c - x2 s, x2 c + x1 s]` on the halves: the same products and sums as the
-    pairwise form in one elementwise pass, without a minor-axis relayout or a
-    rotated copy of x.
+    `[x1 c - x2 s, x2 c + x1 s]` on the halves.
+
+    Both are `x cos + rot(x) sin` with the same products and sums (`a - b` as
+    `a + (-b)`, which rounds identically). For bfloat16 x, `rot(x)` is one matmul
+    with the 0/+-1 `rotation_matrix` accumulated in float32 (exact: one nonzero
+    product per output, and bf16 values are exact in float32), so XLA fuses the
+    whole rotation, the cast back and a following relayout (splash attention's
+    head-major q/k) into the matmul's fusion instead of slicing and concatenating
+    the lane axis (benchmark/qk_passes.py). Interleaved rows wider than 128 rotate
+    per 128-channel block; split halves wider than MAX_ROTATION_MATMUL and other
+    dtypes rotate elementwise.
+    (A non-finite x would spread NaN over its row's D channels through the zero
+    products of the matmul; q/k after their norms are finite.)
     """
     f = nn.fp32(x.dtype)
+    d = x.shape[-1]
     xf, cos, sin = x.astype(f), cos.astype(f), sin.astype(f)
-    if split:
-        half = x.shape[-1] // 2
-        c, s = cos[..., :half], sin[..., :half]
-        x1, x2 = xf[..., :half], xf[..., half:]
-        out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    if cos.shape[-1] != d:  # half-width tables: one angle per rotated pair
+        cos, sin = (jnp.concatenate([t, t], axis=-1) if split else jnp.repeat(t, 2, axis=-1)
+                    for t in (cos, sin))
+    # interleaved pairs never cross a 128-lane block: rotate wide rows block by block
+    block = LANE if not split and d > LANE and d % LANE == 0 else d
+    if x.dtype == jnp.bfloat16 and block <= MAX_ROTATION_MATMUL:
+        xb = x.reshape(*x.shape[:-1], d // block, block)
+        rot = jnp.einsum("...d,de->...e", xb, jnp.asarray(rotation_matrix(block, split), x.dtype),
+                         preferred_element_type=f).reshape(x.shape)
+    elif split:
+        half = d // 2
+        rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     else:
         xr = xf.reshape(*xf.shape[:-1], -1, 2)
-        out = xf * cos + jnp.stack([-xr[..., 1], xr[..., 0]], axis=-1).reshape(xf.shape) * sin
-    return out.astype(x.dtype)
+        rot = jnp.stack([-xr[..., 1], xr[..., 0]], axis=-1).reshape(xf.shape)
+    return (xf * cos + rot * sin).astype(x.dtype)
 
 
 def attend(par, q, k, v, kv_mask=None, bias=None):

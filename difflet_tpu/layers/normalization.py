@@ -41,13 +41,28 @@ def rms_norm(x, scale=None, eps: float = 1e-6, sum_sq=None, dim: int | None = No
 
     `sum_sq` / `dim`: a per-token sum of squares reduced over ranks and the
     full width it covers (`rms_norm_across_heads`).
+
+    The mean of squares reads x through an `optimization_barrier` (an identity):
+    otherwise XLA shares one float32 copy of x between the reduction and the
+    scaling and writes it out (FLUX's per-head q/k norms: a float32 pass per
+    tensor), where apart each fusion converts the model-dtype x it reads, and
+    the scaling fuses into its consumer (the q/k RoPE and relayout for splash
+    attention, benchmark/qk_passes.py).
     """
-    xf = x.astype(nn.fp32(x.dtype))
-    var = jnp.mean(xf * xf, axis=-1, keepdims=True) if sum_sq is None else sum_sq / dim
+    f = nn.fp32(x.dtype)
+    if sum_sq is None:
+        xs = jax.lax.optimization_barrier(x).astype(f)
+        var = jnp.mean(xs * xs, axis=-1, keepdims=True)
+    else:
+        var = sum_sq / dim
+    xf = x.astype(f)
     y = xf * jax.lax.rsqrt(var + eps)
     if scale is not None:
         y = y * scale.astype(y.dtype)
     return y.astype(x.dtype)
+
+
+LANE = 128
 
 
 def rms_norm_across_heads(par, x, scale, eps: float, dim: int, sum_sq=None):
@@ -56,15 +71,27 @@ def rms_norm_across_heads(par, x, scale, eps: float, dim: int, sum_sq=None):
     is summed over the `tp` ranks in float32, so every rank divides by the
     full-width mean (on one device: a plain RMSNorm).
 
-    `sum_sq`: optional, this rank's per-token sum of squares of x, `[..., rows, 1]`
-    float32, already computed (`nn.column(..., sum_squares=...)`: the all-gather
-    kernel accumulates it from its tiles, so no pass over x reads it here); it is
-    summed over the ranks the same way."""
-    if sum_sq is None:
-        xf = x.astype(nn.fp32(x.dtype))
-        sum_sq = jnp.sum(xf * xf, axis=-1, keepdims=True)
-    sum_sq = par.sum_over_ranks(sum_sq.astype(nn.fp32(x.dtype)))
-    return rms_norm(x, scale, eps, sum_sq=sum_sq, dim=dim)
+    `sum_sq`: this rank's per-token partial sum of squares `[..., 1]` in float32,
+    if its producer computed it (`nn.column(..., sum_squares=...)`: the all-gather
+    kernel accumulates it from its tiles, so no pass over x reads it here); else
+    it is reduced here from x read through an
+    optimization barrier (as `rms_norm` does), with the channels as
+    `[..., C / 128, 128]` blocks (a reshape: the same products; the reduction
+    sums the same squares). In that shape XLA fuses the scaling into the
+    consumer of the head-split result (the q/k RoPE matmul and splash's
+    relayout) instead of writing the normalised tensor in a pass of its own
+    (benchmark/qk_passes.py). With `sum_sq` given, the flat form prices lower
+    (the blocked one writes a float32 copy of x for that fusion)."""
+    f = nn.fp32(x.dtype)
+    c = x.shape[-1]
+    if sum_sq is not None:
+        return rms_norm(x, scale, eps, sum_sq=par.sum_over_ranks(sum_sq.astype(f)), dim=dim)
+    lanes = LANE if c % LANE == 0 else c
+    xb = x.reshape(*x.shape[:-1], c // lanes, lanes)
+    xs = jax.lax.optimization_barrier(xb).astype(f)
+    sum_sq = par.sum_over_ranks(jnp.sum(xs * xs, axis=(-2, -1), keepdims=True))
+    y = rms_norm(xb, scale.reshape(c // lanes, lanes), eps, sum_sq=sum_sq, dim=dim)
+    return y.reshape(x.shape)
 
 
 def modulate(x, shift, scale, eps: float = 1e-6):
