@@ -75,13 +75,13 @@ SHAPES = [
     ("flux-single-qkv-mlp-bias-gelu", "ag_epi", 4608, 3072, [768, 768, 768, 3072], 0),
     # a long sequence in row chunks, one call each (Wan 480x832x81 attention out: 3 calls)
     ("wan81-attn-out-3chunks", "rs", 32768, 0, [1280], 5120),
-    ("wan81-attn-qkv-bias-ssq-3chunks", "ag_ssq", 32768, 5120, [1280, 1280, 1280], 0),
+    ("wan81-cross-q-3chunks", "ag", 32768, 5120, [1280], 0),  # (q/k/v + sums of squares: 3 x the code)
     # row sums of squares (across-heads q/k RMSNorm): bias on every weight; ssq of
     # self-attention's q and k (not v), of cross-attention's q
     ("wan-attn-qkv-bias-ssq", "ag_ssq", 4736, 5120, [1280, 1280, 1280], 0),
     ("wan-cross-q-bias-ssq", "ag_ssq", 4736, 5120, [1280], 0),
 ]
-CALLS = {"wan81-attn-out-3chunks": 3, "wan81-attn-qkv-bias-ssq-3chunks": 3}
+CALLS = {"wan81-attn-out-3chunks": 3, "wan81-cross-q-3chunks": 3}
 
 
 @pytest.mark.slow
