@@ -163,7 +163,7 @@ def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
     unit = _common.sublane_rows(dtype)
     if s % 2 or (s // 2) % unit:
         return (f"each half of this rank's {s} rows must be a multiple of {unit} rows for {dtype.name} "
-                f"(pad the sequence to a multiple of {2 * unit * axis_size})"), None, None, None, None, None
+                f"(pad the sequence to a multiple of {2 * unit * axis_size})"), None, None, None, None
     if K % _common.LANES:
         return f"K = {K} is not a multiple of 128", None, None, None, None
     if not widths or any(int(n) % _common.LANES or int(n) <= 0 for n in widths):
@@ -183,20 +183,12 @@ def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
     pad = lambda rows, bd: -(-int(rows) // _common.sublane_rows(bd)) * _common.sublane_rows(bd)
     bias_bufs = [_common.buffer(f"bias {i}", (pad(*b), n), b[1])
                  for i, (b, n) in enumerate(zip(biases, widths)) if b is not None]
-    cap = _common.vmem_capacity_bytes()
-    plan = None
-    for n_chunks in [chunks] if chunks is not None else range(1, min(s // (2 * unit), _common.MAX_CHUNKS) + 1):
-        pieces = _common.row_chunks(s, n_chunks, unit)
-        if len(pieces) != n_chunks:
-            if chunks is None:
-                continue
-            return (f"this rank's {s} rows do not split into {n_chunks} chunks of whole {unit}-row halves"), \
-                None, None, None, None
-        h = max(size for _, size in pieces) // 2
+
+    def candidates(h):
         for tn in _common.column_tile_candidates(widths, col_tile_limit):
             tiles = _common.row_tiles(h, row_tile_limit, unit)
             tm = max(sz for _, sz in tiles)
-            plan = _common.VmemPlan((
+            yield _common.VmemPlan((
                 _common.buffer("xbuf", (2, recv_slots, B, h, K), dtype),
                 _common.buffer("wbuf", (2, K, tn), dtype),
                 _common.buffer("obuf", (2, 2, B, h, tn), dtype),
@@ -211,12 +203,12 @@ def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
                 # row sums of squares: [2, 2, B, 1, h] f32, (1, h) padded to (8, 128k)
                 *([_common.buffer("ssq", (2, 2, B, 8, -(-h // _common.LANES) * _common.LANES), jnp.float32)]
                   if any(sum_squares) else []),
-            ))
-            if plan.limit <= cap:
-                return None, tn, tiles, plan, pieces
-    return (f"VMEM budget exceeded: {plan.limit / 2**20:.1f} MiB needed (halves resident in "
-            f"{recv_slots} slots per direction, {n_chunks} row chunks) > {cap / 2**20:.0f} MiB on this chip"), \
-        None, None, plan, None
+            )), (tn, tiles)
+
+    reason, extra, plan, pieces = _common.fit_chunks(
+        s, unit, chunks, candidates, f"halves resident in {recv_slots} slots per direction")
+    tn, tiles = extra or (None, None)
+    return reason, tn, tiles, plan, pieces
 
 
 def unsupported_reason(x_shape, widths, dtype, axis_size, *, biases=None,

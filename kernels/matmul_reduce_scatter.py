@@ -129,17 +129,7 @@ def _plan(x_shapes, w_shapes, dtype, axis_size, *, recv_slots=RECV_SLOTS,
     B = 1
     for d in lead:
         B *= d
-    cap = _common.vmem_capacity_bytes()
-    plan = None
-    units = rows // (2 * axis_size * unit)
-    for n_chunks in [chunks] if chunks is not None else range(1, min(units, _common.MAX_CHUNKS) + 1):
-        pieces = _common.row_chunks(rows // axis_size, n_chunks, unit)
-        if len(pieces) != n_chunks:
-            if chunks is None:
-                continue
-            return (f"a rank's {rows // axis_size} rows do not split into {n_chunks} chunks of whole "
-                    f"{unit}-row halves"), None, None, None, None
-        h = max(size for _, size in pieces) // 2
+    def candidates(h):
         for tn in _common.column_tile_candidates([N], col_tile_limit):
             nt = N // tn
             tiles = _common.row_tiles(h, row_tile_limit, unit)
@@ -153,12 +143,12 @@ def _plan(x_shapes, w_shapes, dtype, axis_size, *, recv_slots=RECV_SLOTS,
                 _common.buffer("dot operands", (sum(tm * k + k * tn for k in ks),), dtype),
                 _common.buffer("f32 acc", (2, tm, tn), jnp.float32),
             ]
-            plan = _common.VmemPlan(tuple(bufs))
-            if plan.limit <= cap:
-                return None, tn, tiles, plan, pieces
-    return (f"VMEM budget exceeded: {plan.limit / 2**20:.1f} MiB needed (full-width accumulators in "
-            f"{recv_slots} slots per direction, {n_chunks} row chunks) > {cap / 2**20:.0f} MiB on this chip"), \
-        None, None, plan, None
+            yield _common.VmemPlan(tuple(bufs)), (tn, tiles)
+
+    reason, extra, plan, pieces = _common.fit_chunks(
+        rows // axis_size, unit, chunks, candidates, f"full-width accumulators in {recv_slots} slots per direction")
+    tn, tiles = extra or (None, None)
+    return reason, tn, tiles, plan, pieces
 
 
 def unsupported_reason(x_shapes, w_shapes, dtype, axis_size) -> str | None:

@@ -36,6 +36,9 @@ def test_all_gather_matmul_supported(x_shape, widths, dtype):
 def test_all_gather_matmul_unsupported(x_shape, widths, dtype, axis_size, words):
     reason = agk.unsupported_reason(x_shape, widths, dtype, axis_size)
     assert reason is not None and words in reason, reason
+    # the kernel unpacks the whole plan: every refusal is (reason, None, None, plan or None, None)
+    plan = agk._plan(x_shape, widths, dtype, axis_size)
+    assert len(plan) == 5 and plan[1] is plan[2] is plan[4] is None
 
 
 @pytest.mark.parametrize("x_shapes,w_shapes,dtype", [
@@ -61,6 +64,8 @@ def test_matmul_reduce_scatter_supported(x_shapes, w_shapes, dtype):
 def test_matmul_reduce_scatter_unsupported(x_shapes, w_shapes, dtype, words):
     reason = rsk.unsupported_reason(x_shapes, w_shapes, dtype, 4)
     assert reason is not None and words in reason, reason
+    plan = rsk._plan(x_shapes, w_shapes, dtype, 4)
+    assert len(plan) == 5 and plan[1] is plan[2] is plan[4] is None
 
 
 @pytest.mark.parametrize("x_shapes,w_shapes,want", [
