@@ -750,7 +750,7 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
     ideal = analytic / (P * chip.bf16_flops)
     used = cal if args.calibrated == "yes" else raw
     sp_kernel = config.ag_kernel("pallas", "tpu") if pmode == "sp" else None
-    rs_kernel = config.rs_kernel("tpu") if pmode == "sp" else None
+    rs_kernel = config.rs_kernel("tpu", chip) if pmode == "sp" else None
     coords = {d.id: _coords(d)[:3] for d in mesh.devices.flat}
     hops = [ring_hops(g, coords) for g in tp_groups(mesh)]
     return dict(

@@ -124,10 +124,11 @@ class Config:
             return self.sp_kernel
         return model_default if platform == "tpu" else "jax"
 
-    def rs_kernel(self, platform: str) -> str:
+    def rs_kernel(self, platform: str, chip) -> str:
         """The matmul-reduce-scatter implementation under SP: "auto" (chosen per
-        site, `Parallel.row`) stays "auto" on TPU and is the JAX ring elsewhere."""
-        if self.sp_rs_kernel == "auto" and platform != "tpu":
+        site, `Parallel.row`) stays "auto" on a TPU whose constants are known
+        (`chip`, a `difflet_tpu.estimate.Chip` or None) and is the JAX ring elsewhere."""
+        if self.sp_rs_kernel == "auto" and (platform != "tpu" or chip is None):
             return "jax"
         return self.sp_rs_kernel
 

@@ -84,12 +84,9 @@ class Parallel:
         platform = device.platform
         chip = estimate.chip_for_device(device)
         mode = mode or ("sp" if config.sp else "tp")
-        rs_impl = config.rs_kernel(platform)
-        if rs_impl == "auto" and chip is None:  # a TPU without chip constants: the ring
-            rs_impl = "jax"
         return cls(mode=mode, size=mesh.shape[TP],
                    ag_impl=config.ag_kernel(ag_default, platform),
-                   rs_impl=rs_impl, chip=None if chip is None else chip.name,
+                   rs_impl=config.rs_kernel(platform, chip), chip=None if chip is None else chip.name,
                    assemble=config.sp_ag_assemble,
                    attn_impl="splash" if platform == "tpu" else "xla",
                    interpret=platform != "tpu")

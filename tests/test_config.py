@@ -2,6 +2,7 @@ import dataclasses
 
 import pytest
 
+from difflet_tpu import estimate
 from difflet_tpu.config import ENV_VARS, Config, ConfigError
 
 GOOD = {
@@ -43,8 +44,9 @@ def test_defaults():
 
 def test_rs_kernel_auto_is_the_ring_off_tpu():
     c = Config()
-    assert (c.rs_kernel("tpu"), c.rs_kernel("cpu")) == ("auto", "jax")
-    assert Config(sp_rs_kernel="pallas").rs_kernel("cpu") == "pallas"  # explicit: interpreted off TPU
+    v5e = estimate.CHIPS["v5e"]
+    assert (c.rs_kernel("tpu", v5e), c.rs_kernel("cpu", None), c.rs_kernel("tpu", None)) == ("auto", "jax", "jax")
+    assert Config(sp_rs_kernel="pallas").rs_kernel("cpu", None) == "pallas"  # explicit: interpreted off TPU
 
 
 @pytest.mark.parametrize("var", sorted(GOOD))
