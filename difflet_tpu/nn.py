@@ -81,8 +81,10 @@ def epilogue(linear: Linear, activation=None, sum_squares: bool = False):
     return fn
 
 
-def column(par, x, linears, activations=None, sum_squares=None):
+def column(par, x, linears, activations=None, sum_squares=None, heads=False):
     """Column-parallel `linears` sharing input `x` through `par.column`.
+
+    `heads`: the outputs are split into attention heads (`Parallel.column`).
 
     `sum_squares`: optional, per linear a bool; that linear's output is then
     the pair `(y, ssq)`, ssq `[..., rows, 1]` the float32 sum over this rank's
@@ -94,7 +96,7 @@ def column(par, x, linears, activations=None, sum_squares=None):
     activations = activations or [None] * len(linears)
     sum_squares = sum_squares or [False] * len(linears)
     return par.column(x, [weight(l) for l in linears],
-                      [epilogue(l, a, q) for l, a, q in zip(linears, activations, sum_squares)])
+                      [epilogue(l, a, q) for l, a, q in zip(linears, activations, sum_squares)], heads=heads)
 
 
 def row(par, pairs):

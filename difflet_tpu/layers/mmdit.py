@@ -121,9 +121,9 @@ class JointAttention(nnx.Module):
         text out), row-parallel."""
         context_par = par if context_par is None else context_par
         par.local_heads(self.heads)  # a clear error if the heads do not divide over the ranks
-        q, k, v = nn.column(par, hidden_states, [self.to_q, self.to_k, self.to_v])
+        q, k, v = nn.column(par, hidden_states, [self.to_q, self.to_k, self.to_v], heads=True)
         eq, ek, ev = nn.column(context_par, encoder_hidden_states,
-                               [self.add_q_proj, self.add_k_proj, self.add_v_proj])
+                               [self.add_q_proj, self.add_k_proj, self.add_v_proj], heads=True)
         img = (self._norm(q, self.norm_q), self._norm(k, self.norm_k), split_heads(v, self.head_dim))
         txt = (self._norm(eq, self.norm_added_q), self._norm(ek, self.norm_added_k), split_heads(ev, self.head_dim))
         first, second = (txt, img) if self.context_first else (img, txt)
@@ -216,7 +216,7 @@ class SingleStreamBlock(nnx.Module):
         # q, k, v and the MLP share one column-parallel group (one all-gather ring under SP)
         q, k, v, mlp_hidden_states = nn.column(par, norm_hidden_states,
                                                [attn.to_q, attn.to_k, attn.to_v, self.proj_mlp],
-                                               [None, None, None, gelu_tanh])
+                                               [None, None, None, gelu_tanh], heads=True)
         attn_output = attn.self_attend(par, q, k, v, rope, kv_mask)
         # proj_out(cat([attn_output, mlp_hidden_states])): two row-parallel pairs, one collective
         hidden_states = residual + gate * self.proj_out(par, attn_output, mlp_hidden_states)
