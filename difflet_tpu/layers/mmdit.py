@@ -112,17 +112,13 @@ class JointAttention(nnx.Module):
         return self.attend(par, self._norm(q, self.norm_q), self._norm(k, self.norm_k),
                            split_heads(v, self.head_dim), rope, kv_mask)
 
-    def __call__(self, par, hidden_states, encoder_hidden_states, rope, kv_mask, context_par=None):
+    def __call__(self, par, hidden_states, encoder_hidden_states, rope, kv_mask):
         """Joint attention of the image and text streams (each every row, or this rank's
         under SP, gathered by the rings); `rope` covers the joint sequence (identity
-        rows where nothing rotates). `context_par`: the Parallel of the text stream's
-        linears (add_q/k/v_proj, to_add_out) when it talks to the other ranks
-        differently (Qwen-Image's `stream_par`); default `par`. Returns (image out,
-        text out), row-parallel."""
-        context_par = par if context_par is None else context_par
+        rows where nothing rotates). Returns (image out, text out), row-parallel."""
         par.local_heads(self.heads)  # a clear error if the heads do not divide over the ranks
         q, k, v = nn.column(par, hidden_states, [self.to_q, self.to_k, self.to_v], heads=True)
-        eq, ek, ev = nn.column(context_par, encoder_hidden_states,
+        eq, ek, ev = nn.column(par, encoder_hidden_states,
                                [self.add_q_proj, self.add_k_proj, self.add_v_proj], heads=True)
         img = (self._norm(q, self.norm_q), self._norm(k, self.norm_k), split_heads(v, self.head_dim))
         txt = (self._norm(eq, self.norm_added_q), self._norm(ek, self.norm_added_k), split_heads(ev, self.head_dim))
@@ -131,7 +127,7 @@ class JointAttention(nnx.Module):
         o = self.attend(par, *(jnp.concatenate(pair, axis=1) for pair in zip(first, second)), rope, kv_mask)
         encoder_out, hidden_out = (o[:, :n], o[:, n:]) if self.context_first else (o[:, n:], o[:, :n])
         hidden_out = nn.row(par, [(hidden_out, self.to_out["0"])])
-        encoder_out = nn.row(context_par, [(encoder_out, self.to_add_out)])
+        encoder_out = nn.row(par, [(encoder_out, self.to_add_out)])
         return hidden_out, encoder_out
 
 

@@ -39,7 +39,7 @@ def schedule(steps: int, image_seq_len: int, cfg: schedulers.SchedulerConfig = S
 # against 274 ms for the JAX rings with concat assembly and 233 ms with dus assembly;
 # docs/models/qwen_image.md). The reference PR measured the kernel 1% slower than the
 # ring on a v5e-4 (179.7 vs 178.0 ms); DIFFLET_TPU_SP_KERNEL=jax picks the ring. The
-# text stream's linears use plain collectives on TPU (`model.stream_par`).
+# text stream's MLP takes plain collectives on TPU (`parallel.plain_collective_pays`).
 AG_DEFAULT = "pallas"
 
 SPEC = port_spec(

@@ -26,14 +26,14 @@ Every forward runs inside one `shard_map` over the mesh's `tp` axis (or plain
   (text rows), attention runs on the full joint sequence for this rank's heads,
   to_out.0 and to_add_out end in reduce-scatters, and each MLP is an all-gather
   in and a reduce-scatter out. No row reordering: the joint sequence is gathered
-  stream by stream. Per site (`stream_par`): the image stream's collectives are
-  fused into its matmuls (the Pallas AG kernel, TPU default, or the JAX rings);
-  on TPU the short text stream uses plain all-gather / psum_scatter.
+  stream by stream. Each site's collective is fused into its matmuls (the Pallas
+  AG kernel, TPU default, or the JAX rings) or, where a rank's rows are too few
+  for a ring to pay, plain (`difflet_tpu.parallel.plain_collective_pays`: on TPU,
+  the short text stream's MLP).
 """
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ from difflet_tpu import nn
 from difflet_tpu.layers import AdaLayerNormContinuous, AdaLN, FeedForward, TimestepEmbedding, Weight, modulate, rms_norm
 from difflet_tpu.layers.embeddings import timestep_frequencies
 from difflet_tpu.layers.mmdit import JointAttention, clip_fp16, joint_attention_plan
-from difflet_tpu.parallel import COLUMN, ROW, Parallel
+from difflet_tpu.parallel import COLUMN, ROW
 
 from .config import EPS, QwenImageConfig
 
@@ -79,36 +79,6 @@ PLAN = {
     "transformer_blocks.txt_mlp.net.2": ROW,
     "norm_out.linear": COLUMN,
 }
-
-
-# --------------------------------------------------------------------------
-# How each stream's linears communicate under SP (per site, from the compiled estimate)
-# --------------------------------------------------------------------------
-# A ring hop multiplies rows/2P rows by the whole (column- or row-shard of the)
-# weight, so every hop reads that weight from HBM again. Below about 240 rows a
-# hop (v5e: 197 TFLOP/s / 819 GB/s) the hop is bound by that read, and the ring
-# (or the Pallas all-gather kernel, which streams the weight per hop too) costs
-# 2P weight reads where a plain all-gather + one matmul (or one matmul +
-# psum_scatter) costs one, plus a small synchronous collective. Qwen-Image's
-# text stream is such a stream (128 prompt tokens: 16 rows a hop at P = 4): in
-# the deviceless v5e:2x2 compile at 1024x1024 moving it to plain collectives cut
-# 35-41 ms of estimated step time (docs/models/qwen_image.md). So on TPU a stream with fewer rows
-# a hop than RING_MIN_ROWS runs its linears with plain collectives (the
-# `Parallel` impl "xla", the same functions as the sp-xla mode), still
-# sequence-sharded between layers; the image stream keeps the configured ring
-# or kernel. Off TPU (CPU tests) every stream takes the ring, so the tests run
-# the rings; tests/models/test_qwen_image.py forces the rule on CPU too.
-RING_MIN_ROWS = {"tpu": 256, "other": 0}
-
-
-def stream_par(par: Parallel, rows_held: int) -> Parallel:
-    """The Parallel for one sequence-sharded stream's linears, `rows_held` rows on this rank."""
-    if par.mode != "sp":
-        return par
-    min_rows = RING_MIN_ROWS["other" if par.interpret else "tpu"]
-    if rows_held // 2 >= min_rows:
-        return par
-    return dataclasses.replace(par, ag_impl="xla", rs_impl="xla")
 
 
 # --------------------------------------------------------------------------
@@ -177,21 +147,19 @@ class QwenImageTransformerBlock(nnx.Module):
         rank's rows under SP); `rope`, `kv_mask`: the joint [text | image] sequence's rows.
         token_replace: zero_cond_t's (bool `[image rows held]`, t = 0 embedding): those rows
         take the t = 0 modulation (diffusers' `modulate_index == 1`)."""
-        img_par, txt_par = stream_par(par, hidden_states.shape[1]), stream_par(par, encoder_hidden_states.shape[1])
         img_shift1, img_scale1, img_gate1, img_shift2, img_scale2, img_gate2 = self.img_mod(par, temb, token_replace)
         txt_shift1, txt_scale1, txt_gate1, txt_shift2, txt_scale2, txt_gate2 = self.txt_mod(par, temb)
 
         img_modulated = modulate(hidden_states, img_shift1, img_scale1, EPS)
         txt_modulated = modulate(encoder_hidden_states, txt_shift1, txt_scale1, EPS)
-        img_attn_output, txt_attn_output = self.attn(img_par, img_modulated, txt_modulated, rope, kv_mask,
-                                                     context_par=txt_par)
+        img_attn_output, txt_attn_output = self.attn(par, img_modulated, txt_modulated, rope, kv_mask)
         hidden_states = hidden_states + img_gate1 * img_attn_output
         encoder_hidden_states = encoder_hidden_states + txt_gate1 * txt_attn_output
 
         img_modulated2 = modulate(hidden_states, img_shift2, img_scale2, EPS)
-        hidden_states = hidden_states + img_gate2 * self.img_mlp(img_par, img_modulated2)
+        hidden_states = hidden_states + img_gate2 * self.img_mlp(par, img_modulated2)
         txt_modulated2 = modulate(encoder_hidden_states, txt_shift2, txt_scale2, EPS)
-        encoder_hidden_states = encoder_hidden_states + txt_gate2 * self.txt_mlp(txt_par, txt_modulated2)
+        encoder_hidden_states = encoder_hidden_states + txt_gate2 * self.txt_mlp(par, txt_modulated2)
         return clip_fp16(hidden_states), clip_fp16(encoder_hidden_states)
 
 

@@ -16,6 +16,7 @@ import functools
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -93,35 +94,21 @@ def test_sp_matches_tp_with_padding():
         assert rel(sp, run(case, 4, "tp")) <= TOL
 
 
-def test_short_streams_use_plain_collectives(monkeypatch):
-    """On TPU a stream with fewer than RING_MIN_ROWS rows a ring hop (the text) runs its
-    linears with plain all-gather / psum_scatter; off TPU every stream takes the ring. With
-    the TPU rule forced on CPU at 2 rows a hop (qwen_image_edit on 4 devices: image 32 rows,
-    8 a rank, 4 a hop; text 8 rows, 1 a hop), the text goes "xla", the image keeps the ring,
-    and SP still equals diffusers."""
-    assert qm.RING_MIN_ROWS == {"tpu": 256, "other": 0}
-    calls = []
-    for name in ("all_gather_matmul", "matmul_reduce_scatter"):
-        fn = getattr(cm, name)
-        monkeypatch.setattr(cm, name, lambda *a, _fn=fn, _name=name, **k: (
-            calls.append((_name, a[0].shape[-2] if _name == "all_gather_matmul" else a[0][0][0].shape[-2],
-                          k["impl"])), _fn(*a, **k))[1])
-    monkeypatch.setitem(qm.RING_MIN_ROWS, "other", 2)
-    _, ref = fixture("qwen_image_edit")
-    model, mesh = load("qwen_image_edit", 4)
-    out = np.asarray(runner(model, mesh, "sp")(**fixture("qwen_image_edit")[0]))
-    assert rel(out, ref) <= TOL
-    # per block: AG image q/k/v, AG text q/k/v, RS to_out, RS to_add_out, AG+RS per MLP
-    assert sorted(set(calls)) == [("all_gather_matmul", 2, "xla"), ("all_gather_matmul", 8, "jax"),
-                                  ("matmul_reduce_scatter", 8, "xla"), ("matmul_reduce_scatter", 32, "jax")]
-    p = qm.stream_par(_runner("qwen_image_edit", 4, "sp").par, 1024)
-    assert (p.ag_impl, p.rs_impl) == ("jax", "jax")  # the rule off TPU by default
-    # on TPU (interpret=False) at 1024x1024 with 128 prompt tokens: 1024 image rows a rank
-    # keep the Pallas kernel and the ring, 32 text rows take plain collectives; TP is untouched
-    tpu = Parallel(mode="sp", size=4, ag_impl="pallas", rs_impl="jax")
-    assert (qm.stream_par(tpu, 1024).ag_impl, qm.stream_par(tpu, 1024).rs_impl) == ("pallas", "jax")
-    assert (qm.stream_par(tpu, 32).ag_impl, qm.stream_par(tpu, 32).rs_impl) == ("xla", "xla")
-    assert qm.stream_par(Parallel(mode="tp", size=4), 32) == Parallel(mode="tp", size=4)
+@pytest.mark.parametrize("site,rows,k,n,heads,expect", [
+    ("ag", 32, 3072, 3 * 768, True, "pallas"),   # text add_q/k/v_proj: the kernel reads the layer in place
+    ("ag", 32, 3072, 3072, False, "xla"),        # text txt_mlp.net.0.proj
+    ("rs", 32, 3072, 3072, False, "xla"),        # text txt_mlp.net.2 (the JAX ring would run)
+    ("ag", 1024, 3072, 3 * 768, True, "pallas"),  # image to_q/k/v
+    ("rs", 1024, 3072, 3072, False, "jax"),      # image img_mlp.net.2: compute-bound hops
+])
+def test_sites_at_1024px_on_v5e(site, rows, k, n, heads, expect):
+    """The shared per-site rule (`parallel.plain_collective_pays`) at the released config,
+    1024x1024 with 128 prompt tokens on v5e:2x2: the text stream's MLP (32 rows a rank)
+    runs on plain collectives, its attention linears and the image stream on the rings."""
+    x = jax.ShapeDtypeStruct((1, rows if site == "ag" else 4 * rows, k), jnp.bfloat16)
+    w = cm.LayerWeight(jax.ShapeDtypeStruct((60, k, n), jnp.bfloat16), jnp.int32(0))
+    par = Parallel(mode="sp", size=4, ag_impl="pallas", rs_impl="auto", chip="v5e")
+    assert (par.ag_site_impl(x, [w], heads) if site == "ag" else par.rs_site_impl([(x, w)])) == expect
 
 
 # --------------------------------------------------------------------------
