@@ -744,6 +744,12 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
         with open(os.path.join(args.dump_hlo, f"{fam}-{preset}-{variant}.hlo.txt"), "w") as f:
             f.write(text)
     mem = deviceless.memory_report(compiled)
+    # a two-expert model (Wan2.2 A14B) keeps the other expert's weights resident beside
+    # the step's: same shapes and shardings, so its bytes per chip are this model's
+    others = 1 if spec.experts.get(preset) is not None else 0
+    if others:
+        other = others * runtime.bytes_per_device(model)
+        mem = dict(mem, other_experts=other, total=mem["total"] + other)
     cost = compiled.cost_analysis() or {}
     raw = E.estimate(text, chip)
     cal = E.estimate(text, chip, calibration)

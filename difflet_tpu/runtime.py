@@ -16,7 +16,10 @@ the cache's hits and misses (jax.monitoring events).
 
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -66,6 +69,17 @@ def abstract_model(build, mesh=None, plan=None):
                           state, specs)
     nnx.update(model, placed)
     return model
+
+
+def bytes_per_device(model) -> int:
+    """Bytes of `model`'s parameters on one device: each leaf's shard under its
+    sharding (NamedShardings on one mesh shard evenly; a leaf without one counts whole)."""
+    total = 0
+    for leaf in jax.tree.leaves(nnx.state(model)):
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
 
 
 # --------------------------------------------------------------------------

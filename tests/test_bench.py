@@ -219,3 +219,36 @@ def test_compare_and_sha256():
     assert c["psnr_db"] == pytest.approx(10 * np.log10(4 / 1e-6), rel=1e-3)  # range 2, mse 1e-6
     assert bench.compare(a, a)["psnr_db"] == float("inf")
     assert bench.sha256(a) == bench.sha256({"hidden_states": a["hidden_states"].copy()}) != bench.sha256(b)
+
+
+def test_bytes_per_device_counts_each_shard():
+    # The second expert's weights the compile-only report adds for Wan2.2 A14B:
+    # runtime.bytes_per_device of an abstract model on 4 devices, against the sum over
+    # parameters of size / (ranks each is sharded over) from the port's plan.
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from difflet_tpu import runtime
+    from difflet_tpu.mesh import make_mesh
+    from difflet_tpu.parallel import param_specs
+
+    spec = models.spec("wan")
+    mesh = make_mesh(4)
+    for preset in ("tiny", "Wan2.2-T2V-A14B"):
+        cfg = bench.build_config(spec, preset)
+        build = lambda: spec.build(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        state = nnx.state(nnx.eval_shape(build))
+        specs = param_specs(state, spec.plan)
+        want = 0
+        for leaf, ps in zip(jax.tree.leaves(state), jax.tree.leaves(specs, is_leaf=lambda x: x is not None
+                                                                    and type(x).__name__ == "PartitionSpec")):
+            ranks = math.prod(mesh.shape[a] for a in ps if a is not None)
+            want += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize // ranks
+        got = runtime.bytes_per_device(runtime.abstract_model(build, mesh, spec.plan))
+        assert got == want
+        full = sum(math.prod(l.shape) * jnp.dtype(l.dtype).itemsize for l in jax.tree.leaves(state))
+        assert full / 4 <= got < full
+    assert 6.5 * 2**30 < got < 7.0 * 2**30  # one A14B expert, bf16, over 4 chips (~14.3 B parameters)
