@@ -746,9 +746,8 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
     mem = deviceless.memory_report(compiled)
     # a two-expert model (Wan2.2 A14B) keeps the other expert's weights resident beside
     # the step's: same shapes and shardings, so its bytes per chip are this model's
-    others = 1 if spec.experts.get(preset) is not None else 0
-    if others:
-        other = others * runtime.bytes_per_device(model)
+    if spec.experts.get(preset) is not None:
+        other = runtime.bytes_per_device(model)
         mem = dict(mem, other_experts=other, total=mem["total"] + other)
     cost = compiled.cost_analysis() or {}
     raw = E.estimate(text, chip)

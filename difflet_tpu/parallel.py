@@ -149,13 +149,11 @@ class Parallel:
         this chip (`relayout` where the outputs go to attention `heads` and the weights
         are layers of a stack); without chip constants (`chip` None: off TPU) always
         `ag_impl`."""
-        if self.ag_impl == "xla" or self.chip is None or self.size == 1:
-            return self.ag_impl
-        rows, k = math.prod(x.shape[:-1]), x.shape[-1]
-        n = sum(w.shape[-1] for w in weights)
+        if self.ag_impl == "xla":
+            return "xla"
         relayout = heads and any(isinstance(w, cm.LayerWeight) for w in weights)
-        if plain_collective_pays("all_gather", rows, k, n, jnp.dtype(x.dtype).itemsize, self.size,
-                                 estimate.CHIPS[self.chip], self.ag_impl, relayout):
+        if self._plain_pays("all_gather", math.prod(x.shape[:-1]), x.shape[-1], sum(w.shape[-1] for w in weights),
+                            jnp.dtype(x.dtype).itemsize, self.ag_impl, relayout):
             return "xla"
         return self.ag_impl
 
@@ -174,12 +172,17 @@ class Parallel:
             from difflet_tpu.kernels import matmul_reduce_scatter as rs_kernel
 
             impl = "pallas" if rs_kernel.ici_bound(k, itemsize, estimate.CHIPS[self.chip]) else "jax"
-        if self.chip is not None and self.size > 1:
-            rows = math.prod(pairs[0][0].shape[:-1]) // self.size
-            if plain_collective_pays("reduce_scatter", rows, k, pairs[0][1].shape[-1], itemsize, self.size,
-                                     estimate.CHIPS[self.chip], impl):
-                return "xla"
+        rows = math.prod(pairs[0][0].shape[:-1]) // self.size
+        if self._plain_pays("reduce_scatter", rows, k, pairs[0][1].shape[-1], itemsize, impl):
+            return "xla"
         return impl
+
+    def _plain_pays(self, kind, rows, k, n, itemsize, ring, relayout=False) -> bool:
+        """`plain_collective_pays` on this chip and ring; False without chip constants
+        (off TPU) or on one rank."""
+        return (self.chip is not None and self.size > 1
+                and plain_collective_pays(kind, rows, k, n, itemsize, self.size, estimate.CHIPS[self.chip],
+                                          ring, relayout))
 
     # ---- other collectives ----------------------------------------------
 

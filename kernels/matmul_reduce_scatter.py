@@ -129,6 +129,7 @@ def _plan(x_shapes, w_shapes, dtype, axis_size, *, recv_slots=RECV_SLOTS,
     B = 1
     for d in lead:
         B *= d
+
     def candidates(h):
         for tn in _common.column_tile_candidates([N], col_tile_limit):
             nt = N // tn

@@ -34,7 +34,6 @@ Every forward runs inside one `shard_map` over the mesh's `tp` axis (or plain
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
