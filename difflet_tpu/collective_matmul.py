@@ -404,26 +404,31 @@ def _rs_ring(pairs, axis_name, P):
     fwd = [(i, (i + 1) % P) for i in range(P)]
     bwd = [(i, (i - 1) % P) for i in range(P)]
 
-    def partial(dest, offset):
+    def partial(dest, offset, recv=None, after=None):
+        xs = [x for x, _ in pairs]
+        if recv is not None:
+            # This hop's inputs pass one optimization barrier with the received sum
+            # (and `after`), so the matmul cannot start before the sum arrives and XLA
+            # fuses the add and the cast for the next send into it. Without it XLA
+            # hoists the matmuls of the later hops ahead of their transfers and adds
+            # each sum in a float32 pass of its own (docs/benchmarks.md, row 2g).
+            xs, recv, _ = lax.optimization_barrier((xs, recv, after))
         acc = None
-        for x, w in pairs:
+        for x, (_, w) in zip(xs, pairs):
             xr = lax.dynamic_slice_in_dim(x, dest * s + offset, h, axis=x.ndim - 2)
             y = jnp.matmul(xr, w, preferred_element_type=acc_dtype)
             acc = y if acc is None else acc + y
-        return acc
+        return acc if recv is None else acc + recv.astype(acc_dtype)
 
     recv_f = recv_b = None
     for j in range(P):
         # Hop j: the forward accumulator held here is for rank idx-1-j, the
-        # backward one for idx+1+j; at j = P-1 both are for this rank.
-        pf = partial((idx - 1 - j) % P, 0)
-        pb = partial((idx + 1 + j) % P, h)
-        if j > 0:
-            # XLA fuses each add into its matmul (no f32 pass of its own); the forward
-            # half's matmul then waits only for the sum sent while the backward half
-            # was multiplied (docs/benchmarks.md, row 2d).
-            pf = pf + recv_f.astype(acc_dtype)
-            pb = pb + recv_b.astype(acc_dtype)
+        # backward one for idx+1+j; at j = P-1 both are for this rank. The backward
+        # half also waits for the forward half's sum: the forward sum travels while
+        # the backward half is multiplied (otherwise XLA may wait for both
+        # transfers first).
+        pf = partial((idx - 1 - j) % P, 0, recv_f)
+        pb = partial((idx + 1 + j) % P, h, recv_b, None if recv_b is None else pf)
         if j < P - 1:
             recv_f = lax.ppermute(pf.astype(dtype), axis_name, fwd)
             recv_b = lax.ppermute(pb.astype(dtype), axis_name, bwd)
