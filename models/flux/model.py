@@ -39,6 +39,7 @@ concatenation and nothing that depends on P in the parameters.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -46,6 +47,7 @@ from flax import nnx
 from difflet_tpu import nn
 from difflet_tpu.layers import (AdaLayerNormContinuous, AdaLN, CombinedTimestepTextProjEmbeddings,
                                 PixArtAlphaTextProjection, TimestepEmbedding, get_timestep_embedding)
+from difflet_tpu.layers.feedforward import FeedForward
 from difflet_tpu.layers.mmdit import PLAN as MMDIT_PLAN
 from difflet_tpu.layers.mmdit import (DoubleStreamBlock, JointAttention, PackedProjOut, SingleStreamBlock,
                                       single_stream_rows)
@@ -123,6 +125,49 @@ class CombinedTimestepGuidanceTextProjEmbeddings(nnx.Module):
 # Blocks (the MMDiT family, difflet_tpu/layers/mmdit.py)
 # --------------------------------------------------------------------------
 
+MATMUL_ROWS = 8  # rows of the smallest matmul (a sublane tile): the batch rows of a GEMV are padded to it
+
+
+def matmul_rows(x):
+    """`[B, ...]` with its rows padded to a multiple of `MATMUL_ROWS` by repeating row 0; the
+    first B rows of anything computed row by row from it are the result for x.
+
+    A GEMV (B = 1 row against a `[D, kD]` weight) is HBM-bound; XLA on TPU lowers it as a
+    multiply + reduce, which the compiler prices ~3x the HBM time of its weight, and a
+    matmul of 8 rows near it (FLUX.1-dev's adaLN modulations, v5e:2x2: docs/benchmarks.md,
+    row 5a). Every row is computed alone: the padding changes no value of the first B.
+    """
+    b = x.shape[0]
+    rows = -(-b // MATMUL_ROWS) * MATMUL_ROWS
+    if rows == b:
+        return x
+    return jnp.concatenate([x, jnp.broadcast_to(x[:1], (rows - b, *x.shape[1:]))], axis=0)
+
+
+class FluxAdaLN(AdaLN):
+    """`AdaLN` (no token_replace) with its linear over the rows of `matmul_rows(emb)`."""
+
+    def __call__(self, par, emb, token_replace=None):
+        if token_replace is not None:
+            raise ValueError("FLUX's adaLN has no token_replace")
+        y = self.linear(jax.nn.silu(matmul_rows(emb)))[:emb.shape[0]]
+        return [c[:, None] for c in jnp.split(par.gather_columns(y), self.chunks, axis=-1)]
+
+
+class FluxTransformerBlock(DoubleStreamBlock):
+    """diffusers' `FluxTransformerBlock`: `DoubleStreamBlock` ([txt | img], float16 clip) with
+    `FluxAdaLN` modulations; submodules built in `DoubleStreamBlock`'s order."""
+
+    def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_dim: int, *, dtype, rngs):
+        self.eps, self.clip_fp16 = EPS, True
+        self.norm1 = FluxAdaLN(dim, 6, dtype=dtype, rngs=rngs)
+        self.norm1_context = FluxAdaLN(dim, 6, dtype=dtype, rngs=rngs)
+        self.attn = JointAttention(dim, num_attention_heads, attention_head_dim, added_kv=True, context_first=True,
+                                   eps=EPS, dtype=dtype, rngs=rngs)
+        self.ff = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)
+        self.ff_context = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)
+
+
 class FluxSingleTransformerBlock(SingleStreamBlock):
     """diffusers' order of submodules; the forward is `SingleStreamBlock`'s: under SP the
     rows are this rank's [txt_r | img_r], `rope` and `kv_mask` in the gathered order
@@ -131,7 +176,7 @@ class FluxSingleTransformerBlock(SingleStreamBlock):
     def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_hidden_dim: int,
                  *, dtype, rngs):
         self.eps, self.clip_fp16 = EPS, True
-        self.norm = AdaLN(dim, 3, dtype=dtype, rngs=rngs)  # AdaLayerNormZeroSingle
+        self.norm = FluxAdaLN(dim, 3, dtype=dtype, rngs=rngs)  # AdaLayerNormZeroSingle
         self.proj_mlp = nn.Linear(dim, mlp_hidden_dim, dtype=dtype, rngs=rngs)
         self.proj_out = PackedProjOut(num_attention_heads * attention_head_dim, mlp_hidden_dim, dim, dtype=dtype,
                                       rngs=rngs)
@@ -155,9 +200,8 @@ class FluxTransformer2DModel(nnx.Module):
         self.time_text_embed = embed_cls(D, c.pooled_projection_dim, dtype=dtype, rngs=rngs)
         self.context_embedder = nn.Linear(c.joint_attention_dim, D, dtype=dtype, rngs=rngs)
         self.x_embedder = nn.Linear(c.in_channels, D, dtype=dtype, rngs=rngs)
-        self.transformer_blocks = nn.stacked(  # FluxTransformerBlock: [txt | img], float16 clip
-            lambda r: DoubleStreamBlock(D, c.num_attention_heads, c.attention_head_dim, 4 * D, context_first=True,
-                                        clip_fp16=True, eps=EPS, dtype=dtype, rngs=r),
+        self.transformer_blocks = nn.stacked(
+            lambda r: FluxTransformerBlock(D, c.num_attention_heads, c.attention_head_dim, 4 * D, dtype=dtype, rngs=r),
             c.num_layers, rngs)
         self.single_transformer_blocks = nn.stacked(
             lambda r: FluxSingleTransformerBlock(D, c.num_attention_heads, c.attention_head_dim,
@@ -186,11 +230,14 @@ class FluxTransformer2DModel(nnx.Module):
         c = self.config
         dtype = self.dtype
         hidden_states = self.x_embedder(hidden_states.astype(dtype))
-        pooled_projections = pooled_projections.astype(dtype)
+        # the embedders' linears over padded rows, as the adaLN modulations (`matmul_rows`)
+        batch = pooled_projections.shape[0]
+        pooled_projections = matmul_rows(pooled_projections.astype(dtype))
         if c.guidance_embeds:
-            temb = self.time_text_embed(timesteps_proj, guidance_proj, pooled_projections)
+            temb = self.time_text_embed(matmul_rows(timesteps_proj), matmul_rows(guidance_proj), pooled_projections)
         else:
-            temb = self.time_text_embed(timesteps_proj, pooled_projections)
+            temb = self.time_text_embed(matmul_rows(timesteps_proj), pooled_projections)
+        temb = temb[:batch]
         encoder_hidden_states = self.context_embedder(encoder_hidden_states.astype(dtype))
 
         rope = (freqs_cos, freqs_sin, c.split_rope)

@@ -451,3 +451,21 @@ def test_example_inputs_run():
     assert kwargs["hidden_states"].shape == (1, 24, 16) and kwargs["img_ids"][7].tolist() == [0, 1, 1]
     model, _ = _model(None, True)
     assert runner(model, None)(**kwargs).shape == (1, 24, 16)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_adaln_modulation_over_padded_rows(batch):
+    """FluxAdaLN runs its linear over `matmul_rows` (rows repeated to a multiple of 8): the
+    chunks are silu(emb) @ W + b of the given rows only (float64 numpy reference)."""
+    dim, chunks = 16, 3
+    ada = tf.FluxAdaLN(dim, chunks, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    ada.linear.bias.value = jax.random.normal(jax.random.key(1), (chunks * dim,))
+    emb = np.asarray(jax.random.normal(jax.random.key(2), (batch, dim)), np.float64)
+    assert tf.matmul_rows(jnp.asarray(emb)).shape[0] % tf.MATMUL_ROWS == 0
+    out = ada(Parallel(), jnp.asarray(emb, jnp.float32))
+    silu = emb / (1 + np.exp(-emb))
+    ref = silu @ np.asarray(ada.linear.kernel.value, np.float64) + np.asarray(ada.linear.bias.value, np.float64)
+    assert len(out) == chunks
+    for i, c in enumerate(out):
+        assert c.shape == (batch, 1, dim)
+        np.testing.assert_allclose(np.asarray(c[:, 0]), ref[:, i * dim:(i + 1) * dim], rtol=1e-5, atol=1e-5)
