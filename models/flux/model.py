@@ -46,7 +46,8 @@ from flax import nnx
 
 from difflet_tpu import nn
 from difflet_tpu.layers import (AdaLayerNormContinuous, AdaLN, CombinedTimestepTextProjEmbeddings,
-                                PixArtAlphaTextProjection, TimestepEmbedding, get_timestep_embedding)
+                                PixArtAlphaTextProjection, TimestepEmbedding, get_timestep_embedding, rms_norm)
+from difflet_tpu.layers.attention import split_heads
 from difflet_tpu.layers.feedforward import FeedForward
 from difflet_tpu.layers.mmdit import PLAN as MMDIT_PLAN
 from difflet_tpu.layers.mmdit import (DoubleStreamBlock, JointAttention, PackedProjOut, SingleStreamBlock,
@@ -154,6 +155,48 @@ class FluxAdaLN(AdaLN):
         return [c[:, None] for c in jnp.split(par.gather_columns(y), self.chunks, axis=-1)]
 
 
+class FluxAttention(JointAttention):
+    """`JointAttention(added_kv=True, context_first=True)` whose per-head q/k RMSNorms run on
+    the joint [txt | img] rows: each stream's sums of squares apart (read through an
+    optimization barrier, as `rms_norm`), then one scaling with each row's stream weight.
+    Normalising each stream and then concatenating made XLA write both normalised
+    tensors in passes of their own; on the joint rows the scaling joins the RoPE /
+    splash relayout fusion, as in the single blocks (docs/benchmarks.md, row 2h). The
+    same float32 operations per element. Under SP only: in the TP program the joint
+    form priced 1 ms a step slower (the q/k bias adds left the projections' fusions)."""
+
+    def _joint_norm(self, txt, img, txt_weight, img_weight):
+        d = self.head_dim
+        txt, img = split_heads(txt, d), split_heads(img, d)
+        f = nn.fp32(txt.dtype)
+
+        def sum_sq(t):
+            ts = jax.lax.optimization_barrier(t).astype(f)
+            return jnp.sum(ts * ts, axis=-1, keepdims=True)
+
+        # each row's weight by a select on the row index, which fuses into the scaling
+        is_txt = (jnp.arange(txt.shape[1] + img.shape[1]) < txt.shape[1])[:, None, None]
+        scale = jnp.where(is_txt, txt_weight.scale[...], img_weight.scale[...])
+        return rms_norm(jnp.concatenate([txt, img], axis=1), scale, self.eps,
+                        sum_sq=jnp.concatenate([sum_sq(txt), sum_sq(img)], axis=1), dim=d)
+
+    def __call__(self, par, hidden_states, encoder_hidden_states, rope, kv_mask):
+        if not par.seq_sharded:  # TP: XLA fused the per-stream form better (docs/benchmarks.md, row 2h)
+            return super().__call__(par, hidden_states, encoder_hidden_states, rope, kv_mask)
+        par.local_heads(self.heads)
+        q, k, v = nn.column(par, hidden_states, [self.to_q, self.to_k, self.to_v], heads=True)
+        eq, ek, ev = nn.column(par, encoder_hidden_states,
+                               [self.add_q_proj, self.add_k_proj, self.add_v_proj], heads=True)
+        n = eq.shape[1]
+        q = self._joint_norm(eq, q, self.norm_added_q, self.norm_q)
+        k = self._joint_norm(ek, k, self.norm_added_k, self.norm_k)
+        v = jnp.concatenate([split_heads(ev, self.head_dim), split_heads(v, self.head_dim)], axis=1)
+        o = self.attend(par, q, k, v, rope, kv_mask)
+        hidden_out = nn.row(par, [(o[:, n:], self.to_out["0"])])
+        encoder_out = nn.row(par, [(o[:, :n], self.to_add_out)])
+        return hidden_out, encoder_out
+
+
 class FluxTransformerBlock(DoubleStreamBlock):
     """diffusers' `FluxTransformerBlock`: `DoubleStreamBlock` ([txt | img], float16 clip) with
     `FluxAdaLN` modulations; submodules built in `DoubleStreamBlock`'s order."""
@@ -162,8 +205,8 @@ class FluxTransformerBlock(DoubleStreamBlock):
         self.eps, self.clip_fp16 = EPS, True
         self.norm1 = FluxAdaLN(dim, 6, dtype=dtype, rngs=rngs)
         self.norm1_context = FluxAdaLN(dim, 6, dtype=dtype, rngs=rngs)
-        self.attn = JointAttention(dim, num_attention_heads, attention_head_dim, added_kv=True, context_first=True,
-                                   eps=EPS, dtype=dtype, rngs=rngs)
+        self.attn = FluxAttention(dim, num_attention_heads, attention_head_dim, added_kv=True, context_first=True,
+                                  eps=EPS, dtype=dtype, rngs=rngs)
         self.ff = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)
         self.ff_context = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)
 
