@@ -21,6 +21,8 @@ gathered (`normalization.AdaLN`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -62,6 +64,21 @@ PLAN = {
 def rope_rows(rope, rows: slice):
     """The RoPE `(cos, sin, split)` of the sequence rows `rows` (None stays None)."""
     return None if rope is None else (rope[0][rows], rope[1][rows], rope[2])
+
+
+class StreamRope(NamedTuple):
+    """A joint sequence's RoPE and its two streams' rows (`stream_rope`)."""
+
+    joint: tuple
+    first: tuple
+    second: tuple
+
+
+def stream_rope(rope, n_first: int) -> StreamRope:
+    """The RoPE `(cos, sin, split)` of a joint sequence with the rows of its first stream
+    (`n_first`) and of its second sliced out, for `JointAttention` under SP. Sliced once
+    per step, before the layer loop: inside it XLA slices the tables again every layer."""
+    return StreamRope(rope, rope_rows(rope, slice(0, n_first)), rope_rows(rope, slice(n_first, None)))
 
 
 def clip_fp16(x):
@@ -129,6 +146,9 @@ class JointAttention(nnx.Module):
         txt = (self._norm(eq, self.norm_added_q), self._norm(ek, self.norm_added_k), split_heads(ev, self.head_dim))
         first, second = (txt, img) if self.context_first else (img, txt)
         n = first[0].shape[1]
+        ropes = None
+        if isinstance(rope, StreamRope):
+            rope, ropes = rope.joint, (rope.first, rope.second)
         if par.seq_sharded:
             # One attention call per stream's queries over the joint keys: the reduce-scatter
             # kernels take each stream's output as a whole array, and a row slice of one joint
@@ -136,9 +156,9 @@ class JointAttention(nnx.Module):
             # query row's softmax is over the same keys either way.
             k, v = (jnp.concatenate(pair, axis=1) for pair in zip(first[1:], second[1:]))
             k = self._rope(k, rope)
-            out_first, out_second = (
-                merge_heads(attend(par, self._rope(q, rope_rows(rope, rows)), k, v, kv_mask))
-                for q, rows in ((first[0], slice(0, n)), (second[0], slice(n, None))))
+            ropes = ropes or (rope_rows(rope, slice(0, n)), rope_rows(rope, slice(n, None)))
+            out_first, out_second = (merge_heads(attend(par, self._rope(q, r), k, v, kv_mask))
+                                     for q, r in ((first[0], ropes[0]), (second[0], ropes[1])))
         else:
             o = self.attend(par, *(jnp.concatenate(pair, axis=1) for pair in zip(first, second)), rope, kv_mask)
             out_first, out_second = o[:, :n], o[:, n:]
