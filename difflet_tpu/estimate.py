@@ -517,8 +517,7 @@ class Simulator:
             return nbytes / c.ici_link_bw + c.ici_latency, nbytes, ("permute", pairs)
         if P <= 1:
             return 0.0, 0.0, ("ring",)
-        arrays = array_shapes(o.type)
-        out = max((array_bytes(*a) for a in arrays), default=0.0)
+        out = sum(array_bytes(*a) for a in self._results(o))
         if kind == "all-reduce":
             moved, steps = 2 * (P - 1) / P * out, 2 * (P - 1)
         elif kind == "reduce-scatter":
@@ -528,6 +527,15 @@ class Simulator:
         else:  # all-gather, all-to-all, collective-broadcast
             moved, steps = (P - 1) / P * out, P - 1
         return moved / (2 * c.ici_link_bw) + steps * c.ici_latency, moved, ("ring",)
+
+    @staticmethod
+    def _results(o: Op) -> list:
+        """The result arrays of a (possibly combined) collective: XLA's combiners give one
+        op over n operands whose type holds n results; an async `-start` op's type holds
+        its n operands, then its n results (an all-reduce's are the same shapes)."""
+        arrays = array_shapes(o.type)
+        n = max(1, len(o.operands))
+        return arrays[n:2 * n] if o.op.endswith("-start") and len(arrays) >= 2 * n else arrays[:n]
 
     def stat(self, kind) -> CollectiveStat:
         return self.est.collectives.setdefault(kind, CollectiveStat(kind))

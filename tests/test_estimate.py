@@ -122,6 +122,25 @@ def test_synchronous_all_reduce_blocks_at_both_ring_directions():
     assert (ar.count, ar.sync, ar.bytes) == (1, 1, moved)
 
 
+def test_combined_collectives_move_every_result():
+    """XLA's combiners make one op of several: a TP block's image and text all-reduces
+    become one tuple all-reduce; an async all-gather's type holds operands, then results."""
+    body = _mm("y", 15000) + ('  %ar = (bf16[1024,1024]{1,0}, bf16[128,1024]{1,0}) all-reduce(%y, %b), '
+                              "channel_id=1, replica_groups=mesh['tp'=4] {'tp'}, to_apply=%add\n"
+                              '  %x = bf16[1024,1024]{1,0} get-tuple-element(%ar), index=0\n')
+    est = E.estimate(HEAD + _fusion_comp("mm_comp") + _entry(body), "v5e")
+    moved = 2 * 3 / 4 * (2**21 + 2**18)
+    assert est.collectives["all-reduce"].bytes == moved
+    assert est.sync_collective == pytest.approx(moved / 90e9 + 6e-6)
+
+    body = ('  %s = ((bf16[256,1024]{1,0}, bf16[32,1024]{1,0}), (bf16[1024,1024]{1,0}, bf16[128,1024]{1,0})) '
+            "all-gather-start(%a, %b), channel_id=1, replica_groups=mesh['tp'=4] {'tp'}, dimensions={0}\n"
+            '  %d = (bf16[1024,1024]{1,0}, bf16[128,1024]{1,0}) all-gather-done(%s)\n'
+            '  %x = bf16[1024,1024]{1,0} get-tuple-element(%d), index=0\n')
+    est = E.estimate(HEAD + _entry(body), "v5e")
+    assert est.collectives["all-gather"].bytes == 3 / 4 * (2**21 + 2**18)
+
+
 def test_collective_group_size_on_a_multi_axis_mesh():
     """mesh['cfg'=2,'tp'=4] {'tp'}: groups of 4 (the tp ring), {'cfg'}: pairs; no braces: all 8."""
     def op(groups):

@@ -417,9 +417,12 @@ def test_double_block_stream_order_does_not_change_the_output():
         assert rel_l2(x, y) <= 1e-6
 
 
+@pytest.mark.parametrize("context_first", [True, False])
 @pytest.mark.parametrize("mode", ["tp", "sp"])
-def test_double_block_parallel(mode):
-    block = _double(True)
+def test_double_block_parallel(mode, context_first):
+    """TP / SP on 2 devices equal one device, for both stream orders (under SP attention
+    runs once per stream's queries, each with its rows of the joint tables)."""
+    block = _double(context_first)
     inputs = _double_inputs()
     one = run(block, _double_fn, "single", *inputs)
     mesh = make_mesh(2)

@@ -21,6 +21,8 @@ gathered (`normalization.AdaLN`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -57,6 +59,26 @@ PLAN = {
     "single_transformer_blocks.proj_out.mlp": ROW,
     "norm_out.linear": COLUMN,
 }
+
+
+def rope_rows(rope, rows: slice):
+    """The RoPE `(cos, sin, split)` of the sequence rows `rows` (None stays None)."""
+    return None if rope is None else (rope[0][rows], rope[1][rows], rope[2])
+
+
+class StreamRope(NamedTuple):
+    """A joint sequence's RoPE and its two streams' rows (`stream_rope`)."""
+
+    joint: tuple
+    first: tuple
+    second: tuple
+
+
+def stream_rope(rope, n_first: int) -> StreamRope:
+    """The RoPE `(cos, sin, split)` of a joint sequence with the rows of its first stream
+    (`n_first`) and of its second sliced out, for `JointAttention` under SP. Sliced once
+    per step, before the layer loop: inside it XLA slices the tables again every layer."""
+    return StreamRope(rope, rope_rows(rope, slice(0, n_first)), rope_rows(rope, slice(n_first, None)))
 
 
 def clip_fp16(x):
@@ -124,8 +146,23 @@ class JointAttention(nnx.Module):
         txt = (self._norm(eq, self.norm_added_q), self._norm(ek, self.norm_added_k), split_heads(ev, self.head_dim))
         first, second = (txt, img) if self.context_first else (img, txt)
         n = first[0].shape[1]
-        o = self.attend(par, *(jnp.concatenate(pair, axis=1) for pair in zip(first, second)), rope, kv_mask)
-        encoder_out, hidden_out = (o[:, :n], o[:, n:]) if self.context_first else (o[:, n:], o[:, :n])
+        ropes = None
+        if isinstance(rope, StreamRope):
+            rope, ropes = rope.joint, (rope.first, rope.second)
+        if par.seq_sharded:
+            # One attention call per stream's queries over the joint keys: the reduce-scatter
+            # kernels take each stream's output as a whole array, and a row slice of one joint
+            # output is a copy (Qwen-Image: 55 us a layer for the image rows, estimated); each
+            # query row's softmax is over the same keys either way.
+            k, v = (jnp.concatenate(pair, axis=1) for pair in zip(first[1:], second[1:]))
+            k = self._rope(k, rope)
+            ropes = ropes or (rope_rows(rope, slice(0, n)), rope_rows(rope, slice(n, None)))
+            out_first, out_second = (merge_heads(attend(par, self._rope(q, r), k, v, kv_mask))
+                                     for q, r in ((first[0], ropes[0]), (second[0], ropes[1])))
+        else:
+            o = self.attend(par, *(jnp.concatenate(pair, axis=1) for pair in zip(first, second)), rope, kv_mask)
+            out_first, out_second = o[:, :n], o[:, n:]
+        encoder_out, hidden_out = (out_first, out_second) if self.context_first else (out_second, out_first)
         hidden_out = nn.row(par, [(hidden_out, self.to_out["0"])])
         encoder_out = nn.row(par, [(encoder_out, self.to_add_out)])
         return hidden_out, encoder_out

@@ -41,7 +41,7 @@ from flax import nnx
 from difflet_tpu import nn
 from difflet_tpu.layers import AdaLayerNormContinuous, AdaLN, FeedForward, TimestepEmbedding, Weight, modulate, rms_norm
 from difflet_tpu.layers.embeddings import timestep_frequencies
-from difflet_tpu.layers.mmdit import JointAttention, clip_fp16, joint_attention_plan
+from difflet_tpu.layers.mmdit import JointAttention, clip_fp16, joint_attention_plan, stream_rope
 from difflet_tpu.parallel import COLUMN, ROW
 
 from .config import EPS, QwenImageConfig
@@ -212,6 +212,8 @@ class QwenImageTransformer2DModel(nnx.Module):
         encoder_hidden_states = self.txt_in(encoder_hidden_states)
 
         rope = (freqs_cos, freqs_sin, c.split_rope)
+        if par.seq_sharded:  # each stream's rows of the tables, sliced once (JointAttention)
+            rope = stream_rope(rope, encoder_hidden_states.shape[1] * par.size)
         hidden_states, encoder_hidden_states = nn.scan_blocks(
             self.transformer_blocks, (hidden_states, encoder_hidden_states),
             lambda block, carry: block(par, *carry, temb, rope, kv_mask, token_replace))
