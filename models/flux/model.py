@@ -47,11 +47,12 @@ from flax import nnx
 from difflet_tpu import nn
 from difflet_tpu.layers import (AdaLayerNormContinuous, AdaLN, CombinedTimestepTextProjEmbeddings,
                                 PixArtAlphaTextProjection, TimestepEmbedding, get_timestep_embedding, rms_norm)
-from difflet_tpu.layers.attention import split_heads
+from difflet_tpu.layers.attention import attend, merge_heads, split_heads
 from difflet_tpu.layers.feedforward import FeedForward
 from difflet_tpu.layers.mmdit import PLAN as MMDIT_PLAN
 from difflet_tpu.layers.mmdit import (DoubleStreamBlock, JointAttention, PackedProjOut, SingleStreamBlock,
-                                      single_stream_rows)
+                                      StreamRope, rope_rows, single_stream_rows, stream_rope)
+from difflet_tpu.layers.normalization import MATMUL_ROWS
 
 from .config import EPS, FluxConfig
 
@@ -126,18 +127,12 @@ class CombinedTimestepGuidanceTextProjEmbeddings(nnx.Module):
 # Blocks (the MMDiT family, difflet_tpu/layers/mmdit.py)
 # --------------------------------------------------------------------------
 
-MATMUL_ROWS = 8  # rows of the smallest matmul (a sublane tile): the batch rows of a GEMV are padded to it
-
-
 def matmul_rows(x):
-    """`[B, ...]` with its rows padded to a multiple of `MATMUL_ROWS` by repeating row 0; the
-    first B rows of anything computed row by row from it are the result for x.
-
-    A GEMV (B = 1 row against a `[D, kD]` weight) is HBM-bound; XLA on TPU lowers it as a
-    multiply + reduce, which the compiler prices ~3x the HBM time of its weight, and a
-    matmul of 8 rows near it (FLUX.1-dev's adaLN modulations, v5e:2x2: docs/benchmarks.md,
-    row 5a). Every row is computed alone: the padding changes no value of the first B.
-    """
+    """`[B, ...]` with its rows padded to a multiple of `normalization.MATMUL_ROWS` by
+    repeating row 0; the first B rows of anything computed row by row from it are the
+    result for x. As `normalization.few_rows_linear` does for the adaLN modulations, for
+    the embedders' small linears (a one-row product is a multiply-reduce fusion priced
+    ~3x its weight's HBM time; 8 rows a matmul near it)."""
     b = x.shape[0]
     rows = -(-b // MATMUL_ROWS) * MATMUL_ROWS
     if rows == b:
@@ -145,25 +140,16 @@ def matmul_rows(x):
     return jnp.concatenate([x, jnp.broadcast_to(x[:1], (rows - b, *x.shape[1:]))], axis=0)
 
 
-class FluxAdaLN(AdaLN):
-    """`AdaLN` (no token_replace) with its linear over the rows of `matmul_rows(emb)`."""
-
-    def __call__(self, par, emb, token_replace=None):
-        if token_replace is not None:
-            raise ValueError("FLUX's adaLN has no token_replace")
-        y = self.linear(jax.nn.silu(matmul_rows(emb)))[:emb.shape[0]]
-        return [c[:, None] for c in jnp.split(par.gather_columns(y), self.chunks, axis=-1)]
-
-
 class FluxAttention(JointAttention):
-    """`JointAttention(added_kv=True, context_first=True)` whose per-head q/k RMSNorms run on
-    the joint [txt | img] rows: each stream's sums of squares apart (read through an
-    optimization barrier, as `rms_norm`), then one scaling with each row's stream weight.
-    Normalising each stream and then concatenating made XLA write both normalised
-    tensors in passes of their own; on the joint rows the scaling joins the RoPE /
-    splash relayout fusion, as in the single blocks (docs/benchmarks.md, row 2h). The
-    same float32 operations per element. Under SP only: in the TP program the joint
-    form priced 1 ms a step slower (the q/k bias adds left the projections' fusions)."""
+    """`JointAttention(added_kv=True, context_first=True)` whose SP path normalises the
+    keys on the joint [txt | img] rows: each stream's per-head sums of squares apart (read
+    through an optimization barrier, as `rms_norm`), then one scaling with a per-row
+    select of the stream's weight, which joins the RoPE / splash relayout fusion of the
+    joint keys. Normalising each stream's keys and then concatenating made XLA write both
+    normalised tensors in passes of their own (docs/benchmarks.md, row 2h). Queries stay
+    per stream (one attention call per stream's queries, as `JointAttention` under SP).
+    The same float32 operations per element. TP and one device: `JointAttention`'s form
+    (the joint norm priced 1 ms a step slower in the TP program)."""
 
     def _joint_norm(self, txt, img, txt_weight, img_weight):
         d = self.head_dim
@@ -181,30 +167,35 @@ class FluxAttention(JointAttention):
                         sum_sq=jnp.concatenate([sum_sq(txt), sum_sq(img)], axis=1), dim=d)
 
     def __call__(self, par, hidden_states, encoder_hidden_states, rope, kv_mask):
-        if not par.seq_sharded:  # TP: XLA fused the per-stream form better (docs/benchmarks.md, row 2h)
+        if not par.seq_sharded:
             return super().__call__(par, hidden_states, encoder_hidden_states, rope, kv_mask)
         par.local_heads(self.heads)
         q, k, v = nn.column(par, hidden_states, [self.to_q, self.to_k, self.to_v], heads=True)
         eq, ek, ev = nn.column(par, encoder_hidden_states,
                                [self.add_q_proj, self.add_k_proj, self.add_v_proj], heads=True)
         n = eq.shape[1]
-        q = self._joint_norm(eq, q, self.norm_added_q, self.norm_q)
-        k = self._joint_norm(ek, k, self.norm_added_k, self.norm_k)
+        ropes = None
+        if isinstance(rope, StreamRope):
+            rope, ropes = rope.joint, (rope.first, rope.second)
+        ropes = ropes or (rope_rows(rope, slice(0, n)), rope_rows(rope, slice(n, None)))
+        k = self._rope(self._joint_norm(ek, k, self.norm_added_k, self.norm_k), rope)
         v = jnp.concatenate([split_heads(ev, self.head_dim), split_heads(v, self.head_dim)], axis=1)
-        o = self.attend(par, q, k, v, rope, kv_mask)
-        hidden_out = nn.row(par, [(o[:, n:], self.to_out["0"])])
-        encoder_out = nn.row(par, [(o[:, :n], self.to_add_out)])
+        encoder_out, hidden_out = (
+            merge_heads(attend(par, self._rope(self._norm(x, w), r), k, v, kv_mask))
+            for x, w, r in ((eq, self.norm_added_q, ropes[0]), (q, self.norm_q, ropes[1])))
+        hidden_out = nn.row(par, [(hidden_out, self.to_out["0"])])
+        encoder_out = nn.row(par, [(encoder_out, self.to_add_out)])
         return hidden_out, encoder_out
 
 
 class FluxTransformerBlock(DoubleStreamBlock):
     """diffusers' `FluxTransformerBlock`: `DoubleStreamBlock` ([txt | img], float16 clip) with
-    `FluxAdaLN` modulations; submodules built in `DoubleStreamBlock`'s order."""
+    `FluxAttention`; submodules built in `DoubleStreamBlock`'s order."""
 
     def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_dim: int, *, dtype, rngs):
         self.eps, self.clip_fp16 = EPS, True
-        self.norm1 = FluxAdaLN(dim, 6, dtype=dtype, rngs=rngs)
-        self.norm1_context = FluxAdaLN(dim, 6, dtype=dtype, rngs=rngs)
+        self.norm1 = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
+        self.norm1_context = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
         self.attn = FluxAttention(dim, num_attention_heads, attention_head_dim, added_kv=True, context_first=True,
                                   eps=EPS, dtype=dtype, rngs=rngs)
         self.ff = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)
@@ -219,7 +210,7 @@ class FluxSingleTransformerBlock(SingleStreamBlock):
     def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_hidden_dim: int,
                  *, dtype, rngs):
         self.eps, self.clip_fp16 = EPS, True
-        self.norm = FluxAdaLN(dim, 3, dtype=dtype, rngs=rngs)  # AdaLayerNormZeroSingle
+        self.norm = AdaLN(dim, 3, dtype=dtype, rngs=rngs)  # AdaLayerNormZeroSingle
         self.proj_mlp = nn.Linear(dim, mlp_hidden_dim, dtype=dtype, rngs=rngs)
         self.proj_out = PackedProjOut(num_attention_heads * attention_head_dim, mlp_hidden_dim, dim, dtype=dtype,
                                       rngs=rngs)
@@ -284,9 +275,12 @@ class FluxTransformer2DModel(nnx.Module):
         encoder_hidden_states = self.context_embedder(encoder_hidden_states.astype(dtype))
 
         rope = (freqs_cos, freqs_sin, c.split_rope)
+        double_rope = rope
+        if par.seq_sharded:  # each stream's rows of the tables, sliced once (JointAttention)
+            double_rope = stream_rope(rope, encoder_hidden_states.shape[1] * par.size)
         hidden_states, encoder_hidden_states = nn.scan_blocks(
             self.transformer_blocks, (hidden_states, encoder_hidden_states),
-            lambda block, carry: block(par, *carry, temb, rope, kv_mask))
+            lambda block, carry: block(par, *carry, temb, double_rope, kv_mask))
 
         # Single blocks on [txt | img] (under SP this rank's [txt_r | img_r], tables and mask
         # in the gathered order: layers.mmdit.single_stream_rows)

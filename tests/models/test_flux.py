@@ -454,26 +454,29 @@ def test_example_inputs_run():
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_adaln_modulation_over_padded_rows(batch):
-    """FluxAdaLN runs its linear over `matmul_rows` (rows repeated to a multiple of 8): the
-    chunks are silu(emb) @ W + b of the given rows only (float64 numpy reference)."""
-    dim, chunks = 16, 3
-    ada = tf.FluxAdaLN(dim, chunks, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    ada.linear.bias.value = jax.random.normal(jax.random.key(1), (chunks * dim,))
-    emb = np.asarray(jax.random.normal(jax.random.key(2), (batch, dim)), np.float64)
-    assert tf.matmul_rows(jnp.asarray(emb)).shape[0] % tf.MATMUL_ROWS == 0
-    out = ada(Parallel(), jnp.asarray(emb, jnp.float32))
-    silu = emb / (1 + np.exp(-emb))
-    ref = silu @ np.asarray(ada.linear.kernel.value, np.float64) + np.asarray(ada.linear.bias.value, np.float64)
-    assert len(out) == chunks
-    for i, c in enumerate(out):
-        assert c.shape == (batch, 1, dim)
-        np.testing.assert_allclose(np.asarray(c[:, 0]), ref[:, i * dim:(i + 1) * dim], rtol=1e-5, atol=1e-5)
+def test_embedders_over_padded_rows(batch):
+    """The model runs its embedders over `matmul_rows` (rows repeated to a multiple of 8):
+    the first rows are the inputs, and temb of the padded rows sliced back is temb of
+    the given rows (float32, against the embedders run on the rows alone and a float64
+    numpy pass of one linear)."""
+    dim = 16
+    emb = tf.CombinedTimestepGuidanceTextProjEmbeddings(dim, 12, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    keys = jax.random.split(jax.random.key(4), 3)
+    t, g = (jax.random.normal(k, (batch, 256)) for k in keys[:2])
+    pooled = jax.random.normal(keys[2], (batch, 12))
+    padded = tf.matmul_rows(t)
+    assert padded.shape[0] % tf.MATMUL_ROWS == 0 and padded.shape[0] >= batch
+    np.testing.assert_array_equal(np.asarray(padded[:batch]), np.asarray(t))
+    got = emb(padded, tf.matmul_rows(g), tf.matmul_rows(pooled))[:batch]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(emb(t, g, pooled)), rtol=1e-5, atol=1e-5)
+    lin = emb.timestep_embedder.linear_1
+    ref = np.asarray(t, np.float64) @ np.asarray(lin.kernel.value, np.float64) + np.asarray(lin.bias.value, np.float64)
+    np.testing.assert_allclose(np.asarray(lin(padded)[:batch]), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_joint_qk_norm_matches_per_stream_norms(dtype):
-    """FluxAttention normalises q (or k) of [txt | img] in one pass with each row's stream
+    """FluxAttention normalises k of [txt | img] in one pass with each row's stream
     weight: equal to each stream's per-head RMSNorm (float64 numpy) concatenated, and to
     the shared layer's per-stream `rms_norm` (float32 exactly)."""
     heads, d, n_txt, n_img = 2, 8, 4, 6
