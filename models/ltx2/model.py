@@ -29,7 +29,8 @@ from flax import nnx
 
 from difflet_tpu import nn
 from difflet_tpu.layers import (FeedForward, PixArtAlphaTextProjection, RMSNorm, TimestepEmbedding, Weight, attend,
-                                get_timestep_embedding, merge_heads, modulate, rms_norm_across_heads, split_heads)
+                                get_timestep_embedding, merge_heads, modulate, rms_norm, rms_norm_across_heads,
+                                split_heads)
 from difflet_tpu.layers import apply_rotary_emb as rotate
 from difflet_tpu.parallel import COLUMN, ROW, SHARDED
 
@@ -221,6 +222,16 @@ class LTX2Attention(nnx.Module):
 # The block
 # --------------------------------------------------------------------------
 
+def norm_after_add(norm: RMSNorm, x):
+    """`norm(x)` for an x the block has just written (a gated residual add): the same
+    math, but the sum of squares is not read through `rms_norm`'s optimization
+    barrier, so XLA reduces it in the fusion that writes x (one pass over the
+    video rows less per norm; the scaling still fuses into its consumer)."""
+    xf = x.astype(nn.fp32(x.dtype))
+    return rms_norm(x, None if norm.weight is None else norm.weight.scale[...], norm.eps,
+                    sum_sq=jnp.sum(xf * xf, axis=-1, keepdims=True), dim=x.shape[-1])
+
+
 class BlockInputs(NamedTuple):
     """Per-forward tensors every block reads (this rank's video rows under SP)."""
 
@@ -340,7 +351,7 @@ class LTX2VideoTransformerBlock(nnx.Module):
                     self.audio_prompt_scale_shift_table[...][None, None].transpose(2, 0, 1, 3)
 
         # 2.1. Video-text
-        norm_hidden_states = self.norm2(hidden_states)
+        norm_hidden_states = norm_after_add(self.norm2, hidden_states)
         if self.video_cross_attn_adaln:
             norm_hidden_states = norm_hidden_states * (1 + scale_text_q) + shift_text_q
         if self.cross_attn_adaln:
@@ -367,7 +378,7 @@ class LTX2VideoTransformerBlock(nnx.Module):
 
         # 3. Audio-to-video and video-to-audio cross-attention
         if use_a2v_cross_attention or use_v2a_cross_attention:
-            norm_hidden_states = self.audio_to_video_norm(hidden_states)
+            norm_hidden_states = norm_after_add(self.audio_to_video_norm, hidden_states)
             norm_audio_hidden_states = self.video_to_audio_norm(audio_hidden_states)
 
             # 3.1. Global + per-layer modulation (NOTE: scale before shift)
@@ -402,7 +413,7 @@ class LTX2VideoTransformerBlock(nnx.Module):
                 audio_hidden_states = audio_hidden_states + v2a_gate * v2a_attn_hidden_states
 
         # 4. Feed-forward
-        norm_hidden_states = self.norm3(hidden_states) * (1 + scale_mlp) + shift_mlp
+        norm_hidden_states = norm_after_add(self.norm3, hidden_states) * (1 + scale_mlp) + shift_mlp
         hidden_states = hidden_states + self.ff(par, norm_hidden_states) * gate_mlp
         norm_audio_hidden_states = self.audio_norm3(audio_hidden_states) * (1 + audio_scale_mlp) + audio_shift_mlp
         audio_hidden_states = audio_hidden_states + self.audio_ff(apar, norm_audio_hidden_states) * audio_gate_mlp
