@@ -183,9 +183,8 @@ class LTX2Attention(nnx.Module):
         (LTX2PerturbedAttnProcessor), 1 = plain attention, 0 = values only.
         """
         gated = self.to_gate_logits is not None
-        # q (and in self-attention k) come with their per-row sums of squares over this
-        # rank's columns for the across-heads norms (accumulated by the all-gather kernel)
-        key_ssq = None
+        # q and k come with their per-row sums of squares over this rank's columns for the
+        # across-heads norms (accumulated by the all-gather kernel, else by the dot's epilogue)
         if encoder_hidden_states is None:  # self-attention: one gather feeds q, k, v (and the gate)
             outs = rows_out(qpar, nn.column(qpar, hidden_states, [self.to_q, self.to_k, self.to_v]
                                             + ([self.to_gate_logits] if gated else []),
@@ -195,7 +194,8 @@ class LTX2Attention(nnx.Module):
             outs = rows_out(qpar, nn.column(qpar, hidden_states, [self.to_q] + ([self.to_gate_logits] if gated else []),
                                             sum_squares=[True] + ([False] if gated else [])))
             query, query_ssq = outs[0]
-            key, value = rows_out(kvpar, nn.column(kvpar, encoder_hidden_states, [self.to_k, self.to_v]))
+            (key, key_ssq), value = rows_out(kvpar, nn.column(kvpar, encoder_hidden_states, [self.to_k, self.to_v],
+                                                              sum_squares=[True, False]))
         gate_logits = outs[-1] if gated else None
 
         query = rms_norm_across_heads(qpar, query, self.norm_q.scale[...], self.norm_eps, self.inner_dim,
