@@ -222,14 +222,21 @@ class LTX2Attention(nnx.Module):
 # The block
 # --------------------------------------------------------------------------
 
-def norm_after_add(norm: RMSNorm, x):
-    """`norm(x)` for an x the block has just written (a gated residual add): the same
-    math, but the sum of squares is not read through `rms_norm`'s optimization
-    barrier, so XLA reduces it in the fusion that writes x (one pass over the
-    video rows less per norm; the scaling still fuses into its consumer)."""
+def row_sum_sq(x):
+    """Each row's float32 sum of squares `[..., 1]`, read without a barrier: XLA reduces
+    it in the fusion that writes x (a gated residual add)."""
     xf = x.astype(nn.fp32(x.dtype))
+    return jnp.sum(xf * xf, axis=-1, keepdims=True)
+
+
+def norm_after_add(norm: RMSNorm, x, sum_sq=None):
+    """`norm(x)` for an x the block has just written (a gated residual add): the same
+    math, but the sum of squares (`sum_sq`, or `row_sum_sq(x)`) is not read through
+    `rms_norm`'s optimization barrier, so XLA reduces it in the fusion that writes x
+    (one pass over the video rows less per norm; the scaling still fuses into its
+    consumer)."""
     return rms_norm(x, None if norm.weight is None else norm.weight.scale[...], norm.eps,
-                    sum_sq=jnp.sum(xf * xf, axis=-1, keepdims=True), dim=x.shape[-1])
+                    sum_sq=row_sum_sq(x) if sum_sq is None else sum_sq, dim=x.shape[-1])
 
 
 class BlockInputs(NamedTuple):
@@ -309,8 +316,11 @@ class LTX2VideoTransformerBlock(nnx.Module):
         self.audio_a2v_cross_attn_scale_shift_table = table(5, adim, 1.0)
 
     def __call__(self, par, apar, hidden_states, audio_hidden_states, b: BlockInputs, *, layer=None,
-                 use_a2v_cross_attention=True, use_v2a_cross_attention=True):
-        """`par` runs the video stream (sequence-sharded under SP), `apar` the audio stream (never)."""
+                 use_a2v_cross_attention=True, use_v2a_cross_attention=True, sum_sq=None):
+        """`par` runs the video stream (sequence-sharded under SP), `apar` the audio stream (never).
+
+        `sum_sq`: `row_sum_sq(hidden_states)` if the caller has it (the previous block's
+        last residual add reduced it), for norm1."""
         batch_size = hidden_states.shape[0]
         perturbation = None
         if self.perturbed_attn and b.perturbation_mask is not None:  # STG: lerp weight 1 off the STG layers
@@ -321,7 +331,8 @@ class LTX2VideoTransformerBlock(nnx.Module):
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = video_ada_params[:6]
         if self.video_cross_attn_adaln:
             shift_text_q, scale_text_q, gate_text_q = video_ada_params[6:9]
-        norm_hidden_states = self.norm1(hidden_states) * (1 + scale_msa) + shift_msa
+        norm1 = self.norm1(hidden_states) if sum_sq is None else norm_after_add(self.norm1, hidden_states, sum_sq)
+        norm_hidden_states = norm1 * (1 + scale_msa) + shift_msa
         attn_hidden_states = self.attn1(par, par, norm_hidden_states, query_rotary_emb=b.video_rotary_emb,
                                         kv_mask=b.video_kv_mask, perturbation=perturbation)
         hidden_states = hidden_states + attn_hidden_states * gate_msa
@@ -543,14 +554,17 @@ class LTX2VideoTransformer3DModel(nnx.Module):
             None if perturbation_mask is None else perturbation_mask.reshape(-1, 1, 1),
             inputs.get("stg_layers"))
 
+        # the video rows' sum of squares for the next norm1 is carried: reduced in the
+        # fusion of the block's last residual add, not in a pass of its own per block
         def body(block, carry):
-            h, a, layer = carry
+            h, a, ssq, layer = carry
             h, a = block(par, apar, h, a, b, layer=layer, use_a2v_cross_attention=not isolate_modalities,
-                         use_v2a_cross_attention=not isolate_modalities)
-            return h, a, layer + 1
+                         use_v2a_cross_attention=not isolate_modalities, sum_sq=ssq)
+            return h, a, row_sum_sq(h), layer + 1
 
-        hidden_states, audio_hidden_states, _ = nn.scan_blocks(
-            self.transformer_blocks, (hidden_states, audio_hidden_states, jnp.int32(0)), body)
+        hidden_states, audio_hidden_states, _, _ = nn.scan_blocks(
+            self.transformer_blocks, (hidden_states, audio_hidden_states, row_sum_sq(hidden_states), jnp.int32(0)),
+            body)
 
         # 6. Output layers (embedded_timestep, not temb; [0] = shift, [1] = scale)
         scale_shift_values = self.scale_shift_table[...][None, None] + embedded_timestep[:, :, None]
