@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from difflet_tpu import nn
@@ -32,6 +33,7 @@ from difflet_tpu.layers import (FeedForward, PixArtAlphaTextProjection, RMSNorm,
                                 get_timestep_embedding, merge_heads, modulate, rms_norm, rms_norm_across_heads,
                                 split_heads)
 from difflet_tpu.layers import apply_rotary_emb as rotate
+from difflet_tpu.layers.attention import rotation_matrix
 from difflet_tpu.parallel import COLUMN, ROW, SHARDED
 
 from .config import LTX2Config
@@ -74,6 +76,7 @@ PLAN = {
 }
 
 TEXT_MASK_BIAS = -10000.0  # diffusers: (1 - mask) * -10000.0
+MAX_FLAT_ROTATION = 1024  # widest (this rank's) q/k whose RoPE rotation is one block-diagonal matmul
 
 
 class Rope(NamedTuple):
@@ -95,7 +98,16 @@ def apply_rotary_emb(par, x, rope: Rope):
     g = rope.groups // par.size
     cos = rope.cos.reshape(rope.cos.shape[0], n, g, -1)
     sin = rope.sin.reshape(rope.sin.shape[0], n, g, -1)
-    return rotate(x.reshape(b, n, g, c // g), cos, sin, split=True).reshape(b, n, c)
+    if x.dtype != jnp.bfloat16 or c > MAX_FLAT_ROTATION:
+        return rotate(x.reshape(b, n, g, c // g), cos, sin, split=True).reshape(b, n, c)
+    # bf16: `rotate`'s rotation matmul over the flat rows, with the group matrices on a
+    # block diagonal, so x is not relaid as [n * g, c / g] rows for it (exact, as there:
+    # one non-zero product per output, accumulated in float32)
+    f = nn.fp32(x.dtype)
+    full = lambda t: (t if t.shape[-1] == c // g else jnp.concatenate([t, t], axis=-1)).reshape(t.shape[0], n, c)
+    r = np.kron(np.eye(g, dtype=np.float32), rotation_matrix(c // g, True))
+    rot = jnp.einsum("...c,ce->...e", x, jnp.asarray(r, x.dtype), preferred_element_type=f)
+    return (x.astype(f) * full(cos).astype(f) + rot * full(sin).astype(f)).astype(x.dtype)
 
 
 def torch_lerp(start, end, weight):
