@@ -25,12 +25,15 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from difflet_tpu import nn
 from difflet_tpu.layers import (FeedForward, PixArtAlphaTextProjection, RMSNorm, TimestepEmbedding, Weight, attend,
-                                get_timestep_embedding, merge_heads, modulate, rms_norm_across_heads, split_heads)
+                                get_timestep_embedding, merge_heads, modulate, rms_norm, rms_norm_across_heads,
+                                split_heads)
 from difflet_tpu.layers import apply_rotary_emb as rotate
+from difflet_tpu.layers.attention import rotation_matrix
 from difflet_tpu.parallel import COLUMN, ROW, SHARDED
 
 from .config import LTX2Config
@@ -73,6 +76,7 @@ PLAN = {
 }
 
 TEXT_MASK_BIAS = -10000.0  # diffusers: (1 - mask) * -10000.0
+MAX_FLAT_ROTATION = 1024  # widest (this rank's) q/k whose RoPE rotation is one block-diagonal matmul
 
 
 class Rope(NamedTuple):
@@ -94,7 +98,16 @@ def apply_rotary_emb(par, x, rope: Rope):
     g = rope.groups // par.size
     cos = rope.cos.reshape(rope.cos.shape[0], n, g, -1)
     sin = rope.sin.reshape(rope.sin.shape[0], n, g, -1)
-    return rotate(x.reshape(b, n, g, c // g), cos, sin, split=True).reshape(b, n, c)
+    if x.dtype != jnp.bfloat16 or c > MAX_FLAT_ROTATION:
+        return rotate(x.reshape(b, n, g, c // g), cos, sin, split=True).reshape(b, n, c)
+    # bf16: `rotate`'s rotation matmul over the flat rows, with the group matrices on a
+    # block diagonal, so x is not relaid as [n * g, c / g] rows for it (exact, as there:
+    # one non-zero product per output, accumulated in float32)
+    f = nn.fp32(x.dtype)
+    full = lambda t: (t if t.shape[-1] == c // g else jnp.concatenate([t, t], axis=-1)).reshape(t.shape[0], n, c)
+    r = np.kron(np.eye(g, dtype=np.float32), rotation_matrix(c // g, True))
+    rot = jnp.einsum("...c,ce->...e", x, jnp.asarray(r, x.dtype), preferred_element_type=f)
+    return (x.astype(f) * full(cos).astype(f) + rot * full(sin).astype(f)).astype(x.dtype)
 
 
 def torch_lerp(start, end, weight):
@@ -145,6 +158,18 @@ class LTX2AdaLayerNormSingle(nnx.Module):
 # Attention and feed-forward
 # --------------------------------------------------------------------------
 
+def rows_out(par, outs):
+    """A plain (unsharded-rows) projection's outputs as the dot writes them, row-major.
+
+    Without the barrier, XLA lays the dot out to produce splash's head-major
+    `[H, S, D]` directly, as a dot batched over heads, for which it copies the
+    layer's weight `[K, N]` out of the stack into `[N, K]` every layer (text
+    K/V: 8 MB per weight, ~40 us each on v5e); with it, the dot reads the stacked
+    weight in place and only its (smaller) output is relaid for splash. Under SP
+    the sequence-sharded sites run the all-gather kernels, untouched."""
+    return outs if par.seq_sharded else jax.lax.optimization_barrier(outs)
+
+
 class LTX2Attention(nnx.Module):
     def __init__(self, query_dim, heads, dim_head, *, cross_attention_dim=None, bias=True, out_bias=True,
                  norm_eps=1e-6, apply_gated_attention=False, dtype, rngs):
@@ -170,19 +195,19 @@ class LTX2Attention(nnx.Module):
         (LTX2PerturbedAttnProcessor), 1 = plain attention, 0 = values only.
         """
         gated = self.to_gate_logits is not None
-        # q (and in self-attention k) come with their per-row sums of squares over this
-        # rank's columns for the across-heads norms (accumulated by the all-gather kernel)
-        key_ssq = None
+        # q and k come with their per-row sums of squares over this rank's columns for the
+        # across-heads norms (accumulated by the all-gather kernel, else by the dot's epilogue)
         if encoder_hidden_states is None:  # self-attention: one gather feeds q, k, v (and the gate)
-            outs = nn.column(qpar, hidden_states, [self.to_q, self.to_k, self.to_v]
-                             + ([self.to_gate_logits] if gated else []),
-                             sum_squares=[True, True, False] + ([False] if gated else []))
+            outs = rows_out(qpar, nn.column(qpar, hidden_states, [self.to_q, self.to_k, self.to_v]
+                                            + ([self.to_gate_logits] if gated else []),
+                                            sum_squares=[True, True, False] + ([False] if gated else [])))
             (query, query_ssq), (key, key_ssq), value = outs[:3]
         else:
-            outs = nn.column(qpar, hidden_states, [self.to_q] + ([self.to_gate_logits] if gated else []),
-                             sum_squares=[True] + ([False] if gated else []))
+            outs = rows_out(qpar, nn.column(qpar, hidden_states, [self.to_q] + ([self.to_gate_logits] if gated else []),
+                                            sum_squares=[True] + ([False] if gated else [])))
             query, query_ssq = outs[0]
-            key, value = nn.column(kvpar, encoder_hidden_states, [self.to_k, self.to_v])
+            (key, key_ssq), value = rows_out(kvpar, nn.column(kvpar, encoder_hidden_states, [self.to_k, self.to_v],
+                                                              sum_squares=[True, False]))
         gate_logits = outs[-1] if gated else None
 
         query = rms_norm_across_heads(qpar, query, self.norm_q.scale[...], self.norm_eps, self.inner_dim,
@@ -208,6 +233,23 @@ class LTX2Attention(nnx.Module):
 # --------------------------------------------------------------------------
 # The block
 # --------------------------------------------------------------------------
+
+def row_sum_sq(x):
+    """Each row's float32 sum of squares `[..., 1]`, read without a barrier: XLA reduces
+    it in the fusion that writes x (a gated residual add)."""
+    xf = x.astype(nn.fp32(x.dtype))
+    return jnp.sum(xf * xf, axis=-1, keepdims=True)
+
+
+def norm_after_add(norm: RMSNorm, x, sum_sq=None):
+    """`norm(x)` for an x the block has just written (a gated residual add): the same
+    math, but the sum of squares (`sum_sq`, or `row_sum_sq(x)`) is not read through
+    `rms_norm`'s optimization barrier, so XLA reduces it in the fusion that writes x
+    (one pass over the video rows less per norm; the scaling still fuses into its
+    consumer)."""
+    return rms_norm(x, None if norm.weight is None else norm.weight.scale[...], norm.eps,
+                    sum_sq=row_sum_sq(x) if sum_sq is None else sum_sq, dim=x.shape[-1])
+
 
 class BlockInputs(NamedTuple):
     """Per-forward tensors every block reads (this rank's video rows under SP)."""
@@ -286,8 +328,11 @@ class LTX2VideoTransformerBlock(nnx.Module):
         self.audio_a2v_cross_attn_scale_shift_table = table(5, adim, 1.0)
 
     def __call__(self, par, apar, hidden_states, audio_hidden_states, b: BlockInputs, *, layer=None,
-                 use_a2v_cross_attention=True, use_v2a_cross_attention=True):
-        """`par` runs the video stream (sequence-sharded under SP), `apar` the audio stream (never)."""
+                 use_a2v_cross_attention=True, use_v2a_cross_attention=True, sum_sq=None):
+        """`par` runs the video stream (sequence-sharded under SP), `apar` the audio stream (never).
+
+        `sum_sq`: `row_sum_sq(hidden_states)` if the caller has it (the previous block's
+        last residual add reduced it), for norm1."""
         batch_size = hidden_states.shape[0]
         perturbation = None
         if self.perturbed_attn and b.perturbation_mask is not None:  # STG: lerp weight 1 off the STG layers
@@ -298,7 +343,8 @@ class LTX2VideoTransformerBlock(nnx.Module):
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = video_ada_params[:6]
         if self.video_cross_attn_adaln:
             shift_text_q, scale_text_q, gate_text_q = video_ada_params[6:9]
-        norm_hidden_states = self.norm1(hidden_states) * (1 + scale_msa) + shift_msa
+        norm1 = self.norm1(hidden_states) if sum_sq is None else norm_after_add(self.norm1, hidden_states, sum_sq)
+        norm_hidden_states = norm1 * (1 + scale_msa) + shift_msa
         attn_hidden_states = self.attn1(par, par, norm_hidden_states, query_rotary_emb=b.video_rotary_emb,
                                         kv_mask=b.video_kv_mask, perturbation=perturbation)
         hidden_states = hidden_states + attn_hidden_states * gate_msa
@@ -328,7 +374,7 @@ class LTX2VideoTransformerBlock(nnx.Module):
                     self.audio_prompt_scale_shift_table[...][None, None].transpose(2, 0, 1, 3)
 
         # 2.1. Video-text
-        norm_hidden_states = self.norm2(hidden_states)
+        norm_hidden_states = norm_after_add(self.norm2, hidden_states)
         if self.video_cross_attn_adaln:
             norm_hidden_states = norm_hidden_states * (1 + scale_text_q) + shift_text_q
         if self.cross_attn_adaln:
@@ -355,7 +401,7 @@ class LTX2VideoTransformerBlock(nnx.Module):
 
         # 3. Audio-to-video and video-to-audio cross-attention
         if use_a2v_cross_attention or use_v2a_cross_attention:
-            norm_hidden_states = self.audio_to_video_norm(hidden_states)
+            norm_hidden_states = norm_after_add(self.audio_to_video_norm, hidden_states)
             norm_audio_hidden_states = self.video_to_audio_norm(audio_hidden_states)
 
             # 3.1. Global + per-layer modulation (NOTE: scale before shift)
@@ -390,7 +436,7 @@ class LTX2VideoTransformerBlock(nnx.Module):
                 audio_hidden_states = audio_hidden_states + v2a_gate * v2a_attn_hidden_states
 
         # 4. Feed-forward
-        norm_hidden_states = self.norm3(hidden_states) * (1 + scale_mlp) + shift_mlp
+        norm_hidden_states = norm_after_add(self.norm3, hidden_states) * (1 + scale_mlp) + shift_mlp
         hidden_states = hidden_states + self.ff(par, norm_hidden_states) * gate_mlp
         norm_audio_hidden_states = self.audio_norm3(audio_hidden_states) * (1 + audio_scale_mlp) + audio_shift_mlp
         audio_hidden_states = audio_hidden_states + self.audio_ff(apar, norm_audio_hidden_states) * audio_gate_mlp
@@ -520,14 +566,17 @@ class LTX2VideoTransformer3DModel(nnx.Module):
             None if perturbation_mask is None else perturbation_mask.reshape(-1, 1, 1),
             inputs.get("stg_layers"))
 
+        # the video rows' sum of squares for the next norm1 is carried: reduced in the
+        # fusion of the block's last residual add, not in a pass of its own per block
         def body(block, carry):
-            h, a, layer = carry
+            h, a, ssq, layer = carry
             h, a = block(par, apar, h, a, b, layer=layer, use_a2v_cross_attention=not isolate_modalities,
-                         use_v2a_cross_attention=not isolate_modalities)
-            return h, a, layer + 1
+                         use_v2a_cross_attention=not isolate_modalities, sum_sq=ssq)
+            return h, a, row_sum_sq(h), layer + 1
 
-        hidden_states, audio_hidden_states, _ = nn.scan_blocks(
-            self.transformer_blocks, (hidden_states, audio_hidden_states, jnp.int32(0)), body)
+        hidden_states, audio_hidden_states, _, _ = nn.scan_blocks(
+            self.transformer_blocks, (hidden_states, audio_hidden_states, row_sum_sq(hidden_states), jnp.int32(0)),
+            body)
 
         # 6. Output layers (embedded_timestep, not temb; [0] = shift, [1] = scale)
         scale_shift_values = self.scale_shift_table[...][None, None] + embedded_timestep[:, :, None]

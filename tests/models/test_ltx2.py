@@ -201,6 +201,38 @@ def test_split_rope_permutation_of_interleaved_checkpoint():
         assert rel(s, plain_s) > 1e-3
 
 
+def test_bf16_split_rope_flat_rotation():
+    """bf16 q/k rotate with one block-diagonal matmul over the flat channels
+    (`apply_rotary_emb`): per group of c/g channels, split halves
+    `[x1 cos - x2 sin, x2 cos + x1 sin]` against float64 numpy to bf16 rounding,
+    full- and half-width tables, and bit-identical to the shared per-group
+    rotation; a wrong rotation sign is caught."""
+    from difflet_tpu.layers import apply_rotary_emb as rotate
+    from difflet_tpu.parallel import Parallel
+
+    rng = np.random.default_rng(3)
+    n, c, g = 19, 512, 8
+    x = jnp.asarray(rng.standard_normal((1, n, c)), jnp.bfloat16)
+    xs = np.asarray(x.astype(jnp.float32), np.float64).reshape(1, n, g, 2, c // g // 2)
+    for width in (c, c // 2):
+        cos, sin = (rng.standard_normal((1, n, width)).astype(np.float32) for _ in range(2))
+        # per group: full tables hold an angle per channel, half-width ones one per pair
+        cs = [np.broadcast_to(np.asarray(t, np.float64).reshape(1, n, g, -1, c // g // 2), (1, n, g, 2, c // g // 2))
+              for t in (cos, sin)]
+        x1, x2 = xs[..., 0, :], xs[..., 1, :]
+        (c1, c2), (s1, s2) = ((t[..., 0, :], t[..., 1, :]) for t in cs)
+        want = np.stack([x1 * c1 - x2 * s1, x2 * c2 + x1 * s2], axis=-2).reshape(1, n, c)
+        got = ltx2_model.apply_rotary_emb(Parallel(), x, ltx2_model.Rope(jnp.asarray(cos), jnp.asarray(sin), g))
+        assert got.dtype == jnp.bfloat16
+        got = np.asarray(got.astype(jnp.float32), np.float64)
+        assert np.max(np.abs(got - want) / (np.abs(want) + 1e-3)) < 2 ** -7
+        shared = rotate(x.reshape(1, n, g, c // g), jnp.asarray(cos).reshape(1, n, g, -1),
+                        jnp.asarray(sin).reshape(1, n, g, -1), split=True).reshape(1, n, c)
+        assert np.array_equal(got, np.asarray(shared.astype(jnp.float32), np.float64))
+        wrong = np.stack([x1 * c1 + x2 * s1, x2 * c2 - x1 * s2], axis=-2).reshape(1, n, c)
+        assert np.max(np.abs(got - wrong) / (np.abs(wrong) + 1e-3)) > 0.1
+
+
 def test_split_rope_config_and_key_map():
     cfg = json.loads((FIXTURES / "ltx2_interleaved_rope" / "transformer" / "config.json").read_text())
     assert ltx2.config_from_diffusers(cfg, split_rope=True).split_rope
