@@ -94,6 +94,10 @@ def parser():
     ap.add_argument("--mesh", help="device mesh AXIS=SIZE,... over cfg, data, tp, e.g. cfg=2,tp=4 (default: "
                     "DIFFLET_TPU_MESH, else one tp ring over every device when the heads divide it)")
     ap.add_argument("--batch", type=int, default=1, help="prompts per call (CFG doubles the rows; default 1)")
+    ap.add_argument("--expert-offload", choices=("auto", "on", "off"),
+                    help="where a two-expert model (Wan2.2 A14B) keeps its idle expert: host memory (on), the "
+                    "devices (off), or auto: host memory only when both experts do not fit the device memory "
+                    "(default: DIFFLET_TPU_EXPERT_OFFLOAD, else auto; docs in difflet_tpu/config.py)")
     dist = ap.add_argument_group("multi-host (jax.distributed; docs/multi-host.md)")
     dist.add_argument("--distributed", action="store_true",
                       help="join a multi-process run found from the environment (a TPU VM slice: run the same "
@@ -181,6 +185,10 @@ def validate(args, ap):
             args.mesh_axes = Config.from_env().mesh_axes()
         except ConfigError as e:
             ap.error(str(e))
+    try:
+        args.offload = args.expert_offload or Config.from_env().expert_offload
+    except ConfigError as e:
+        ap.error(str(e))
     explicit = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
     if any(explicit) and not all(explicit):
         ap.error("--coordinator, --num-processes and --process-id go together")
@@ -426,6 +434,10 @@ def prepare(spec, preset, args, mesh, dtype) -> dict:
         if bad:
             raise BenchError(f"{fam}:{preset} does not divide over the {mesh.shape['tp']} devices:\n  "
                              + "\n  ".join(bad))
+        if n_experts > 1 and args.offload == "on" and runtime.host_memory_kind(list(mesh.devices.flat)) is None:
+            raise BenchError(f"--expert-offload on: the {mesh.devices.flat[0].platform} devices have no "
+                             f"{runtime.HOST_MEMORY_KIND} memory to keep {fam}:{preset}'s idle expert in; use "
+                             f"--expert-offload off or auto")
         if args.cpu:
             count, nbytes = param_bytes(params)
             mem = host_memory_bytes()
@@ -507,11 +519,13 @@ def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
                 models.append(spec.build(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed + e)))
         # sp-xla on TPU: XLA's collective-matmul decomposition of the plain all_gather/psum_scatter + dot
         options = dict(XLA_CM_FLAGS) if mode == "sp-xla" and not args.cpu else None
-        runners = [Runner(m, mesh, Config.from_env(), mode=mode, compiler_options=options) for m in models]
+        config = Config.from_env(expert_offload=args.offload)
+        runners = [Runner(m, mesh, config, mode=mode, compiler_options=options) for m in models]
         jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(models[0]))[:1])
+        del models  # the Runners hold the only references: an offloaded expert's device memory is freed
         row["load_s"] = time.perf_counter() - t0
         den = PL.Denoiser(pipe, runners, inputs, plan["schedule"], guidance=guidance, boundary=plan["boundary"],
-                          cfg_inputs=cfg_inputs, dtype=dtype,
+                          cfg_inputs=cfg_inputs, dtype=dtype, offload=args.offload,
                           latent_guidance=pipe.latent_guidance if args.guidance is None else None)
         c0 = PL.CompileCounter.count()
         w = den.warmup(args.warmup)
@@ -526,11 +540,14 @@ def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
         row["step_ms"] = dict(median=ms(float(np.median(times))), min=ms(min(times)), max=ms(max(times)))
         row["compile_s"] = w.compile_s(float(np.median(times)))
         row["peak_memory_bytes"] = peak_memory(mesh)
+        if plan["n_experts"] > 1:
+            row["expert_offload"] = offload_row(den)
         row["profile"] = prof
         # every XLA compile of this row (cache loads included) and the compile cache's answers
         row["xla_compile"] = runtime.stats_since(stats0)
         if hlo_dir:
-            row["hlo"] = dump_hlo(hlo_dir, f"{fam}-{preset}-{mode}", runners[0], den, mode)
+            resident = next(r for r in runners if r.resident == "device")
+            row["hlo"] = dump_hlo(hlo_dir, f"{fam}-{preset}-{mode}", resident, den, mode)
         try:
             checks.check_finite(final, "final latents")
         except checks.NonFiniteError as e:
@@ -550,6 +567,44 @@ def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
             tp_row = next(r for r in results if r["model"] == base["model"] and r["mode"] == ref)
             row["vs_tp"] = compare(final, finals[ref])
             row["vs_tp"]["step_ratio"] = row["step_ms"]["median"] / tp_row["step_ms"]["median"]
+
+
+def offload_row(den) -> dict:
+    """The timed run's expert offload: the setting, whether it was on and why, the bytes per
+    chip in host memory (every expert's host copy), and each switch's measured copy."""
+    from difflet_tpu import runtime
+
+    out = dict(setting=den.offload_setting, enabled=bool(den.offload), reason=den.offload_reason)
+    if den.offload:
+        out["host_bytes_per_chip"] = sum(runtime.bytes_per_device(r.model) for r in den.runners
+                                         if r.resident == "host")
+        out["placement_s"] = den.placement_s
+        out["swaps"] = [dict(sw) for sw in den.swaps]
+        out["swap_s"] = [sw["s"] for sw in den.swaps]
+    return out
+
+
+def expert_memory(mem: dict, other: int, setting: str, chip) -> tuple[dict, dict]:
+    """--compile-only HBM per chip of a two-expert model and its offload report.
+
+    `other`: the other expert's parameter bytes per chip. Off (or "auto" when every
+    expert fits `chip.hbm_bytes`): they are resident, added to the total as
+    `other_experts`. On: they live in host memory (`host_experts`, not in the
+    total), and each switch copies them in: estimated at `runtime.H2D_BYTES_PER_S`
+    (an assumption, cited there)."""
+    from difflet_tpu import runtime
+
+    both = mem["total"] + other
+    enabled = setting == "on" or (setting == "auto" and both > chip.hbm_bytes)
+    report = dict(setting=setting, enabled=enabled, all_resident_bytes=both)
+    if not enabled:
+        return dict(mem, other_experts=other, total=both), report
+    bw = runtime.H2D_BYTES_PER_S.get(chip.name)
+    report.update(host_bytes_per_chip=other, h2d_bytes_per_s=bw,
+                  swap_ms_estimate=None if bw is None else ms(other / bw),
+                  h2d_source="assumption: PCIe ~1.5e10 B/s per chip (v6e 3.2e10), "
+                             "https://jax-ml.github.io/scaling-book/tpus/")
+    return dict(mem, other_experts=0, host_experts=other), report
 
 
 def json_safe(obj):
@@ -639,6 +694,14 @@ def print_table(results, out=None):
               f"{r['denoise_s']:9.2f} {peak:>8} {r['sha256'][:12]:>12} "
               f"{('%.2e' % v['rel_l2']) if v else '-':>12} {('%.1f' % v['psnr_db']) if v else '-':>8} "
               f"{('%.3f' % v['step_ratio']) if v else '-':>6}", file=out)
+    for r in results:
+        o = r.get("expert_offload")
+        if "error" in r or not o or not o["enabled"]:
+            continue
+        swaps = ", ".join(f"{1e3 * s:.1f}" for s in o["swap_s"]) or "none"
+        print(f"  {r['model']} {r['mode']}: idle expert in host memory ({o['setting']}; "
+              f"{o['host_bytes_per_chip'] / 2**30:.2f} GiB/chip), measured expert swaps ms: {swaps} "
+              f"(not in the step times; in denoise s)", file=out)
 
 
 def run_bench(args):
@@ -744,11 +807,11 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
         with open(os.path.join(args.dump_hlo, f"{fam}-{preset}-{variant}.hlo.txt"), "w") as f:
             f.write(text)
     mem = deviceless.memory_report(compiled)
-    # a two-expert model (Wan2.2 A14B) keeps the other expert's weights resident beside
-    # the step's: same shapes and shardings, so its bytes per chip are this model's
+    # a two-expert model (Wan2.2 A14B): the other expert has this one's shapes and shardings,
+    # resident beside the step's or, offloaded, in host memory
+    offload = None
     if spec.experts.get(preset) is not None:
-        other = runtime.bytes_per_device(model)
-        mem = dict(mem, other_experts=other, total=mem["total"] + other)
+        mem, offload = expert_memory(mem, runtime.bytes_per_device(model), args.offload, chip)
     cost = compiled.cost_analysis() or {}
     raw = E.estimate(text, chip)
     cal = E.estimate(text, chip, calibration)
@@ -768,6 +831,7 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
         estimate_calibrated_ms=ms(cal.total), calibration=calibration.nonmatmul,
         breakdown=E.summarize(used), breakdown_raw=E.summarize(raw), schedule_overlap=E.schedule_overlap(text),
         compiler_options=XLA_CM_FLAGS if pmode == "sp-xla" else {},
+        **({} if offload is None else dict(expert_offload=offload)),
     )
 
 
@@ -859,6 +923,27 @@ def print_compile_table(results, topology, chip, calibration, out=None):
               f"{r['estimate_ms']:8.1f} {r['estimate_raw_ms']:8.1f} {r.get('ratio_vs_tp', 1.0):5.2f} "
               f"{b['matmul_ms']:7.1f} {b['nonmatmul_ms']:7.1f} {b['pallas_ms']:7.1f} "
               f"{b['exposed_transfer_ms']:7.1f} {b['sync_collective_ms']:7.1f}  {coll}", file=out)
+    print_offload_notes(results, out)
+
+
+def print_offload_notes(results, out=None):
+    """One line per two-expert compile-only row: where the idle expert is, and the estimated swap."""
+    out = out or sys.stdout
+    gib = lambda b: b / 2**30
+    for r in results:
+        o = r.get("expert_offload")
+        if "error" in r or not o:
+            continue
+        if o["enabled"]:
+            bw = "an unknown bandwidth" if o["h2d_bytes_per_s"] is None else f"{o['h2d_bytes_per_s'] / 1e9:.0f} GB/s"
+            swap = "-" if o["swap_ms_estimate"] is None else f"{o['swap_ms_estimate']:.0f}"
+            print(f"  {r['model']} {r['mode']}: idle expert offloaded ({o['setting']}): "
+                  f"{gib(o['host_bytes_per_chip']):.2f} GiB/chip in host memory, not in HBM (all resident: "
+                  f"{gib(o['all_resident_bytes']):.2f} GiB); ESTIMATED swap {swap} ms per expert switch at {bw} "
+                  f"host-to-device per chip (assumed, scaling-book)", file=out)
+        else:
+            print(f"  {r['model']} {r['mode']}: both experts resident ({o['setting']}): HBM includes the other "
+                  f"expert's {gib(r['hbm']['other_experts']):.2f} GiB/chip", file=out)
 
 
 def main(argv=None):
