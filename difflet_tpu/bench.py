@@ -23,6 +23,11 @@ every process runs the same command on the global mesh (difflet_tpu.distributed)
 process 0 prints the table and writes the JSON, and the final latents' sha256
 of every process must agree.
 
+Two-expert models (Wan2.2 A14B): `--expert-offload` / DIFFLET_TPU_EXPERT_OFFLOAD
+keeps the idle expert in host memory (difflet_tpu/config.py); --compile-only
+then leaves it out of HBM per chip and estimates the swap, the timed run
+measures it.
+
 Modes: tp, sp (JAX rings or Pallas kernels per the config / model default),
 sp-xla (plain all_gather / psum_scatter with XLA's collective-matmul
 decomposition switched on), all. Default: DIFFLET_TPU_SP (1 -> sp, 0 -> tp),
@@ -509,20 +514,22 @@ def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
         label = f"{fam}:{preset} {mode}"
         t0 = time.perf_counter()
         stats0 = runtime.compile_stats()
-        models = []
+        # sp-xla on TPU: XLA's collective-matmul decomposition of the plain all_gather/psum_scatter + dot
+        options = dict(XLA_CM_FLAGS) if mode == "sp-xla" and not args.cpu else None
+        config = Config.from_env(expert_offload=args.offload)
+        runners = []
         for e in range(plan["n_experts"]):
             if plan["dirs"]:
                 from difflet_tpu import weights
 
-                models.append(weights.load_transformer(plan["dirs"][e], dtype=dtype, mesh=mesh))
+                model = weights.load_transformer(plan["dirs"][e], dtype=dtype, mesh=mesh)
             else:
-                models.append(spec.build(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed + e)))
-        # sp-xla on TPU: XLA's collective-matmul decomposition of the plain all_gather/psum_scatter + dot
-        options = dict(XLA_CM_FLAGS) if mode == "sp-xla" and not args.cpu else None
-        config = Config.from_env(expert_offload=args.offload)
-        runners = [Runner(m, mesh, config, mode=mode, compiler_options=options) for m in models]
-        jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(models[0]))[:1])
-        del models  # the Runners hold the only references: an offloaded expert's device memory is freed
+                model = spec.build(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed + e))
+            runners.append(Runner(model, mesh, config, mode=mode, compiler_options=options))
+            del model  # the Runner holds the only references: an offloaded expert's device memory is freed
+            if e > 0 and args.offload == "on":  # the high-noise expert (0) runs first; the others wait on the host
+                runners[e].offload()
+        jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(runners[0].model))[:1])
         row["load_s"] = time.perf_counter() - t0
         den = PL.Denoiser(pipe, runners, inputs, plan["schedule"], guidance=guidance, boundary=plan["boundary"],
                           cfg_inputs=cfg_inputs, dtype=dtype, offload=args.offload,
@@ -576,8 +583,7 @@ def offload_row(den) -> dict:
 
     out = dict(setting=den.offload_setting, enabled=bool(den.offload), reason=den.offload_reason)
     if den.offload:
-        out["host_bytes_per_chip"] = sum(runtime.bytes_per_device(r.model) for r in den.runners
-                                         if r.resident == "host")
+        out["host_bytes_per_chip"] = sum(r.host_bytes() for r in den.runners)
         out["placement_s"] = den.placement_s
         out["swaps"] = [dict(sw) for sw in den.swaps]
         out["swap_s"] = [sw["s"] for sw in den.swaps]
@@ -587,11 +593,12 @@ def offload_row(den) -> dict:
 def expert_memory(mem: dict, other: int, setting: str, chip) -> tuple[dict, dict]:
     """--compile-only HBM per chip of a two-expert model and its offload report.
 
-    `other`: the other expert's parameter bytes per chip. Off (or "auto" when every
-    expert fits `chip.hbm_bytes`): they are resident, added to the total as
-    `other_experts`. On: they live in host memory (`host_experts`, not in the
-    total), and each switch copies them in: estimated at `runtime.H2D_BYTES_PER_S`
-    (an assumption, cited there)."""
+    `other`: the other expert's parameter bytes per chip (the experts have the same
+    shapes). Off (or "auto" when both fit `chip.hbm_bytes`): it is resident, added to
+    the total as `other_experts`. On: it waits in host memory (`host_experts`, not in
+    the total), each switch copies it in, estimated at `runtime.H2D_BYTES_PER_S` (an
+    assumption, cited there); once both experts have been offloaded the host keeps a
+    copy of each (`host_bytes_per_chip`), so a switch back costs one copy too."""
     from difflet_tpu import runtime
 
     both = mem["total"] + other
@@ -600,7 +607,7 @@ def expert_memory(mem: dict, other: int, setting: str, chip) -> tuple[dict, dict
     if not enabled:
         return dict(mem, other_experts=other, total=both), report
     bw = runtime.H2D_BYTES_PER_S.get(chip.name)
-    report.update(host_bytes_per_chip=other, h2d_bytes_per_s=bw,
+    report.update(idle_expert_bytes_per_chip=other, host_bytes_per_chip=2 * other, h2d_bytes_per_s=bw,
                   swap_ms_estimate=None if bw is None else ms(other / bw),
                   h2d_source="assumption: PCIe ~1.5e10 B/s per chip (v6e 3.2e10), "
                              "https://jax-ml.github.io/scaling-book/tpus/")
@@ -938,7 +945,8 @@ def print_offload_notes(results, out=None):
             bw = "an unknown bandwidth" if o["h2d_bytes_per_s"] is None else f"{o['h2d_bytes_per_s'] / 1e9:.0f} GB/s"
             swap = "-" if o["swap_ms_estimate"] is None else f"{o['swap_ms_estimate']:.0f}"
             print(f"  {r['model']} {r['mode']}: idle expert offloaded ({o['setting']}): "
-                  f"{gib(o['host_bytes_per_chip']):.2f} GiB/chip in host memory, not in HBM (all resident: "
+                  f"{gib(o['idle_expert_bytes_per_chip']):.2f} GiB/chip not in HBM, "
+                  f"{gib(o['host_bytes_per_chip']):.2f} GiB/chip in host memory (both experts' copies; all resident: "
                   f"{gib(o['all_resident_bytes']):.2f} GiB); ESTIMATED swap {swap} ms per expert switch at {bw} "
                   f"host-to-device per chip (assumed, scaling-book)", file=out)
         else:

@@ -14,7 +14,8 @@ diffusers' argument names) and the latents from a seed. Each step calls the
 runner's compiled step with the timestep as a runtime array (same shapes and
 dtypes every step, so nothing recompiles) and then one jitted Euler update
 `x + (sigma_next - sigma) * v` in float32 whose `dt` and guidance scale are
-runtime scalars too.
+runtime scalars too. For Wan2.2-A14B the idle expert can wait in host memory
+and come back at the switch (`Config.expert_offload`, `Denoiser(offload=)`).
 
 Models are named as the bench takes them: "flux" (its released preset),
 "flux:tiny", or a released preset name; `resolve_model` reads the specs.

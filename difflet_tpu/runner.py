@@ -75,6 +75,11 @@ class Runner:
         output has a NaN or inf (one device-side reduction; for serving loops).
       **options: the port's own options (its `PortSpec.options`, e.g. Wan's
         `cache_text`).
+
+    The Runner never changes the model it is given and keeps no reference to it:
+    it holds the parameter arrays (placed on the mesh; the same arrays when they
+    already were). `offload()` / `load()` move its own copy between host and
+    device memory (a two-expert pipeline's idle expert, `Config.expert_offload`).
     """
 
     def __init__(self, model, mesh=None, config: Config | None = None, mode: str | None = None, *,
@@ -177,6 +182,13 @@ class Runner:
         if self.resident == "device":
             return
         self._state = jax.block_until_ready(jax.tree.map(jax.device_put, self._host, self._device_shardings))
+
+    def host_bytes(self) -> int:
+        """Bytes per device of the host copy `offload()` made (0 before): it is kept
+        after `load()`, so a pipeline's host memory holds every expert once."""
+        from difflet_tpu import runtime
+
+        return 0 if self._host is None else runtime.bytes_per_device(nnx.merge(self._graphdef, self._host))
 
     def _check_resident(self):
         if self.resident == "host":

@@ -187,7 +187,8 @@ def test_compile_only_memory_with_and_without_offload():
     on, rep = bench.expert_memory(mem, other, "on", v5e)
     rep_on = rep
     assert on["total"] == 10 * gib and on["other_experts"] == 0 and on["host_experts"] == other
-    assert rep["enabled"] and rep["host_bytes_per_chip"] == other and rep["all_resident_bytes"] == 17 * gib
+    assert rep["enabled"] and rep["idle_expert_bytes_per_chip"] == other and rep["all_resident_bytes"] == 17 * gib
+    assert rep["host_bytes_per_chip"] == 2 * other  # each expert's host copy is kept
     assert rep["swap_ms_estimate"] == pytest.approx(1e3 * other / 1.5e10, abs=1e-3)  # ~501 ms
     auto, rep = bench.expert_memory(mem, other, "auto", v5e)
     assert auto == on and rep["enabled"]  # 17 GiB > 16 GiB
@@ -200,7 +201,7 @@ def test_compile_only_memory_with_and_without_offload():
     out = io.StringIO()
     bench.print_offload_notes([row], out)
     text = out.getvalue()
-    assert "7.00 GiB/chip in host memory" in text and "ESTIMATED swap 501 ms" in text and "15 GB/s" in text
+    assert "7.00 GiB/chip not in HBM, 14.00 GiB/chip in host memory" in text and "ESTIMATED swap 501 ms" in text and "15 GB/s" in text
 
 
 def test_bench_two_expert_run_with_offload(tmp_path, monkeypatch, capsys):
@@ -210,7 +211,12 @@ def test_bench_two_expert_run_with_offload(tmp_path, monkeypatch, capsys):
 
     from difflet_tpu.testing import register_toy_port
 
-    monkeypatch.setitem(register_toy_port().experts, "tiny", 0.5)
+    toy = register_toy_port()
+    monkeypatch.setitem(toy.experts, "tiny", 0.5)
+    cfg = bench.build_config(toy, "tiny")
+    # one expert's parameters per chip on tp=4 (bytes_per_device: tests/test_bench.py checks it)
+    expert = runtime.bytes_per_device(runtime.abstract_model(
+        lambda: toy.build(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), make_mesh(4), toy.plan))
     rows = {}
     for setting in ("on", "off"):
         out = tmp_path / f"{setting}.json"
@@ -222,7 +228,7 @@ def test_bench_two_expert_run_with_offload(tmp_path, monkeypatch, capsys):
         assert on["sha256"] == off["sha256"] and on["experts"] == 2 and on["compilations_timed"] == 0
         o = on["expert_offload"]
         assert o["enabled"] and len(o["swap_s"]) == 2 and all(s > 0 for s in o["swap_s"])
-        assert o["host_bytes_per_chip"] > 0
+        assert o["host_bytes_per_chip"] == 2 * expert  # both experts' host copies after the switches
         assert off["expert_offload"] == dict(setting="off", enabled=False, reason="off")
     assert "measured expert swaps ms" in capsys.readouterr().out
     monkeypatch.setattr(runtime, "host_memory_kind", lambda devices: None)
