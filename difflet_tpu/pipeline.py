@@ -306,7 +306,7 @@ class Denoiser:
             self.offload_reason = "auto: no device memory limit or host memory kind"
             return False
         step = self.runners[e].memory(**kw)["total"]
-        others = sum(runtime.bytes_per_device(r.model) for i, r in enumerate(self.runners) if i != e)
+        others = sum(r.param_bytes() for i, r in enumerate(self.runners) if i != e)
         need = step + others
         fits = need <= limit
         self.offload_reason = (f"auto: {need / 2**30:.2f} GiB per device with every expert resident "

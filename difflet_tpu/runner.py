@@ -29,6 +29,10 @@ does not split over cfg x data is refused before anything compiles.
 
 from __future__ import annotations
 
+import gc
+import warnings
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,8 +158,9 @@ class Runner:
         them (waited on); the host copy is kept, so a later offload only drops the
         device arrays. The Runner drops its references to its device arrays and to
         its port state (caches derived from them, e.g. Wan's text K/V): the device
-        memory is freed when nothing else holds them, so the caller must not keep
-        the model it built (or `runner.model`) alive to see it freed."""
+        memory is freed when nothing else holds them (after one `gc.collect()` when
+        needed: nnx module graphs are reference cycles), so the caller must not keep
+        the model it built (or `runner.model`) alive; a warning says when it did."""
         from difflet_tpu import runtime
 
         if self.abstract:
@@ -163,8 +168,7 @@ class Runner:
         if self.resident == "host":
             return
         if self._host is None:
-            leaves = jax.tree_util.tree_leaves(self._state)
-            devices = {d for x in leaves for d in x.sharding.device_set}
+            devices = {d for x in jax.tree_util.tree_leaves(self._state) for d in x.sharding.device_set}
             kind = runtime.host_memory_kind(sorted(devices, key=lambda d: d.id))
             if kind is None:
                 platform = next(iter(devices)).platform
@@ -173,8 +177,16 @@ class Runner:
             self._device_shardings = jax.tree.map(lambda x: x.sharding, self._state)
             self._host = jax.block_until_ready(
                 jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), self._state))
+        device = [weakref.ref(x) for x in jax.tree_util.tree_leaves(self._state)]
         self._state = self._host
         self.state.clear()
+        if any(r() is not None for r in device):
+            gc.collect()  # nnx module graphs hold reference cycles: a dropped model keeps its arrays until then
+            alive = sum(r() is not None for r in device)
+            if alive:
+                warnings.warn(f"{self.spec.name}: offload(): {alive} of {len(device)} device arrays are still "
+                              f"referenced elsewhere (the model given to the Runner?), so their device memory "
+                              f"is not freed", stacklevel=2)
 
     def load(self) -> None:
         """Moves offloaded parameters back to the devices, with the shardings the compiled
@@ -188,7 +200,13 @@ class Runner:
         after `load()`, so a pipeline's host memory holds every expert once."""
         from difflet_tpu import runtime
 
-        return 0 if self._host is None else runtime.bytes_per_device(nnx.merge(self._graphdef, self._host))
+        return 0 if self._host is None else runtime.tree_bytes_per_device(self._host)
+
+    def param_bytes(self) -> int:
+        """Bytes per device of the parameters the step reads (`runtime.bytes_per_device`)."""
+        from difflet_tpu import runtime
+
+        return runtime.tree_bytes_per_device(self._state)
 
     def _check_resident(self):
         if self.resident == "host":

@@ -74,8 +74,13 @@ def abstract_model(build, mesh=None, plan=None):
 def bytes_per_device(model) -> int:
     """Bytes of `model`'s parameters on one device: each leaf's shard under its
     sharding (NamedShardings on one mesh shard evenly; a leaf without one counts whole)."""
+    return tree_bytes_per_device(nnx.state(model))
+
+
+def tree_bytes_per_device(tree) -> int:
+    """`bytes_per_device` of a pytree of arrays (a Runner's parameter state)."""
     total = 0
-    for leaf in jax.tree.leaves(nnx.state(model)):
+    for leaf in jax.tree.leaves(tree):
         sharding = getattr(leaf, "sharding", None)
         shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
         total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
