@@ -97,13 +97,14 @@ def test_runner_offload_contract():
     kw = spec.example_inputs(cfg, **spec.tiny_shape, batch=1, seed=0, dtype=np.float32)
     # a model already on the mesh: the Runner shares its arrays
     model = runtime.place(spec.build(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), mesh, spec.plan)
-    run = Runner(model, mesh, Config(), mode="sp")
+    run = Runner(model, mesh, Config(), mode="sp", cache_text=True)
     out = np.asarray(run(**kw))
+    assert "text_kv" in run.state  # a cache derived from the parameters: dropped with them
     held = [weakref.ref(x) for x in _leaves(run)]
     assert all(a is b for a, b in zip(_leaves(run), jax.tree_util.tree_leaves(nnx.state(model))))
     with pytest.warns(UserWarning, match="still referenced elsewhere"):
         run.offload()
-    assert run.resident == "host"
+    assert run.resident == "host" and "text_kv" not in run.state
     with pytest.raises(ValueError, match="host memory .*load\\(\\)"):
         run(**kw)
     gc.collect()
