@@ -274,7 +274,7 @@ class Denoiser:
         if offload not in OFFLOAD_VALUES:
             raise ValueError(f"offload={offload!r}: use one of {', '.join(OFFLOAD_VALUES)}")
         self.offload_setting = offload
-        self.offload = None if len(self.runners) > 1 and offload != "off" else False  # decided at the first step
+        self.offload = None if len(self.runners) > 1 else False  # decided at the first step
         self.active = None  # the expert on the devices while offloading
         self.swaps = []     # one dict per expert switch: step, src, dst, s (seconds, the waited copy)
         self.placement_s = 0.0  # the first move of the idle experts to host memory
@@ -318,14 +318,16 @@ class Denoiser:
         the first call); returns the seconds spent switching (0 without a switch)."""
         if self.offload is None:
             self.offload = self._decide_offload(e, kw)
-            if self.offload:  # the initial placement, not a switch
-                t0 = time.perf_counter()
-                for i, r in enumerate(self.runners):
-                    if i != e:
-                        r.offload()
-                self.active = e
-                self.placement_s = time.perf_counter() - t0
-                return self.placement_s
+            # the initial placement, not a switch (a runner may come offloaded already)
+            t0 = time.perf_counter()
+            for i, r in enumerate(self.runners):
+                if self.offload and i != e:
+                    r.offload()
+                elif getattr(r, "resident", "device") == "host":
+                    r.load()
+            self.active = e
+            self.placement_s = time.perf_counter() - t0
+            return self.placement_s
         if not self.offload or self.active == e:
             return 0.0
         t0 = time.perf_counter()

@@ -176,6 +176,11 @@ def test_bad_offload_requests(monkeypatch):
     with pytest.raises(ValueError, match="no pinned_host memory"):
         run.offload()
     monkeypatch.undo()
+    # a runner handed over offloaded comes back to the devices when the setting keeps experts resident
+    den = _wan_denoiser(2, "sp", "off")
+    den.runners[1].offload()
+    den.run()
+    assert den.offload is False and [r.resident for r in den.runners] == ["device", "device"]
     # one expert: nothing to offload, whatever the setting
     inputs = spec.example_inputs(cfg, **spec.tiny_shape, batch=1, seed=0, dtype=np.float32)
     den = PL.Denoiser(spec.pipeline, [run], inputs, spec.pipeline.schedule(2, inputs, "tiny"), guidance=1.0,
