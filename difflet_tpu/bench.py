@@ -529,7 +529,7 @@ def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
             del model  # the Runner holds the only references: an offloaded expert's device memory is freed
             if e > 0 and args.offload == "on":  # the high-noise expert (0) runs first; the others wait on the host
                 runners[e].offload()
-        jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(runners[0].model))[:1])
+        runners[0].block_until_ready()
         row["load_s"] = time.perf_counter() - t0
         den = PL.Denoiser(pipe, runners, inputs, plan["schedule"], guidance=guidance, boundary=plan["boundary"],
                           cfg_inputs=cfg_inputs, dtype=dtype, offload=args.offload,

@@ -195,6 +195,10 @@ class Runner:
             return
         self._state = jax.block_until_ready(jax.tree.map(jax.device_put, self._host, self._device_shardings))
 
+    def block_until_ready(self) -> None:
+        """Waits until the parameters the step reads are placed (load timings)."""
+        jax.block_until_ready(self._state)
+
     def host_bytes(self) -> int:
         """Bytes per device of the host copy `offload()` made (0 before): it is kept
         after `load()`, so a pipeline's host memory holds every expert once."""
