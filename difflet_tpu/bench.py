@@ -23,6 +23,11 @@ every process runs the same command on the global mesh (difflet_tpu.distributed)
 process 0 prints the table and writes the JSON, and the final latents' sha256
 of every process must agree.
 
+Two-expert models (Wan2.2 A14B): `--expert-offload` / DIFFLET_TPU_EXPERT_OFFLOAD
+keeps the idle expert in host memory (difflet_tpu/config.py); --compile-only
+then leaves it out of HBM per chip and estimates the swap, the timed run
+measures it.
+
 Modes: tp, sp (JAX rings or Pallas kernels per the config / model default),
 sp-xla (plain all_gather / psum_scatter with XLA's collective-matmul
 decomposition switched on), all. Default: DIFFLET_TPU_SP (1 -> sp, 0 -> tp),
@@ -94,6 +99,10 @@ def parser():
     ap.add_argument("--mesh", help="device mesh AXIS=SIZE,... over cfg, data, tp, e.g. cfg=2,tp=4 (default: "
                     "DIFFLET_TPU_MESH, else one tp ring over every device when the heads divide it)")
     ap.add_argument("--batch", type=int, default=1, help="prompts per call (CFG doubles the rows; default 1)")
+    ap.add_argument("--expert-offload", choices=("auto", "on", "off"),
+                    help="where a two-expert model (Wan2.2 A14B) keeps its idle expert: host memory (on), the "
+                    "devices (off), or auto: host memory only when both experts do not fit the device memory "
+                    "(default: DIFFLET_TPU_EXPERT_OFFLOAD, else auto; docs in difflet_tpu/config.py)")
     dist = ap.add_argument_group("multi-host (jax.distributed; docs/multi-host.md)")
     dist.add_argument("--distributed", action="store_true",
                       help="join a multi-process run found from the environment (a TPU VM slice: run the same "
@@ -181,6 +190,10 @@ def validate(args, ap):
             args.mesh_axes = Config.from_env().mesh_axes()
         except ConfigError as e:
             ap.error(str(e))
+    try:
+        args.offload = args.expert_offload or Config.from_env().expert_offload
+    except ConfigError as e:
+        ap.error(str(e))
     explicit = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
     if any(explicit) and not all(explicit):
         ap.error("--coordinator, --num-processes and --process-id go together")
@@ -426,6 +439,10 @@ def prepare(spec, preset, args, mesh, dtype) -> dict:
         if bad:
             raise BenchError(f"{fam}:{preset} does not divide over the {mesh.shape['tp']} devices:\n  "
                              + "\n  ".join(bad))
+        if n_experts > 1 and args.offload == "on" and runtime.host_memory_kind(list(mesh.devices.flat)) is None:
+            raise BenchError(f"--expert-offload on: the {mesh.devices.flat[0].platform} devices have no "
+                             f"{runtime.HOST_MEMORY_KIND} memory to keep {fam}:{preset}'s idle expert in; use "
+                             f"--expert-offload off or auto")
         if args.cpu:
             count, nbytes = param_bytes(params)
             mem = host_memory_bytes()
@@ -497,21 +514,25 @@ def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
         label = f"{fam}:{preset} {mode}"
         t0 = time.perf_counter()
         stats0 = runtime.compile_stats()
-        models = []
+        # sp-xla on TPU: XLA's collective-matmul decomposition of the plain all_gather/psum_scatter + dot
+        options = dict(XLA_CM_FLAGS) if mode == "sp-xla" and not args.cpu else None
+        config = Config.from_env(expert_offload=args.offload)
+        runners = []
         for e in range(plan["n_experts"]):
             if plan["dirs"]:
                 from difflet_tpu import weights
 
-                models.append(weights.load_transformer(plan["dirs"][e], dtype=dtype, mesh=mesh))
+                model = weights.load_transformer(plan["dirs"][e], dtype=dtype, mesh=mesh)
             else:
-                models.append(spec.build(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed + e)))
-        # sp-xla on TPU: XLA's collective-matmul decomposition of the plain all_gather/psum_scatter + dot
-        options = dict(XLA_CM_FLAGS) if mode == "sp-xla" and not args.cpu else None
-        runners = [Runner(m, mesh, Config.from_env(), mode=mode, compiler_options=options) for m in models]
-        jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(models[0]))[:1])
+                model = spec.build(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed + e))
+            runners.append(Runner(model, mesh, config, mode=mode, compiler_options=options))
+            del model  # the Runner holds the only references: an offloaded expert's device memory is freed
+            if e > 0 and args.offload == "on":  # the high-noise expert (0) runs first; the others wait on the host
+                runners[e].offload()
+        runners[0].block_until_ready()
         row["load_s"] = time.perf_counter() - t0
         den = PL.Denoiser(pipe, runners, inputs, plan["schedule"], guidance=guidance, boundary=plan["boundary"],
-                          cfg_inputs=cfg_inputs, dtype=dtype,
+                          cfg_inputs=cfg_inputs, dtype=dtype, offload=args.offload,
                           latent_guidance=pipe.latent_guidance if args.guidance is None else None)
         c0 = PL.CompileCounter.count()
         w = den.warmup(args.warmup)
@@ -526,11 +547,14 @@ def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
         row["step_ms"] = dict(median=ms(float(np.median(times))), min=ms(min(times)), max=ms(max(times)))
         row["compile_s"] = w.compile_s(float(np.median(times)))
         row["peak_memory_bytes"] = peak_memory(mesh)
+        if plan["n_experts"] > 1:
+            row["expert_offload"] = offload_row(den)
         row["profile"] = prof
         # every XLA compile of this row (cache loads included) and the compile cache's answers
         row["xla_compile"] = runtime.stats_since(stats0)
         if hlo_dir:
-            row["hlo"] = dump_hlo(hlo_dir, f"{fam}-{preset}-{mode}", runners[0], den, mode)
+            resident = next(r for r in runners if r.resident == "device")
+            row["hlo"] = dump_hlo(hlo_dir, f"{fam}-{preset}-{mode}", resident, den, mode)
         try:
             checks.check_finite(final, "final latents")
         except checks.NonFiniteError as e:
@@ -550,6 +574,44 @@ def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
             tp_row = next(r for r in results if r["model"] == base["model"] and r["mode"] == ref)
             row["vs_tp"] = compare(final, finals[ref])
             row["vs_tp"]["step_ratio"] = row["step_ms"]["median"] / tp_row["step_ms"]["median"]
+
+
+def offload_row(den) -> dict:
+    """The timed run's expert offload: the setting, whether it was on and why, the bytes per
+    chip in host memory (every expert's host copy), and each switch's measured copy."""
+    from difflet_tpu import runtime
+
+    out = dict(setting=den.offload_setting, enabled=bool(den.offload), reason=den.offload_reason)
+    if den.offload:
+        out["host_bytes_per_chip"] = sum(r.host_bytes() for r in den.runners)
+        out["placement_s"] = den.placement_s
+        out["swaps"] = [dict(sw) for sw in den.swaps]
+        out["swap_s"] = [sw["s"] for sw in den.swaps]
+    return out
+
+
+def expert_memory(mem: dict, other: int, setting: str, chip) -> tuple[dict, dict]:
+    """--compile-only HBM per chip of a two-expert model and its offload report.
+
+    `other`: the other expert's parameter bytes per chip (the experts have the same
+    shapes). Off (or "auto" when both fit `chip.hbm_bytes`): it is resident, added to
+    the total as `other_experts`. On: it waits in host memory (`host_experts`, not in
+    the total), each switch copies it in, estimated at `runtime.H2D_BYTES_PER_S` (an
+    assumption, cited there); once both experts have been offloaded the host keeps a
+    copy of each (`host_bytes_per_chip`), so a switch back costs one copy too."""
+    from difflet_tpu import runtime
+
+    both = mem["total"] + other
+    enabled = setting == "on" or (setting == "auto" and both > chip.hbm_bytes)
+    report = dict(setting=setting, enabled=enabled, all_resident_bytes=both)
+    if not enabled:
+        return dict(mem, other_experts=other, total=both), report
+    bw = runtime.H2D_BYTES_PER_S.get(chip.name)
+    report.update(idle_expert_bytes_per_chip=other, host_bytes_per_chip=2 * other, h2d_bytes_per_s=bw,
+                  swap_ms_estimate=None if bw is None else ms(other / bw),
+                  h2d_source="assumption: PCIe ~1.5e10 B/s per chip (v6e 3.2e10), "
+                             "https://jax-ml.github.io/scaling-book/tpus/")
+    return dict(mem, other_experts=0, host_experts=other), report
 
 
 def json_safe(obj):
@@ -639,6 +701,14 @@ def print_table(results, out=None):
               f"{r['denoise_s']:9.2f} {peak:>8} {r['sha256'][:12]:>12} "
               f"{('%.2e' % v['rel_l2']) if v else '-':>12} {('%.1f' % v['psnr_db']) if v else '-':>8} "
               f"{('%.3f' % v['step_ratio']) if v else '-':>6}", file=out)
+    for r in results:
+        o = r.get("expert_offload")
+        if "error" in r or not o or not o["enabled"]:
+            continue
+        swaps = ", ".join(f"{1e3 * s:.1f}" for s in o["swap_s"]) or "none"
+        print(f"  {r['model']} {r['mode']}: idle expert in host memory ({o['setting']}; "
+              f"{o['host_bytes_per_chip'] / 2**30:.2f} GiB/chip), measured expert swaps ms: {swaps} "
+              f"(not in the step times; in denoise s)", file=out)
 
 
 def run_bench(args):
@@ -744,11 +814,11 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
         with open(os.path.join(args.dump_hlo, f"{fam}-{preset}-{variant}.hlo.txt"), "w") as f:
             f.write(text)
     mem = deviceless.memory_report(compiled)
-    # a two-expert model (Wan2.2 A14B) keeps the other expert's weights resident beside
-    # the step's: same shapes and shardings, so its bytes per chip are this model's
+    # a two-expert model (Wan2.2 A14B): the other expert has this one's shapes and shardings,
+    # resident beside the step's or, offloaded, in host memory
+    offload = None
     if spec.experts.get(preset) is not None:
-        other = runtime.bytes_per_device(model)
-        mem = dict(mem, other_experts=other, total=mem["total"] + other)
+        mem, offload = expert_memory(mem, runtime.bytes_per_device(model), args.offload, chip)
     cost = compiled.cost_analysis() or {}
     raw = E.estimate(text, chip)
     cal = E.estimate(text, chip, calibration)
@@ -768,6 +838,7 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
         estimate_calibrated_ms=ms(cal.total), calibration=calibration.nonmatmul,
         breakdown=E.summarize(used), breakdown_raw=E.summarize(raw), schedule_overlap=E.schedule_overlap(text),
         compiler_options=XLA_CM_FLAGS if pmode == "sp-xla" else {},
+        **({} if offload is None else dict(expert_offload=offload)),
     )
 
 
@@ -859,6 +930,28 @@ def print_compile_table(results, topology, chip, calibration, out=None):
               f"{r['estimate_ms']:8.1f} {r['estimate_raw_ms']:8.1f} {r.get('ratio_vs_tp', 1.0):5.2f} "
               f"{b['matmul_ms']:7.1f} {b['nonmatmul_ms']:7.1f} {b['pallas_ms']:7.1f} "
               f"{b['exposed_transfer_ms']:7.1f} {b['sync_collective_ms']:7.1f}  {coll}", file=out)
+    print_offload_notes(results, out)
+
+
+def print_offload_notes(results, out=None):
+    """One line per two-expert compile-only row: where the idle expert is, and the estimated swap."""
+    out = out or sys.stdout
+    gib = lambda b: b / 2**30
+    for r in results:
+        o = r.get("expert_offload")
+        if "error" in r or not o:
+            continue
+        if o["enabled"]:
+            bw = "an unknown bandwidth" if o["h2d_bytes_per_s"] is None else f"{o['h2d_bytes_per_s'] / 1e9:.0f} GB/s"
+            swap = "-" if o["swap_ms_estimate"] is None else f"{o['swap_ms_estimate']:.0f}"
+            print(f"  {r['model']} {r['mode']}: idle expert offloaded ({o['setting']}): "
+                  f"{gib(o['idle_expert_bytes_per_chip']):.2f} GiB/chip not in HBM, "
+                  f"{gib(o['host_bytes_per_chip']):.2f} GiB/chip in host memory (both experts' copies; all resident: "
+                  f"{gib(o['all_resident_bytes']):.2f} GiB); ESTIMATED swap {swap} ms per expert switch at {bw} "
+                  f"host-to-device per chip (assumed, scaling-book)", file=out)
+        else:
+            print(f"  {r['model']} {r['mode']}: both experts resident ({o['setting']}): HBM includes the other "
+                  f"expert's {gib(r['hbm']['other_experts']):.2f} GiB/chip", file=out)
 
 
 def main(argv=None):

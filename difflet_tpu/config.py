@@ -19,6 +19,7 @@ BOOL_VALUES = {"0": False, "1": True}
 KERNEL_VALUES = ("jax", "pallas")
 RS_KERNEL_VALUES = ("auto", "jax", "pallas")
 ASSEMBLE_VALUES = ("concat", "dus")
+OFFLOAD_VALUES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -65,6 +66,17 @@ class Config:
         turns it off (`DIFFLET_TPU_COMPILE_CACHE`). The Runner and the bench
         enable it with `runtime.enable_compile_cache`, which creates the
         directory and checks that it is writable.
+    expert_offload: where a two-expert model (Wan2.2 A14B) keeps its idle
+        expert (`DIFFLET_TPU_EXPERT_OFFLOAD`): "on" in host memory
+        (`memory_kind="pinned_host"` on the same mesh, moved to the devices when
+        the pipeline switches experts, `pipeline.Denoiser`); "off" on the
+        devices; "auto" (default) offloads only when both experts do not fit:
+        when the devices report a memory limit (TPU) and the first expert's
+        compiled step plus the other expert's parameters per device exceed it
+        (Wan2.2 A14B at 720x1280x81 on a v5e-4), so a shape that fits pays no
+        swap. Off TPU no limit is known and "auto" keeps both on the devices.
+        "on" where the devices have no host memory kind is an error before any
+        work; a one-expert model has nothing to offload (every value is a no-op).
     """
 
     sp: bool = False
@@ -77,6 +89,7 @@ class Config:
     split_rope: bool = True
     mesh: str | None = None
     compile_cache: str | None = None
+    expert_offload: str = "auto"
 
     def __post_init__(self):
         for name in ("sp", "sp_single", "sp_pad", "check_vma", "split_rope"):
@@ -88,6 +101,8 @@ class Config:
             raise ConfigError(f"Config.sp_rs_kernel must be one of {RS_KERNEL_VALUES}, got {self.sp_rs_kernel!r}")
         if self.sp_ag_assemble not in ASSEMBLE_VALUES:
             raise ConfigError(f"Config.sp_ag_assemble must be one of {ASSEMBLE_VALUES}, got {self.sp_ag_assemble!r}")
+        if self.expert_offload not in OFFLOAD_VALUES:
+            raise ConfigError(f"Config.expert_offload must be one of {OFFLOAD_VALUES}, got {self.expert_offload!r}")
         if self.compile_cache is not None:
             _check_cache_path("Config.compile_cache", self.compile_cache)
         if self.mesh is not None:
@@ -192,4 +207,5 @@ ENV_VARS = {
     "DIFFLET_TPU_SPLIT_ROPE": ("split_rope", _parse_bool),
     "DIFFLET_TPU_MESH": ("mesh", _parse_mesh),
     "DIFFLET_TPU_COMPILE_CACHE": ("compile_cache", _parse_path),
+    "DIFFLET_TPU_EXPERT_OFFLOAD": ("expert_offload", _parse_choice(OFFLOAD_VALUES)),
 }

@@ -14,7 +14,8 @@ diffusers' argument names) and the latents from a seed. Each step calls the
 runner's compiled step with the timestep as a runtime array (same shapes and
 dtypes every step, so nothing recompiles) and then one jitted Euler update
 `x + (sigma_next - sigma) * v` in float32 whose `dt` and guidance scale are
-runtime scalars too.
+runtime scalars too. For Wan2.2-A14B the idle expert can wait in host memory
+and come back at the switch (`Config.expert_offload`, `Denoiser(offload=)`).
 
 Models are named as the bench takes them: "flux" (its released preset),
 "flux:tiny", or a released preset name; `resolve_model` reads the specs.
@@ -232,12 +233,23 @@ class Denoiser:
     for CFG pipelines the conditioning rows are doubled here to [uncond, cond].
     latent_guidance: latent key -> its own guidance scale (LTX-2's audio);
     the other latents use `guidance`.
+    offload: where the idle expert of two lives, "auto" / "on" / "off"
+    (`Config.expert_offload`; default: the first runner's config). When on,
+    only the expert the step needs is on the devices: the first step moves
+    the others to host memory (`Runner.offload`), and each expert switch
+    drops the outgoing expert's device arrays and copies the incoming one's
+    from host memory (`Runner.load`), recorded in `swaps`. For the device
+    memory to be freed the runners must hold the only references to their
+    parameters (build the models, hand them to the Runners, drop them).
+    With one runner it is a no-op.
     """
 
     def __init__(self, pipeline, runners: list, inputs: dict, schedule: S.Schedule, *,
                  guidance: float, boundary: float | None = None, cfg_inputs: dict | None = None,
-                 latent_guidance: dict | None = None, dtype=None):
+                 latent_guidance: dict | None = None, dtype=None, offload: str | None = None):
         import jax.numpy as jnp
+
+        from difflet_tpu.config import OFFLOAD_VALUES
 
         self.pipeline = pipeline
         self.runners = list(runners)
@@ -256,6 +268,75 @@ class Denoiser:
         self.timestep_dtype = np.asarray(inputs["timestep"]).dtype
         self.has_sigma = "sigma" in inputs
         self.has_guidance = "guidance" in inputs
+        if offload is None:
+            config = getattr(self.runners[0], "config", None)
+            offload = config.expert_offload if config is not None else "auto"
+        if offload not in OFFLOAD_VALUES:
+            raise ValueError(f"offload={offload!r}: use one of {', '.join(OFFLOAD_VALUES)}")
+        self.offload_setting = offload
+        self.offload = None if len(self.runners) > 1 else False  # decided at the first step
+        self.active = None  # the expert on the devices while offloading
+        self.swaps = []     # one dict per expert switch: step, src, dst, s (seconds, the waited copy)
+        self.placement_s = 0.0  # the first move of the idle experts to host memory
+        self.last_swap_s = 0.0
+        self.offload_reason = "one expert" if len(self.runners) == 1 else "off" if offload == "off" else None
+        if offload == "on" and len(self.runners) > 1:  # refused before any work
+            from difflet_tpu import runtime
+
+            if runtime.host_memory_kind(self._devices()) is None:
+                raise ValueError(f"offload='on': the {self._devices()[0].platform} devices have no "
+                                 f"{runtime.HOST_MEMORY_KIND} memory (use offload='off' or 'auto')")
+
+    def _devices(self) -> list:
+        import jax
+
+        return list(self.mesh.devices.flat) if self.mesh is not None else jax.local_devices()[:1]
+
+    def _decide_offload(self, e: int, kw: dict) -> bool:
+        """"on" -> True, "off" -> False; "auto": True when the devices report a memory limit and
+        expert `e`'s compiled step plus the other experts' parameters per device exceed it."""
+        from difflet_tpu import runtime
+
+        if self.offload_setting != "auto":
+            self.offload_reason = self.offload_setting
+            return self.offload_setting == "on"
+        devices = self._devices()
+        limit = runtime.device_memory_limit(devices)
+        if limit is None or runtime.host_memory_kind(devices) is None:
+            self.offload_reason = "auto: no device memory limit or host memory kind"
+            return False
+        step = self.runners[e].memory(**kw)["total"]
+        others = sum(r.param_bytes() for i, r in enumerate(self.runners) if i != e)
+        need = step + others
+        fits = need <= limit
+        self.offload_reason = (f"auto: {need / 2**30:.2f} GiB per device with every expert resident "
+                               f"{'fits' if fits else 'exceeds'} the {limit / 2**30:.2f} GiB limit")
+        return not fits
+
+    def activate(self, e: int, kw: dict, step: int | None = None) -> float:
+        """Makes expert `e` the one on the devices when offloading (deciding "auto" on
+        the first call); returns the seconds spent switching (0 without a switch)."""
+        if self.offload is None:
+            self.offload = self._decide_offload(e, kw)
+            # the initial placement, not a switch (a runner may come offloaded already)
+            t0 = time.perf_counter()
+            for i, r in enumerate(self.runners):
+                if self.offload and i != e:
+                    r.offload()
+                elif getattr(r, "resident", "device") == "host":
+                    r.load()
+            self.active = e
+            self.placement_s = time.perf_counter() - t0
+            return self.placement_s
+        if not self.offload or self.active == e:
+            return 0.0
+        t0 = time.perf_counter()
+        self.runners[self.active].offload()  # drops the device arrays first: one expert's worth at a time
+        self.runners[e].load()
+        dt = time.perf_counter() - t0
+        self.swaps.append(dict(step=step, src=self.active, dst=e, s=dt))
+        self.active = e
+        return dt
 
     def expert(self, t: float) -> int:
         return S.wan22_expert(t, self.boundary) if len(self.runners) > 1 else 0
@@ -278,7 +359,10 @@ class Denoiser:
 
     def step(self, latents: dict, i: int) -> dict:
         t = float(self.schedule.timesteps[i])
-        out = self.runners[self.expert(t)](**self.kwargs(latents, t))
+        e = self.expert(t)
+        kw = self.kwargs(latents, t)
+        self.last_swap_s = self.activate(e, kw, i) if len(self.runners) > 1 else 0.0
+        out = self.runners[e](**kw)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         update, update_cfg, update_cfg_rescaled = updates(self.mesh)
         fn = update if not self.cfg else update_cfg_rescaled if self.pipeline.cfg_rescale else update_cfg
@@ -315,18 +399,21 @@ class Denoiser:
             for r in range(max(n, 2)):
                 t0 = time.perf_counter()
                 lat = jax.block_until_ready(self.step(lat, i))
-                dt = time.perf_counter() - t0
+                dt = time.perf_counter() - t0 - self.last_swap_s
                 times.append(dt)
                 if r == 0:
                     first += dt
         return StepTimes(times, first)
 
     def run(self, progress: Callable | None = None, profile_dir: str | None = None):
-        """The timed loop: every step waited on. Returns (final latents dict of numpy, step seconds)."""
+        """The timed loop: every step waited on. Returns (final latents dict of numpy, step
+        seconds); an expert switch's copy is not in its step's time but in `swaps`
+        (this run's only)."""
         import jax
 
         lat = self.initial()
         times = []
+        self.swaps = []
         ctx = None
         if profile_dir:
             ctx = jax.profiler.trace(profile_dir)
@@ -335,7 +422,7 @@ class Denoiser:
             for i in range(len(self.schedule)):
                 t0 = time.perf_counter()
                 lat = jax.block_until_ready(self.step(lat, i))
-                times.append(time.perf_counter() - t0)
+                times.append(time.perf_counter() - t0 - self.last_swap_s)
                 if progress:
                     progress(i + 1, len(self.schedule), times[-1])
         finally:

@@ -29,6 +29,10 @@ does not split over cfg x data is refused before anything compiles.
 
 from __future__ import annotations
 
+import gc
+import warnings
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +79,11 @@ class Runner:
         output has a NaN or inf (one device-side reduction; for serving loops).
       **options: the port's own options (its `PortSpec.options`, e.g. Wan's
         `cache_text`).
+
+    The Runner never changes the model it is given and keeps no reference to it:
+    it holds the parameter arrays (placed on the mesh; the same arrays when they
+    already were). `offload()` / `load()` move its own copy between host and
+    device memory (a two-expert pipeline's idle expert, `Config.expert_offload`).
     """
 
     def __init__(self, model, mesh=None, config: Config | None = None, mode: str | None = None, *,
@@ -88,7 +97,6 @@ class Runner:
             known = ", ".join(sorted(self.spec.options)) or "none"
             raise TypeError(f"unknown {self.spec.name} Runner options {sorted(unknown)} (port options: {known})")
         self.options = {**self.spec.options, **options}
-        self.model = model
         self.cfg = model.config
         self.mesh = mesh
         self.config = Config.from_env() if config is None else config
@@ -116,7 +124,11 @@ class Runner:
             if not self.abstract:  # a new state; a no-op for arrays already placed this way
                 state = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state,
                                      self._param_specs)
+        elif not self.abstract:  # committed to its device (the same buffers), as `load()` brings them back
+            state = jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, state)
         self._state = state
+        self._host = None           # the parameters in host memory once offload() ran
+        self._device_shardings = None
         self._steps = {}
         self._constants = {}      # key -> host value (RoPE tables, masks)
         self._constant_ids = set()  # ids of those host arrays
@@ -125,6 +137,85 @@ class Runner:
         self.mask_pad_keys = True  # tests turn this off to show the pad-key mask matters
         for name, method in self.spec.methods.items():
             setattr(self, name, method.__get__(self))
+
+    @property
+    def model(self):
+        """The model as this Runner holds it: its graph over its current parameters (on
+        the mesh, or in host memory after `offload()`); a new object per access. The
+        Runner keeps no reference to the model object it was given, only the arrays."""
+        return nnx.merge(self._graphdef, self._state)
+
+    # ---- host offload (Config.expert_offload, pipeline.Denoiser) --------------
+
+    @property
+    def resident(self) -> str:
+        """Where the parameters the step reads are: "device", or "host" after `offload()`."""
+        return "host" if self._host is not None and self._state is self._host else "device"
+
+    def offload(self) -> None:
+        """Moves the parameters to host memory (`runtime.HOST_MEMORY_KIND`, same mesh and
+        PartitionSpecs); the step refuses to run until `load()`. The first call copies
+        them (waited on); the host copy is kept, so a later offload only drops the
+        device arrays. The Runner drops its references to its device arrays and to
+        its port state (caches derived from them, e.g. Wan's text K/V): the device
+        memory is freed when nothing else holds them (after one `gc.collect()` when
+        needed: nnx module graphs are reference cycles), so the caller must not keep
+        the model it built (or `runner.model`) alive; a warning says when it did."""
+        from difflet_tpu import runtime
+
+        if self.abstract:
+            raise ValueError("this Runner holds an abstract model (ShapeDtypeStructs): nothing to offload")
+        if self.resident == "host":
+            return
+        if self._host is None:
+            devices = {d for x in jax.tree_util.tree_leaves(self._state) for d in x.sharding.device_set}
+            kind = runtime.host_memory_kind(sorted(devices, key=lambda d: d.id))
+            if kind is None:
+                platform = next(iter(devices)).platform
+                raise ValueError(f"{self.spec.name}: the {platform} devices have no {runtime.HOST_MEMORY_KIND} "
+                                 f"memory to offload parameters to (set DIFFLET_TPU_EXPERT_OFFLOAD=off)")
+            self._device_shardings = jax.tree.map(lambda x: x.sharding, self._state)
+            self._host = jax.block_until_ready(
+                jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), self._state))
+        device = [weakref.ref(x) for x in jax.tree_util.tree_leaves(self._state)]
+        self._state = self._host
+        self.state.clear()
+        if any(r() is not None for r in device):
+            gc.collect()  # nnx module graphs hold reference cycles: a dropped model keeps its arrays until then
+            alive = sum(r() is not None for r in device)
+            if alive:
+                warnings.warn(f"{self.spec.name}: offload(): {alive} of {len(device)} device arrays are still "
+                              f"referenced elsewhere (the model given to the Runner?), so their device memory "
+                              f"is not freed", stacklevel=2)
+
+    def load(self) -> None:
+        """Moves offloaded parameters back to the devices, with the shardings the compiled
+        steps were built for (no recompilation); waits for the copy. A no-op when resident."""
+        if self.resident == "device":
+            return
+        self._state = jax.block_until_ready(jax.tree.map(jax.device_put, self._host, self._device_shardings))
+
+    def block_until_ready(self) -> None:
+        """Waits until the parameters the step reads are placed (load timings)."""
+        jax.block_until_ready(self._state)
+
+    def host_bytes(self) -> int:
+        """Bytes per device of the host copy `offload()` made (0 before): it is kept
+        after `load()`, so a pipeline's host memory holds every expert once."""
+        from difflet_tpu import runtime
+
+        return 0 if self._host is None else runtime.tree_bytes_per_device(self._host)
+
+    def param_bytes(self) -> int:
+        """Bytes per device of the parameters the step reads (`runtime.bytes_per_device`)."""
+        from difflet_tpu import runtime
+
+        return runtime.tree_bytes_per_device(self._state)
+
+    def _check_resident(self):
+        if self.resident == "host":
+            raise ValueError(f"{self.spec.name}: this Runner's parameters are in host memory (offload()): "
+                             f"call load() before running or tracing its step")
 
     # ---- what ports use in `prepare` ----------------------------------------
 
@@ -285,6 +376,7 @@ class Runner:
         """Places `prep.inputs`, runs the compiled step for `prep.key` (compiling it
         once) and finishes: what `__call__` does after `prepare`. Ports use it for
         extra steps (Wan's `encode_text`)."""
+        self._check_resident()
         self.check_batch(prep)
         step = self._step(prep.key, prep.specs, prep.out_specs)
         out = step(self._state, self._place(prep.inputs, prep.specs))
@@ -296,12 +388,22 @@ class Runner:
         """`jax.stages.Traced` of the step for these kwargs; ShapeDtypeStructs stand
         for arrays (their values are never needed to trace): for deviceless
         compiles, `runner.trace(**inputs).lower().compile()`."""
+        self._check_resident()
         kwargs = self.spec_kwargs(args, kwargs)
         concrete = {k: (np.zeros(v.shape, v.dtype) if _is_abstract(v) else v) for k, v in kwargs.items()}
         prep = self.prepare(concrete)
         self.check_batch(prep)
         step = self._step(prep.key, prep.specs, prep.out_specs)
         return step.trace(self._state, self._abstract_inputs(prep.inputs, prep.specs))
+
+    def memory(self, *args, **kwargs) -> dict:
+        """Device bytes per chip of the compiled step for these kwargs
+        (`deviceless.memory_report`: arguments with this Runner's parameters,
+        outputs, temporaries). Compiles the step; a later call with the same
+        shapes reuses that executable."""
+        from difflet_tpu import deviceless
+
+        return deviceless.memory_report(self.trace(*args, **kwargs).lower().compile())
 
     def spec_kwargs(self, args, kwargs) -> dict:
         """Positional arguments named as the port's `forward_args` (diffusers' order)."""

@@ -74,11 +74,70 @@ def abstract_model(build, mesh=None, plan=None):
 def bytes_per_device(model) -> int:
     """Bytes of `model`'s parameters on one device: each leaf's shard under its
     sharding (NamedShardings on one mesh shard evenly; a leaf without one counts whole)."""
+    return tree_bytes_per_device(nnx.state(model))
+
+
+def tree_bytes_per_device(tree) -> int:
+    """`bytes_per_device` of a pytree of arrays (a Runner's parameter state)."""
     total = 0
-    for leaf in jax.tree.leaves(nnx.state(model)):
+    for leaf in jax.tree.leaves(tree):
         sharding = getattr(leaf, "sharding", None)
         shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
         total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+# --------------------------------------------------------------------------
+# Host memory (the idle expert of a two-expert model, Config.expert_offload)
+# --------------------------------------------------------------------------
+
+HOST_MEMORY_KIND = "pinned_host"  # page-locked: the host-to-device copies DMA from it
+
+# Host-to-device bytes/s per chip (PCIe), for the estimated swap time of an offloaded
+# expert. An assumption from "How to Scale Your Model", part 2 (TPUs,
+# https://jax-ml.github.io/scaling-book/tpus/): "PCIe bandwidth is typically around
+# 1.5e10 bytes / second per chip", Trillium (v6e) 32 GB/s. Not measured here.
+H2D_BYTES_PER_S = {"v5e": 1.5e10, "v6e": 3.2e10}
+
+
+def host_memory_kind(devices) -> str | None:
+    """`HOST_MEMORY_KIND` when every device can address it (TPU; CPU in jax 0.12), else None."""
+    for d in devices:
+        try:
+            kinds = {m.kind for m in d.addressable_memories()}
+        except Exception:  # noqa: BLE001 - platforms without memory spaces
+            return None
+        if HOST_MEMORY_KIND not in kinds:
+            return None
+    return HOST_MEMORY_KIND
+
+
+def device_memory_limit(devices) -> int | None:
+    """The smallest memory limit (`memory_stats()["bytes_limit"]`) of this process's
+    devices, or None when a device reports none (CPU)."""
+    limits = []
+    for d in devices:
+        if d.process_index != jax.process_index():
+            continue
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 - platforms without memory stats
+            stats = None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        limits.append(int(stats["bytes_limit"]))
+    return min(limits) if limits else None
+
+
+def live_bytes(memory_kind: str = "device") -> int:
+    """Bytes of every live jax array in `memory_kind`, summed over their addressable
+    shards (what this process holds there; replicas count once per device)."""
+    total = 0
+    for a in jax.live_arrays():
+        if a.is_deleted() or a.sharding.memory_kind != memory_kind:
+            continue
+        shard = math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+        total += shard * len(a.sharding.addressable_devices)
     return total
 
 

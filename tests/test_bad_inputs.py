@@ -230,6 +230,18 @@ def small_host(c):
     c.monkeypatch.setattr(bench, "host_memory_bytes", lambda: 16 * 2**30)
 
 
+def two_expert_toy_without_host_memory(c):
+    from difflet_tpu import runtime
+    from difflet_tpu.testing import register_toy_port
+
+    c.monkeypatch.setitem(register_toy_port().experts, "tiny", 0.5)
+    c.monkeypatch.setattr(runtime, "host_memory_kind", lambda devices: None)
+
+
+def offload_env(value):
+    return lambda c: c.monkeypatch.setenv("DIFFLET_TPU_EXPERT_OFFLOAD", value)
+
+
 # --------------------------------------------------------------------------
 # Custom rows (each returns what the user sees)
 # --------------------------------------------------------------------------
@@ -549,6 +561,14 @@ CASES = [
          r"machine's 16.0 GiB. It needs a TPU; here, plan it with --compile-only --topology v5e:2x2"),
     Case("wan22-experts-on-cpu", "cli", cli("--model", "wan:Wan2.2-T2V-A14B", setup=small_host),
          r"per expert, 2 experts, need 106.5 GiB .* It needs a TPU"),
+    Case("expert-offload-without-host-memory", "cli",
+         cli("--model", "toy:tiny", "--expert-offload", "on", setup=two_expert_toy_without_host_memory),
+         r"--expert-offload on: the cpu devices have no pinned_host memory to keep toy:tiny's idle expert in; "
+         r"use --expert-offload off or auto"),
+    Case("expert-offload-unknown-value", "cli", cli("--model", "toy:tiny", "--expert-offload", "host"),
+         r"argument --expert-offload: invalid choice: 'host'"),
+    Case("expert-offload-env-unknown-value", "cli", cli("--model", "toy:tiny", setup=offload_env("1")),
+         r"DIFFLET_TPU_EXPERT_OFFLOAD='1' is not allowed; use one of auto, on, off"),
     Case("shape-the-port-refuses", "cli", cli("--model", "wan:tiny", "--height", "60"),
          r"error: frames must be 1 \+ 4k and height/width multiples of 16"),
     Case("weights-of-two-experts-without-model", "cli", cli("--weights", "{tmp}/pipe", setup=two_experts),

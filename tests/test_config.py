@@ -17,6 +17,7 @@ GOOD = {
     "DIFFLET_TPU_COMPILE_CACHE": [("/tmp/jax-cache", "/tmp/jax-cache"), (" cache ", "cache")],
     "DIFFLET_TPU_MESH": [("cfg=2,tp=4", "cfg=2,tp=4"), ("tp=4, cfg=2", "cfg=2,tp=4"), ("tp=8", "tp=8"),
                          ("cfg=2,data=2,tp=4", "cfg=2,data=2,tp=4")],
+    "DIFFLET_TPU_EXPERT_OFFLOAD": [("auto", "auto"), ("on", "on"), ("off", "off"), ("ON", "on")],
 }
 BAD = {
     "DIFFLET_TPU_SP": ["2", "yes", "true", ""],
@@ -29,6 +30,7 @@ BAD = {
     "DIFFLET_TPU_SPLIT_ROPE": ["off"],
     "DIFFLET_TPU_COMPILE_CACHE": ["", " ", "gs://bucket/cache"],
     "DIFFLET_TPU_MESH": ["", "cfg=2,tp=0", "dp=2,tp=2", "tp=4,tp=2", "cfg:2,tp:4", "tp=x"],
+    "DIFFLET_TPU_EXPERT_OFFLOAD": ["1", "", "host", "cpu"],
 }
 
 
@@ -40,6 +42,9 @@ def test_defaults():
     c = Config.from_env({})
     assert (c.sp, c.sp_kernel, c.sp_rs_kernel, c.sp_ag_assemble, c.sp_single, c.sp_pad, c.check_vma, c.split_rope) == (
         False, None, "auto", "concat", True, True, False, True)
+    assert c.expert_offload == "auto"
+    with pytest.raises(ConfigError, match="expert_offload"):
+        Config(expert_offload=True)
 
 
 def test_rs_kernel_auto_is_the_ring_off_tpu():
