@@ -470,7 +470,7 @@ def test_embedders_over_padded_rows(batch):
     got = emb(padded, tf.matmul_rows(g), tf.matmul_rows(pooled))[:batch]
     np.testing.assert_allclose(np.asarray(got), np.asarray(emb(t, g, pooled)), rtol=1e-5, atol=1e-5)
     lin = emb.timestep_embedder.linear_1
-    ref = np.asarray(t, np.float64) @ np.asarray(lin.kernel.value, np.float64) + np.asarray(lin.bias.value, np.float64)
+    ref = np.asarray(t, np.float64) @ np.asarray(lin.kernel[...], np.float64) + np.asarray(lin.bias[...], np.float64)
     np.testing.assert_allclose(np.asarray(lin(padded)[:batch]), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -482,8 +482,8 @@ def test_joint_qk_norm_matches_per_stream_norms(dtype):
     heads, d, n_txt, n_img = 2, 8, 4, 6
     attn = tf.FluxAttention(heads * d, heads, d, added_kv=True, eps=1e-6, dtype=dtype, rngs=nnx.Rngs(0))
     keys = jax.random.split(jax.random.key(3), 4)
-    attn.norm_q.scale.value = (1 + jax.random.normal(keys[0], (d,))).astype(dtype)
-    attn.norm_added_q.scale.value = (1 + jax.random.normal(keys[1], (d,))).astype(dtype)
+    attn.norm_q.scale[...] = (1 + jax.random.normal(keys[0], (d,))).astype(dtype)
+    attn.norm_added_q.scale[...] = (1 + jax.random.normal(keys[1], (d,))).astype(dtype)
     txt = jax.random.normal(keys[2], (1, n_txt, heads * d)).astype(dtype)
     img = jax.random.normal(keys[3], (1, n_img, heads * d)).astype(dtype)
     out = attn._joint_norm(txt, img, attn.norm_added_q, attn.norm_q)
@@ -493,7 +493,7 @@ def test_joint_qk_norm_matches_per_stream_norms(dtype):
         x = np.asarray(x, np.float64).reshape(1, -1, heads, d)
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * np.asarray(w, np.float64)
 
-    want = np.concatenate([ref(txt, attn.norm_added_q.scale.value), ref(img, attn.norm_q.scale.value)], axis=1)
+    want = np.concatenate([ref(txt, attn.norm_added_q.scale[...]), ref(img, attn.norm_q.scale[...])], axis=1)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
     if dtype == jnp.float32:
