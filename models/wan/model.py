@@ -28,7 +28,7 @@ from difflet_tpu import nn
 from difflet_tpu.layers import (FeedForward, LayerNorm, PixArtAlphaTextProjection, TimestepEmbedding, Weight,
                                 apply_rotary_emb, attend, get_timestep_embedding, merge_heads, modulate,
                                 rms_norm_across_heads)
-from difflet_tpu.parallel import COLUMN, ROW, SHARDED, Parallel
+from difflet_tpu.parallel import COLUMN, REPLICATED, ROW, SHARDED, Parallel
 
 from difflet_tpu.models.wan.config import WanConfig
 
@@ -77,6 +77,19 @@ PLAN = {
     "blocks.ffn.net.0.proj": COLUMN,
     "blocks.ffn.net.2": ROW,
 }
+
+# Under SP with `Parallel.cross_local` (Config.sp_cross_local): cross-attention on this
+# rank's rows with every head, no ring. Its q and output projections (and q's norm)
+# are replicated over tp; the text K/V keep the column plan (computed per head shard)
+# and are gathered to all heads (`WanAttention.cross_attention`). At 480x832x9 on a
+# v5e-4 both attn2 rings have ICI-bound hops (1184 rows x 5120 per half-hop each way
+# against a 1280-column matmul).
+SP_LOCAL_PLAN = {
+    "blocks.attn2.to_q": REPLICATED,
+    "blocks.attn2.norm_q": REPLICATED,
+    "blocks.attn2.to_out.0": REPLICATED,
+}
+
 
 def _chunks(mod, k: int):
     """diffusers' `.chunk(k, dim)` of a modulation tensor, each broadcastable to (B, n, D).
@@ -131,21 +144,39 @@ class WanAttention(nnx.Module):
         o = self._attend(par, q, k, v, kv_mask)
         return nn.row(par, [(o, self.to_out["0"])])
 
-    def context_kv(self, par, context, context_image):
+    def context_kv(self, par, context, context_image, all_heads: bool = False):
         """attn2's K/V from the replicated text (and image) tokens: local columns, no gather.
 
         They do not depend on the latents or the timestep, so a pipeline
-        computes them once per prompt (`Runner.encode_text`).
+        computes them once per prompt (`Runner.encode_text`). `all_heads`: every
+        head's K/V on every rank (gathered once here; `par.cross_local`'s cache).
         """
         kv = {"k": self._norm(par, self.to_k(context), self.norm_k), "v": self.to_v(context)}
         if self.add_k_proj is not None:
             kv["k_img"] = self._norm(par, self.add_k_proj(context_image), self.norm_added_k)
             kv["v_img"] = self.add_v_proj(context_image)
-        return kv
+        return {k: par.gather_columns(v) for k, v in kv.items()} if all_heads else kv
 
     def cross_attention(self, par, x, kv):
-        """attn2: q from the video rows, K/V from `context_kv`; no RoPE, no mask."""
+        """attn2: q from the video rows, K/V from `context_kv`; no RoPE, no mask.
+
+        Under `par.cross_local` (SP): on this rank's rows with every head and the
+        replicated to_q / norm_q / to_out (`SP_LOCAL_PLAN`), so no ring runs; K/V
+        given per head shard are gathered here (one all-gather per layer, which
+        XLA can overlap with the self-attention before it). The same products and
+        sums as the column / row split (to_out's sum over all heads in one dot
+        instead of per-rank partial sums reduced over tp)."""
+        if par.cross_local and par.seq_sharded:
+            lp = par.local()
+            kv = {k: v if v.shape[-1] == self.dim else par.gather_columns(v) for k, v in kv.items()}
+            # through a barrier, as the dot writes it: XLA would otherwise lay the dot out
+            # head-major for splash and copy the layer's weight transposed out of its stack
+            ((q, q_ssq),) = jax.lax.optimization_barrier(nn.column(lp, x, [self.to_q], sum_squares=[True]))
+            return self._cross(lp, q, q_ssq, kv)
         ((q, q_ssq),) = nn.column(par, x, [self.to_q], sum_squares=[True])
+        return self._cross(par, q, q_ssq, kv)
+
+    def _cross(self, par, q, q_ssq, kv):
         q = self._heads(par, self._norm(par, q, self.norm_q, q_ssq))
         img = None
         if "k_img" in kv:  # I2V: a separate attention over the image tokens, added before to_out
@@ -270,11 +301,12 @@ class WanTransformer3DModel(nnx.Module):
         self.scale_shift_table = nnx.Param(
             jax.random.normal(rngs.params(), (1, 2, dim), nn.fp32(dtype)) / dim ** 0.5)
 
-    def encode_text(self, par, encoder_hidden_states, encoder_hidden_states_image=None):
-        """Every block's cross-attention K/V, stacked `[layers, B, L, D/P]` (this rank's heads)."""
+    def encode_text(self, par, encoder_hidden_states, encoder_hidden_states_image=None, all_heads: bool = False):
+        """Every block's cross-attention K/V, stacked `[layers, B, L, D/P]` (this rank's heads),
+        or `[layers, B, L, D]` with `all_heads` (`par.cross_local`'s cache)."""
         ctx, img = self.condition_embedder.text(par, encoder_hidden_states, encoder_hidden_states_image,
                                                 self.dtype)
-        return nn.map_blocks(self.blocks, lambda blk: blk.attn2.context_kv(par, ctx, img))
+        return nn.map_blocks(self.blocks, lambda blk: blk.attn2.context_kv(par, ctx, img, all_heads))
 
     def __call__(self, par, patches, timestep, text_kv, cos, sin, kv_mask=None):
         """The denoiser on patch rows.
