@@ -16,4 +16,4 @@ from .embeddings import (CombinedTimestepTextProjEmbeddings, PixArtAlphaTextProj
                          get_timestep_embedding, timestep_frequencies)
 from .feedforward import FeedForward, gelu_tanh
 from .normalization import (AdaLayerNormContinuous, AdaLN, LayerNorm, RMSNorm, Weight, layer_norm, modulate, rms_norm,
-                            rms_norm_across_heads)
+                            rms_norm_across_heads, row_moments)

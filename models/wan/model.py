@@ -27,7 +27,7 @@ from flax import nnx
 from difflet_tpu import nn
 from difflet_tpu.layers import (FeedForward, LayerNorm, PixArtAlphaTextProjection, TimestepEmbedding, Weight,
                                 apply_rotary_emb, attend, get_timestep_embedding, merge_heads, modulate,
-                                rms_norm_across_heads)
+                                rms_norm_across_heads, row_moments)
 from difflet_tpu.parallel import COLUMN, REPLICATED, ROW, SHARDED, Parallel
 
 from difflet_tpu.models.wan.config import WanConfig
@@ -253,8 +253,9 @@ class WanTransformerBlock(nnx.Module):
         self.scale_shift_table = nnx.Param(
             jax.random.normal(rngs.params(), (1, 6, dim), nn.fp32(dtype)) / dim ** 0.5)
 
-    def __call__(self, par, x, kv, temb, cos, sin, kv_mask, split_rope: bool):
-        """x (B, n, D); kv: this block's attn2 K/V; temb: timestep_proj (B, 6, D) or (B, n, 6, D)."""
+    def __call__(self, par, x, kv, temb, cos, sin, kv_mask, split_rope: bool, moments=None):
+        """x (B, n, D); kv: this block's attn2 K/V; temb: timestep_proj (B, 6, D) or (B, n, 6, D);
+        moments: `row_moments(x)` if the caller has them (the scan carries them), for norm1."""
         f = nn.fp32(x.dtype)
         table = self.scale_shift_table[...]
         if temb.ndim == 4:
@@ -263,7 +264,7 @@ class WanTransformerBlock(nnx.Module):
             table.astype(f) + temb.astype(f), 6)
 
         # 1. Self-attention
-        h = modulate(x.astype(f), shift_msa, scale_msa, self.eps).astype(x.dtype)
+        h = modulate(x.astype(f), shift_msa, scale_msa, self.eps, moments).astype(x.dtype)
         attn = self.attn1.self_attention(par, h, cos, sin, kv_mask, split_rope)
         x = (x.astype(f) + attn * gate_msa).astype(x.dtype)
 
@@ -323,14 +324,21 @@ class WanTransformer3DModel(nnx.Module):
         temb, timestep_proj = self.condition_embedder.time(par, timestep, dtype)
 
         split = self.config.split_rope
-        x = nn.scan_blocks(self.blocks, x, lambda blk, h, kv: blk(par, h, kv, timestep_proj, cos, sin, kv_mask, split),
-                           xs=text_kv)
+
+        # norm1's statistics are carried: reduced in the fusion of the previous block's
+        # last residual add (the first block's before the scan), not in a pass of their own
+        def body(blk, carry, kv):
+            h, moments = carry
+            h = blk(par, h, kv, timestep_proj, cos, sin, kv_mask, split, moments)
+            return h, row_moments(h)
+
+        x, moments = nn.scan_blocks(self.blocks, (x, row_moments(x)), body, xs=text_kv)
 
         # 5. Output norm, projection (uses temb, not timestep_proj)
         table = self.scale_shift_table[...]
         mod = table[None] + temb[:, :, None] if temb.ndim == 3 else table + temb[:, None]
         shift, scale = _chunks(mod.astype(f), 2)
-        x = modulate(x.astype(f), shift, scale, self.config.eps).astype(dtype)
+        x = modulate(x.astype(f), shift, scale, self.config.eps, moments).astype(dtype)
         return self.proj_out(x)
 
 
