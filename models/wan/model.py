@@ -26,8 +26,8 @@ from flax import nnx
 
 from difflet_tpu import nn
 from difflet_tpu.layers import (FeedForward, LayerNorm, PixArtAlphaTextProjection, TimestepEmbedding, Weight,
-                                apply_rotary_emb, attend, get_timestep_embedding, merge_heads, modulate,
-                                rms_norm_across_heads, row_moments)
+                                attend, get_timestep_embedding, merge_heads, modulate, rms_norm_across_heads,
+                                rms_norm_rope, rms_scale_across_heads, row_moments)
 from difflet_tpu.parallel import COLUMN, REPLICATED, ROW, SHARDED, Parallel
 
 from difflet_tpu.models.wan.config import WanConfig
@@ -125,6 +125,14 @@ class WanAttention(nnx.Module):
     def _norm(self, par, x, weight, sum_sq=None):
         return rms_norm_across_heads(par, x, weight.scale[...], self.eps, self.dim, sum_sq=sum_sq)
 
+    def _norm_rope(self, par, x, sum_sq, weight, cos, sin, split_rope):
+        """`apply_rotary_emb(heads(norm(x)))` by `rms_norm_rope`: the norm's factor from the
+        per-token sum of squares, its weight `[local heads, head_dim]`."""
+        h = par.local_heads(self.heads)
+        r = rms_scale_across_heads(par, sum_sq, self.eps, self.dim)[..., None]  # [B, S, 1, 1]
+        return rms_norm_rope(self._heads(par, x), r, weight.scale[...].reshape(h, self.head_dim),
+                             cos[:, None], sin[:, None], split_rope)
+
     def _heads(self, par, t):
         return t.reshape(*t.shape[:-1], par.local_heads(self.heads), self.head_dim)
 
@@ -136,11 +144,11 @@ class WanAttention(nnx.Module):
         # (B, S, D/P) each; q's and k's per-row sums of squares (B, S, 1) for the norms
         (q, q_ssq), (k, k_ssq), v = nn.column(par, x, [self.to_q, self.to_k, self.to_v],
                                               sum_squares=[True, True, False])
-        q = self._heads(par, self._norm(par, q, self.norm_q, q_ssq))
-        k = self._heads(par, self._norm(par, k, self.norm_k, k_ssq))
+        # each across-heads norm as its per-token factor and channel weight, applied inside
+        # the RoPE (the same bits as normalising first; no pass writes the normalised q / k)
+        q = self._norm_rope(par, q, q_ssq, self.norm_q, cos, sin, split_rope)
+        k = self._norm_rope(par, k, k_ssq, self.norm_k, cos, sin, split_rope)
         v = self._heads(par, v)
-        q = apply_rotary_emb(q, cos[:, None], sin[:, None], split_rope)
-        k = apply_rotary_emb(k, cos[:, None], sin[:, None], split_rope)
         o = self._attend(par, q, k, v, kv_mask)
         return nn.row(par, [(o, self.to_out["0"])])
 
