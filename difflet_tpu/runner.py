@@ -128,8 +128,8 @@ class Runner:
             else:  # ShapeDtypeStructs (deviceless compiles): this Runner's shardings, which the
                 # step's shard_map expects (an abstract model built with `spec.plan` differs
                 # where `plan_for` replicates a weight, and would be resharded in the step)
-                state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
-                                     if _is_abstract(x) else x, state, self._param_specs)
+                sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
+                state = jax.tree.map(lambda x, s: sds(x, s) if _is_abstract(x) else x, state, self._param_specs)
         elif not self.abstract:  # committed to its device (the same buffers), as `load()` brings them back
             state = jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, state)
         self._state = state

@@ -123,7 +123,7 @@ def test_layer_norm_with_given_moments():
     reducing x themselves, bf16 under jit too; another x's moments give another result."""
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((2, 7, 256)) * 2 + 0.5).astype(np.float32)
-    shift, scale = rng.standard_normal((2, 1, 256)).astype(np.float32), rng.standard_normal((2, 1, 256)).astype(np.float32)
+    shift, scale = (rng.standard_normal((2, 1, 256)).astype(np.float32) for _ in range(2))
     mean, mean_sq = layers.row_moments(x)
     np.testing.assert_allclose(mean, f64(x).mean(-1, keepdims=True), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(mean_sq, (f64(x) ** 2).mean(-1, keepdims=True), rtol=1e-6)
@@ -133,7 +133,8 @@ def test_layer_norm_with_given_moments():
         np.testing.assert_array_equal(np.asarray(given, np.float32),
                                       np.asarray(jax.jit(lambda a: layers.modulate(a, shift, scale, 1e-6))(xs),
                                                  np.float32))
-    np.testing.assert_array_equal(layers.layer_norm(x, eps=1e-5, moments=(mean, mean_sq)), layers.layer_norm(x, eps=1e-5))
+    np.testing.assert_array_equal(layers.layer_norm(x, eps=1e-5, moments=(mean, mean_sq)),
+                                  layers.layer_norm(x, eps=1e-5))
     xd = f64(x)
     ln = (xd - xd.mean(-1, keepdims=True)) / np.sqrt(xd.var(-1, keepdims=True) + 1e-5)
     np.testing.assert_allclose(layers.layer_norm(x, eps=1e-5, moments=(mean, mean_sq)), ln, rtol=1e-4, atol=1e-4)
