@@ -114,8 +114,13 @@ def _axis_block(n: int, candidates) -> int:
 
 
 def _q_block(n: int) -> int:
-    """block_q for n queries: one block up to Q_BLOCKS[0], else an exact divisor of the
+    """block_q for n queries: one block up to Q_BLOCKS[0] (of exactly n rows when n is a
+    multiple of Q_ALIGN in [Q_EXACT_MIN, Q_BLOCKS[0]], the size of the exact blocks below:
+    no padding, no pad / slice copies around the kernel; e.g. Wan's cross-attention on
+    one rank's 1184 rows under `Config.sp_cross_local`), else an exact divisor of the
     LANE-rounded length in [Q_EXACT_MIN, Q_BLOCKS[0]], else the PAD_CAP rule."""
+    if Q_EXACT_MIN <= n <= Q_BLOCKS[0] and n % Q_ALIGN == 0:
+        return n
     base = _round_up(n, LANE)
     if base > Q_BLOCKS[0]:
         for b in range(Q_BLOCKS[0], Q_EXACT_MIN - 1, -Q_ALIGN):

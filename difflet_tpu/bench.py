@@ -818,7 +818,7 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
     # resident beside the step's or, offloaded, in host memory
     offload = None
     if spec.experts.get(preset) is not None:
-        mem, offload = expert_memory(mem, runtime.bytes_per_device(model), args.offload, chip)
+        mem, offload = expert_memory(mem, runner.param_bytes(), args.offload, chip)  # the Runner's plan
     cost = compiled.cost_analysis() or {}
     raw = E.estimate(text, chip)
     cal = E.estimate(text, chip, calibration)

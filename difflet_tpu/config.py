@@ -48,6 +48,15 @@ class Config:
         (one gather over the arrived chunks) or "dus" (dynamic_update_slice
         into a buffer) (`DIFFLET_TPU_SP_AG_ASSEMBLE`).
     sp_single: HunyuanVideo's single-stream blocks under SP too (`DIFFLET_TPU_SP_SINGLE`).
+    sp_cross_local: under SP, cross-attention runs on this rank's rows alone, with
+        every head (`DIFFLET_TPU_SP_CROSS_LOCAL`; Wan): its q and output projections
+        replicated over tp (the port's `PortSpec.sp_local_plan`) and the text K/V of
+        all heads, so the cross-attention needs no ring (its all-gather and
+        reduce-scatter hops are ICI-bound at Wan's shapes). Costs the replicated
+        weights' memory (Wan2.1-14B: +3.1 GB per chip) and, in a step that computes
+        the text K/V itself, one all-gather of each layer's K/V heads; the cached K/V
+        (`Runner.encode_text`) is then stored with all heads on every rank. TP and
+        one device ignore it; so do models without the mechanism.
     sp_pad: under SP, pad token streams that do not split into whole ring halves
         (pad keys masked); False refuses them with the rule (`DIFFLET_TPU_SP_PAD`).
         The Runner's `pad=` argument overrides it.
@@ -84,6 +93,7 @@ class Config:
     sp_rs_kernel: str = "auto"
     sp_ag_assemble: str = "concat"
     sp_single: bool = True
+    sp_cross_local: bool = True
     sp_pad: bool = True
     check_vma: bool = False
     split_rope: bool = True
@@ -92,7 +102,7 @@ class Config:
     expert_offload: str = "auto"
 
     def __post_init__(self):
-        for name in ("sp", "sp_single", "sp_pad", "check_vma", "split_rope"):
+        for name in ("sp", "sp_single", "sp_cross_local", "sp_pad", "check_vma", "split_rope"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         if self.sp_kernel is not None and self.sp_kernel not in KERNEL_VALUES:
@@ -202,6 +212,7 @@ ENV_VARS = {
     "DIFFLET_TPU_SP_RS_KERNEL": ("sp_rs_kernel", _parse_choice(RS_KERNEL_VALUES)),
     "DIFFLET_TPU_SP_AG_ASSEMBLE": ("sp_ag_assemble", _parse_choice(ASSEMBLE_VALUES)),
     "DIFFLET_TPU_SP_SINGLE": ("sp_single", _parse_bool),
+    "DIFFLET_TPU_SP_CROSS_LOCAL": ("sp_cross_local", _parse_bool),
     "DIFFLET_TPU_SP_PAD": ("sp_pad", _parse_bool),
     "DIFFLET_TPU_CHECK_VMA": ("check_vma", _parse_bool),
     "DIFFLET_TPU_SPLIT_ROPE": ("split_rope", _parse_bool),

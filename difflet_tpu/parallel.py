@@ -64,6 +64,8 @@ class Parallel:
     assemble: str = "concat"
     attn_impl: str = "xla"
     interpret: bool = False  # Pallas kernels interpreted (off TPU)
+    cross_local: bool = False  # SP: cross-attention on this rank's rows, all heads (Config.sp_cross_local);
+    # set by `for_mesh` for the SP modes only, read where `seq_sharded`
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -94,7 +96,8 @@ class Parallel:
                    rs_impl=config.rs_kernel(platform, chip), chip=None if chip is None else chip.name,
                    assemble=config.sp_ag_assemble,
                    attn_impl="splash" if platform == "tpu" else "xla",
-                   interpret=platform != "tpu")
+                   interpret=platform != "tpu",
+                   cross_local=config.sp_cross_local and mode in ("sp", "sp-xla"))
 
     @property
     def sharded(self) -> bool:
@@ -104,6 +107,12 @@ class Parallel:
     def seq_sharded(self) -> bool:
         """Activations between layers hold only this rank's rows."""
         return self.mode in ("sp", "sp-xla")
+
+    def local(self) -> "Parallel":
+        """This rank alone: mode "single" (local matmuls, no collective) with the same
+        attention implementation, for work on this rank's rows with replicated
+        weights (`cross_local`)."""
+        return dataclasses.replace(self, mode="single", size=1, cross_local=False)
 
     # ---- linears --------------------------------------------------------
 

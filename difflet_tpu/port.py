@@ -146,6 +146,9 @@ class PortSpec:
     experts:       preset -> Wan2.2-style boundary ratio (two transformers).
     options:       port-only Runner options and their defaults.
     ignored_keys:  diffusers' `_keys_to_ignore_on_load_unexpected` patterns.
+    sp_local_plan: plan rows that take precedence over `plan` under SP with
+                   `Parallel.cross_local` (`Config.sp_cross_local`): the weights
+                   a port then uses on this rank's rows whole (`plan_for`).
     """
 
     name: str
@@ -172,6 +175,14 @@ class PortSpec:
     forward_args: tuple = ()  # diffusers' forward parameters in order (positional calls; others refused)
     extra_kwargs: tuple = ()  # keywords the port takes beyond diffusers' forward (Wan's text_kv)
     methods: dict = dataclasses.field(default_factory=dict)  # extra Runner methods: name -> fn(run, ...)
+    sp_local_plan: dict = dataclasses.field(default_factory=dict)
+
+    def plan_for(self, par) -> dict:
+        """The parallel plan of a Runner's `par`: `plan`, with `sp_local_plan`'s rows
+        first (the first matching pattern wins) when `par.cross_local`."""
+        if par.cross_local and self.sp_local_plan:
+            return {**self.sp_local_plan, **{k: v for k, v in self.plan.items() if k not in self.sp_local_plan}}
+        return self.plan
 
 
 def port_spec(config, model, keys, port, **own) -> PortSpec:

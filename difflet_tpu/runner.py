@@ -118,12 +118,18 @@ class Runner:
         self.batch_axes = batch_axes(mesh)
         self.batch_ways = batch_ways(mesh)
         self._param_specs = None
+        self.plan = self.spec.plan_for(self.par)
         if mesh is not None:
-            check_divisible(self.spec.plan, state, self.par.size)
-            self._param_specs = param_specs(state, self.spec.plan)
+            check_divisible(self.plan, state, self.par.size)
+            self._param_specs = param_specs(state, self.plan)
             if not self.abstract:  # a new state; a no-op for arrays already placed this way
                 state = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state,
                                      self._param_specs)
+            else:  # ShapeDtypeStructs (deviceless compiles): this Runner's shardings, which the
+                # step's shard_map expects (an abstract model built with `spec.plan` differs
+                # where `plan_for` replicates a weight, and would be resharded in the step)
+                sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
+                state = jax.tree.map(lambda x, s: sds(x, s) if _is_abstract(x) else x, state, self._param_specs)
         elif not self.abstract:  # committed to its device (the same buffers), as `load()` brings them back
             state = jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, state)
         self._state = state

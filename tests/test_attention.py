@@ -148,6 +148,10 @@ def test_splash_blocks_table_at_the_ports_lengths():
         A.SplashBlocks(512, 512, 384, 4608, 4608).validate()
     with pytest.raises(ValueError, match="whole blocks"):
         A.SplashBlocks(512, 512, 512, 4680, 4608).validate()
+    # one exact block of 1024-2048 rows (a multiple of 16): no padding (Wan's cross-attention on
+    # one rank's 1184 rows, Config.sp_cross_local)
+    assert A.splash_blocks(1184, 512) == A.SplashBlocks(1184, 512, 512, 1184, 512)
+    assert A.splash_blocks(1190, 512).sq == 1280  # not a multiple of 16: the 128-rounded block
     # short sequences: one block of the 128-rounded length
     small = A.splash_blocks(130, 200)
     assert (small.block_q, small.block_kv, small.sq, small.skv) == (256, 256, 256, 256)

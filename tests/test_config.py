@@ -11,6 +11,7 @@ GOOD = {
     "DIFFLET_TPU_SP_RS_KERNEL": [("jax", "jax"), ("pallas", "pallas"), ("auto", "auto")],
     "DIFFLET_TPU_SP_AG_ASSEMBLE": [("concat", "concat"), ("dus", "dus")],
     "DIFFLET_TPU_SP_SINGLE": [("0", False), ("1", True)],
+    "DIFFLET_TPU_SP_CROSS_LOCAL": [("0", False), ("1", True)],
     "DIFFLET_TPU_SP_PAD": [("0", False), ("1", True)],
     "DIFFLET_TPU_CHECK_VMA": [("0", False), ("1", True)],
     "DIFFLET_TPU_SPLIT_ROPE": [("0", False), ("1", True)],
@@ -25,6 +26,7 @@ BAD = {
     "DIFFLET_TPU_SP_RS_KERNEL": ["xla", "0"],
     "DIFFLET_TPU_SP_AG_ASSEMBLE": ["stack", ""],
     "DIFFLET_TPU_SP_SINGLE": ["on"],
+    "DIFFLET_TPU_SP_CROSS_LOCAL": ["yes", ""],
     "DIFFLET_TPU_SP_PAD": ["-1"],
     "DIFFLET_TPU_CHECK_VMA": ["yes"],
     "DIFFLET_TPU_SPLIT_ROPE": ["off"],
@@ -42,7 +44,7 @@ def test_defaults():
     c = Config.from_env({})
     assert (c.sp, c.sp_kernel, c.sp_rs_kernel, c.sp_ag_assemble, c.sp_single, c.sp_pad, c.check_vma, c.split_rope) == (
         False, None, "auto", "concat", True, True, False, True)
-    assert c.expert_offload == "auto"
+    assert c.expert_offload == "auto" and c.sp_cross_local is True
     with pytest.raises(ConfigError, match="expert_offload"):
         Config(expert_offload=True)
 

@@ -117,6 +117,78 @@ def test_layer_norm_and_rms_norm():
     np.testing.assert_allclose(norm(x), rms / scale, rtol=1e-5, atol=1e-5)
 
 
+def test_layer_norm_with_given_moments():
+    """`row_moments` are a LayerNorm's float32 (E[x], E[x^2]) (numpy float64), and
+    `layer_norm` / `modulate` with them given (as a scan carries them) are bit-equal to
+    reducing x themselves, bf16 under jit too; another x's moments give another result."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((2, 7, 256)) * 2 + 0.5).astype(np.float32)
+    shift, scale = (rng.standard_normal((2, 1, 256)).astype(np.float32) for _ in range(2))
+    mean, mean_sq = layers.row_moments(x)
+    np.testing.assert_allclose(mean, f64(x).mean(-1, keepdims=True), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(mean_sq, (f64(x) ** 2).mean(-1, keepdims=True), rtol=1e-6)
+    for xs in (x, jnp.asarray(x, jnp.bfloat16)):
+        # the moments reduced in the jitted function that writes x, as the scan carries them
+        given = jax.jit(lambda a: layers.modulate(a, shift, scale, 1e-6, layers.row_moments(a)))(xs)
+        np.testing.assert_array_equal(np.asarray(given, np.float32),
+                                      np.asarray(jax.jit(lambda a: layers.modulate(a, shift, scale, 1e-6))(xs),
+                                                 np.float32))
+    np.testing.assert_array_equal(layers.layer_norm(x, eps=1e-5, moments=(mean, mean_sq)),
+                                  layers.layer_norm(x, eps=1e-5))
+    xd = f64(x)
+    ln = (xd - xd.mean(-1, keepdims=True)) / np.sqrt(xd.var(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(layers.layer_norm(x, eps=1e-5, moments=(mean, mean_sq)), ln, rtol=1e-4, atol=1e-4)
+    assert rel_l2(layers.layer_norm(x, eps=1e-5, moments=layers.row_moments(x * 2 + 1)), ln) > 0.1
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("D", [64, 128])
+def test_rms_norm_rope_is_normalise_then_rope(split, D):
+    """`rms_norm_rope` (the norm's factors applied around the rotation matmul of the raw
+    x) gives the bits of `rms_norm_across_heads` then `apply_rotary_emb` in bf16 under
+    jit and in float32, and matches numpy float64; a wrong weight permutation fails."""
+    rng = np.random.default_rng(7)
+    H, S, eps = 3, 24, 1e-6
+    x = (rng.standard_normal((1, S, H * D)) * 4).astype(np.float32)
+    w = (1 + 0.3 * rng.standard_normal(H * D)).astype(np.float32)
+    ang = rng.uniform(0, 6, (S, D // 2)).astype(np.float32)
+    ang = np.concatenate([ang, ang], -1) if split else np.repeat(ang, 2, -1)
+    cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+    par = Parallel()
+
+    def fused(x, w):
+        r = layers.rms_scale_across_heads(par, jnp.sum(jnp.square(x.astype(jnp.float32)), -1, keepdims=True),
+                                          eps, H * D)[..., None]
+        return layers.rms_norm_rope(layers.split_heads(x, D), r, w.reshape(H, D), cos, sin, split)
+
+    def plain(x, w):
+        ssq = jnp.sum(jnp.square(x.astype(jnp.float32)), -1, keepdims=True)
+        xn = layers.rms_norm_across_heads(par, x, w, eps, H * D, sum_sq=ssq)
+        return layers.apply_rotary_emb(layers.split_heads(xn, D), cos, sin, split)
+
+    for dt in (jnp.bfloat16, jnp.float32):
+        xs, ws = jnp.asarray(x, dt), jnp.asarray(w, dt)
+        a, b = jax.jit(fused)(xs, ws), jax.jit(plain)(xs, ws)
+        assert a.dtype == dt
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # numpy float64: normalise, then rotate
+    xd = f64(x)
+    xn = (xd / np.sqrt((xd ** 2).mean(-1, keepdims=True) + eps) * f64(w)).reshape(1, S, H, D)
+    if split:
+        rot = np.concatenate([-xn[..., D // 2:], xn[..., :D // 2]], -1)
+    else:
+        rot = np.stack([-xn[..., 1::2], xn[..., 0::2]], -1).reshape(xn.shape)
+    ref = xn * cos + rot * sin
+    np.testing.assert_allclose(np.asarray(jax.jit(fused)(x, w)), ref, rtol=1e-5, atol=1e-5)
+    got = np.asarray(jax.jit(fused)(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)), np.float32)
+    assert rel_l2(got, ref) < 1e-2
+    # mechanism removed: the weight not permuted with the rotation
+    r = jnp.asarray(1 / np.sqrt((xd ** 2).mean(-1, keepdims=True)[..., None] + eps), jnp.float32)
+    xb = layers.split_heads(jnp.asarray(x, jnp.bfloat16), D)
+    bad = layers.rms_norm_rope(xb, r, jnp.asarray(w, jnp.bfloat16).reshape(H, D)[:, ::-1], cos, sin, split)
+    assert rel_l2(np.asarray(bad, np.float32), ref) > 1e-2
+
+
 def _rms_norm_previous(x, scale, eps):
     """`layers.rms_norm` before its mean of squares read x through an optimization barrier."""
     xf = jnp.asarray(x).astype(jnp.float32)

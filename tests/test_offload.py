@@ -20,6 +20,7 @@ from difflet_tpu import bench, models, runtime
 from difflet_tpu import pipeline as PL
 from difflet_tpu.config import Config
 from difflet_tpu.mesh import make_mesh
+from difflet_tpu.parallel import Parallel
 from difflet_tpu.runner import Runner
 
 PRESET = "Wan2.2-T2V-A14B"  # its schedule and boundary; the experts have the tiny preset's shapes
@@ -95,8 +96,9 @@ def test_runner_offload_contract():
     cfg = bench.build_config(spec, "tiny")
     mesh = make_mesh(2)
     kw = spec.example_inputs(cfg, **spec.tiny_shape, batch=1, seed=0, dtype=np.float32)
-    # a model already on the mesh: the Runner shares its arrays
-    model = runtime.place(spec.build(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), mesh, spec.plan)
+    # a model already on the mesh (with the plan of the Runner's mode): the Runner shares its arrays
+    plan = spec.plan_for(Parallel.for_mesh(mesh, Config(), mode="sp"))
+    model = runtime.place(spec.build(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), mesh, plan)
     run = Runner(model, mesh, Config(), mode="sp", cache_text=True)
     out = np.asarray(run(**kw))
     assert "text_kv" in run.state  # a cache derived from the parameters: dropped with them

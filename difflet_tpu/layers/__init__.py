@@ -11,9 +11,9 @@
   `PackedProjOut` (imported from `difflet_tpu.layers.mmdit`).
 """
 
-from .attention import apply_rotary_emb, attend, merge_heads, split_heads
+from .attention import apply_rotary_emb, attend, merge_heads, rms_norm_rope, split_heads
 from .embeddings import (CombinedTimestepTextProjEmbeddings, PixArtAlphaTextProjection, TimestepEmbedding,
                          get_timestep_embedding, timestep_frequencies)
 from .feedforward import FeedForward, gelu_tanh
 from .normalization import (AdaLayerNormContinuous, AdaLN, LayerNorm, RMSNorm, Weight, layer_norm, modulate, rms_norm,
-                            rms_norm_across_heads)
+                            rms_norm_across_heads, rms_scale_across_heads, row_moments)

@@ -88,6 +88,49 @@ def apply_rotary_emb(x, cos, sin, split: bool):
     return (xf * cos + rot * sin).astype(x.dtype)
 
 
+def rotation_source(d: int, split: bool) -> np.ndarray:
+    """`j` with `rot(x)_i = +-x_{j[i]}` for `rotation_matrix(d, split)`: the channel each
+    rotated channel comes from (split halves: the other half; interleaved: the pair's other)."""
+    i = np.arange(d)
+    return (i + d // 2) % d if split else i ^ 1
+
+
+def rms_norm_rope(x, row_scale, weight, cos, sin, split: bool):
+    """`apply_rotary_emb(rms_norm(x), cos, sin, split)` with the RMSNorm given as its
+    factors, bit-identical to normalising first, without the normalised x in between.
+
+    x `[..., H, D]` (e.g. `[B, S, H, D]`, not normalised); row_scale: float32
+    `rsqrt(mean of squares + eps)` broadcastable against x (`[B, S, 1, 1]`); weight:
+    the norm's channel weight `[H, D]` (an across-heads norm's `[H * D]` reshaped).
+    The normalised x is `xn = ((x * row_scale) * weight)` rounded to x's dtype, as
+    `normalization.rms_norm` computes it. For bf16 x the rotated part is the 0/+-1
+    rotation matmul of x itself (exact), scaled after it by row_scale and the weight
+    permuted like the rotation: `rot(xn)_i = +-xn_j` and `(+-x_j * r) * w_j` rounds to
+    exactly `+-xn_j` (IEEE rounding is sign-symmetric), so the result is the same
+    bits, while the matmul reads the product rows as they are and XLA can fuse the
+    norm's scaling into the RoPE fusion (for splash's relayout) instead of writing
+    the normalised q / k in a pass of its own. Other dtypes and widths: normalise,
+    then `apply_rotary_emb`.
+    """
+    f = nn.fp32(x.dtype)
+    d = x.shape[-1]
+    w = weight.astype(f)
+    xn = ((x.astype(f) * row_scale) * w).astype(x.dtype)
+    block = LANE if not split and d > LANE and d % LANE == 0 else d
+    if x.dtype != jnp.bfloat16 or block > MAX_ROTATION_MATMUL:
+        return apply_rotary_emb(xn, cos, sin, split)
+    cos, sin = cos.astype(f), sin.astype(f)
+    if cos.shape[-1] != d:  # half-width tables: one angle per rotated pair
+        cos, sin = (jnp.concatenate([t, t], axis=-1) if split else jnp.repeat(t, 2, axis=-1)
+                    for t in (cos, sin))
+    src = (np.arange(d).reshape(d // block, block)[:, rotation_source(block, split)]).reshape(d)
+    xb = x.reshape(*x.shape[:-1], d // block, block)
+    rot = jnp.einsum("...d,de->...e", xb, jnp.asarray(rotation_matrix(block, split), x.dtype),
+                     preferred_element_type=f).reshape(x.shape)
+    rn = ((rot * row_scale) * w[..., src]).astype(x.dtype)  # == rot(xn), exactly
+    return (xn.astype(f) * cos + rn.astype(f) * sin).astype(x.dtype)
+
+
 def attend(par, q, k, v, kv_mask=None, bias=None):
     """softmax(q k^T / sqrt(D)) v over `[B, S, H, D]` (this rank's heads).
 

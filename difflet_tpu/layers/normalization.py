@@ -13,7 +13,16 @@ from flax import nnx
 from difflet_tpu import nn
 
 
-def layer_norm(x, scale=None, bias=None, eps: float = 1e-6):
+def row_moments(x):
+    """Each row's float32 `(E[x], E[x^2])` over the last axis, `[..., 1]` each: a LayerNorm's
+    statistics as `layer_norm` takes them (`moments=`). Read without a barrier, so XLA
+    reduces them in the fusion that writes x (e.g. a residual add), and a scan can
+    carry them to the next layer's norm instead of a pass of their own over x."""
+    xf = x.astype(nn.fp32(x.dtype))
+    return jnp.mean(xf, axis=-1, keepdims=True), jnp.mean(xf * xf, axis=-1, keepdims=True)
+
+
+def layer_norm(x, scale=None, bias=None, eps: float = 1e-6, moments=None):
     """LayerNorm over the last axis in float32 (optional affine), cast back to x's dtype.
 
     Both statistics come from one read of x, var = E[x^2] - E[x]^2 (clamped at
@@ -24,10 +33,13 @@ def layer_norm(x, scale=None, bias=None, eps: float = 1e-6):
     is large against the spread (a relative error of var near 6e-8 x
     mean^2 / var), far below a bfloat16 model's rounding; the float32 fixture
     parity and the float64 tests hold it to diffusers' two-pass statistics.
+
+    `moments`: x's `row_moments(x)` if the caller already has them (reduced where x
+    was written); the same values, so the same result.
     """
     xf = x.astype(nn.fp32(x.dtype))
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.maximum(jnp.mean(xf * xf, axis=-1, keepdims=True) - mean * mean, 0)
+    mean, mean_sq = row_moments(x) if moments is None else moments
+    var = jnp.maximum(mean_sq - mean * mean, 0)
     y = (xf - mean) * jax.lax.rsqrt(var + eps)
     if scale is not None:
         y = y * scale.astype(y.dtype)
@@ -94,10 +106,19 @@ def rms_norm_across_heads(par, x, scale, eps: float, dim: int, sum_sq=None):
     return y.reshape(x.shape)
 
 
-def modulate(x, shift, scale, eps: float = 1e-6):
+def rms_scale_across_heads(par, sum_sq, eps: float, dim: int):
+    """The per-token factor `rsqrt(mean of squares + eps)` of `rms_norm_across_heads`
+    from this rank's partial sum of squares `[..., 1]` (summed over the `tp` ranks in
+    float32), for `attention.rms_norm_rope`."""
+    f = nn.fp32(sum_sq.dtype)
+    return jax.lax.rsqrt(par.sum_over_ranks(sum_sq.astype(f)) / dim + eps)
+
+
+def modulate(x, shift, scale, eps: float = 1e-6, moments=None):
     """adaLN: `norm(x) * (1 + scale) + shift` with a LayerNorm without affine
-    (diffusers' `AdaLayerNormZero` & co.); shift and scale broadcast over rows."""
-    return layer_norm(x, eps=eps) * (1 + scale) + shift
+    (diffusers' `AdaLayerNormZero` & co.); shift and scale broadcast over rows.
+    `moments`: as `layer_norm`'s."""
+    return layer_norm(x, eps=eps, moments=moments) * (1 + scale) + shift
 
 
 class Weight(nnx.Module):

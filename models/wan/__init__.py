@@ -36,6 +36,8 @@ SPEC = port_spec(
     options=dict(cache_text=False),
     extra_kwargs=("text_kv",),  # encode_text's cache instead of encoder_hidden_states
     methods=dict(encode_text=encode_text, text_kv_shapes=text_kv_shapes),
+    # Config.sp_cross_local: attn2's q / out projections replicated under SP
+    sp_local_plan=model.SP_LOCAL_PLAN,
 )
 
 __all__ = ["SPEC", "IGNORED_KEYS", "CLASS_NAME", "EXPERT_BOUNDARY", "FLOW_SHIFT", "FLOW_SHIFTS", "PLAN", "PRESETS", "Runner",

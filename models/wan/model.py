@@ -26,9 +26,10 @@ from flax import nnx
 
 from difflet_tpu import nn
 from difflet_tpu.layers import (FeedForward, LayerNorm, PixArtAlphaTextProjection, TimestepEmbedding, Weight,
-                                apply_rotary_emb, attend, get_timestep_embedding, merge_heads, modulate,
-                                rms_norm_across_heads)
-from difflet_tpu.parallel import COLUMN, ROW, SHARDED, Parallel
+                                attend, get_timestep_embedding, merge_heads, modulate, rms_norm_across_heads,
+                                rms_norm_rope, rms_scale_across_heads, row_moments)
+from difflet_tpu.layers.normalization import few_rows_linear
+from difflet_tpu.parallel import COLUMN, REPLICATED, ROW, SHARDED, Parallel
 
 from difflet_tpu.models.wan.config import WanConfig
 
@@ -78,6 +79,19 @@ PLAN = {
     "blocks.ffn.net.2": ROW,
 }
 
+# Under SP with `Parallel.cross_local` (Config.sp_cross_local): cross-attention on this
+# rank's rows with every head, no ring. Its q and output projections (and q's norm)
+# are replicated over tp; the text K/V keep the column plan (computed per head shard)
+# and are gathered to all heads (`WanAttention.cross_attention`). At 480x832x9 on a
+# v5e-4 both attn2 rings have ICI-bound hops (1184 rows x 5120 per half-hop each way
+# against a 1280-column matmul).
+SP_LOCAL_PLAN = {
+    "blocks.attn2.to_q": REPLICATED,
+    "blocks.attn2.norm_q": REPLICATED,
+    "blocks.attn2.to_out.0": REPLICATED,
+}
+
+
 def _chunks(mod, k: int):
     """diffusers' `.chunk(k, dim)` of a modulation tensor, each broadcastable to (B, n, D).
 
@@ -112,6 +126,14 @@ class WanAttention(nnx.Module):
     def _norm(self, par, x, weight, sum_sq=None):
         return rms_norm_across_heads(par, x, weight.scale[...], self.eps, self.dim, sum_sq=sum_sq)
 
+    def _norm_rope(self, par, x, sum_sq, weight, cos, sin, split_rope):
+        """`apply_rotary_emb(heads(norm(x)))` by `rms_norm_rope`: the norm's factor from the
+        per-token sum of squares, its weight `[local heads, head_dim]`."""
+        h = par.local_heads(self.heads)
+        r = rms_scale_across_heads(par, sum_sq, self.eps, self.dim)[..., None]  # [B, S, 1, 1]
+        return rms_norm_rope(self._heads(par, x), r, weight.scale[...].reshape(h, self.head_dim),
+                             cos[:, None], sin[:, None], split_rope)
+
     def _heads(self, par, t):
         return t.reshape(*t.shape[:-1], par.local_heads(self.heads), self.head_dim)
 
@@ -123,29 +145,47 @@ class WanAttention(nnx.Module):
         # (B, S, D/P) each; q's and k's per-row sums of squares (B, S, 1) for the norms
         (q, q_ssq), (k, k_ssq), v = nn.column(par, x, [self.to_q, self.to_k, self.to_v],
                                               sum_squares=[True, True, False])
-        q = self._heads(par, self._norm(par, q, self.norm_q, q_ssq))
-        k = self._heads(par, self._norm(par, k, self.norm_k, k_ssq))
+        # each across-heads norm as its per-token factor and channel weight, applied inside
+        # the RoPE (the same bits as normalising first; no pass writes the normalised q / k)
+        q = self._norm_rope(par, q, q_ssq, self.norm_q, cos, sin, split_rope)
+        k = self._norm_rope(par, k, k_ssq, self.norm_k, cos, sin, split_rope)
         v = self._heads(par, v)
-        q = apply_rotary_emb(q, cos[:, None], sin[:, None], split_rope)
-        k = apply_rotary_emb(k, cos[:, None], sin[:, None], split_rope)
         o = self._attend(par, q, k, v, kv_mask)
         return nn.row(par, [(o, self.to_out["0"])])
 
-    def context_kv(self, par, context, context_image):
+    def context_kv(self, par, context, context_image, all_heads: bool = False):
         """attn2's K/V from the replicated text (and image) tokens: local columns, no gather.
 
         They do not depend on the latents or the timestep, so a pipeline
-        computes them once per prompt (`Runner.encode_text`).
+        computes them once per prompt (`Runner.encode_text`). `all_heads`: every
+        head's K/V on every rank (gathered once here; `par.cross_local`'s cache).
         """
         kv = {"k": self._norm(par, self.to_k(context), self.norm_k), "v": self.to_v(context)}
         if self.add_k_proj is not None:
             kv["k_img"] = self._norm(par, self.add_k_proj(context_image), self.norm_added_k)
             kv["v_img"] = self.add_v_proj(context_image)
-        return kv
+        return {k: par.gather_columns(v) for k, v in kv.items()} if all_heads else kv
 
     def cross_attention(self, par, x, kv):
-        """attn2: q from the video rows, K/V from `context_kv`; no RoPE, no mask."""
+        """attn2: q from the video rows, K/V from `context_kv`; no RoPE, no mask.
+
+        Under `par.cross_local` (SP): on this rank's rows with every head and the
+        replicated to_q / norm_q / to_out (`SP_LOCAL_PLAN`), so no ring runs; K/V
+        given per head shard are gathered here (one all-gather per layer, which
+        XLA can overlap with the self-attention before it). The same products and
+        sums as the column / row split (to_out's sum over all heads in one dot
+        instead of per-rank partial sums reduced over tp)."""
+        if par.cross_local and par.seq_sharded:
+            lp = par.local()
+            kv = {k: v if v.shape[-1] == self.dim else par.gather_columns(v) for k, v in kv.items()}
+            # through a barrier, as the dot writes it: XLA would otherwise lay the dot out
+            # head-major for splash and copy the layer's weight transposed out of its stack
+            ((q, q_ssq),) = jax.lax.optimization_barrier(nn.column(lp, x, [self.to_q], sum_squares=[True]))
+            return self._cross(lp, q, q_ssq, kv)
         ((q, q_ssq),) = nn.column(par, x, [self.to_q], sum_squares=[True])
+        return self._cross(par, q, q_ssq, kv)
+
+    def _cross(self, par, q, q_ssq, kv):
         q = self._heads(par, self._norm(par, q, self.norm_q, q_ssq))
         img = None
         if "k_img" in kv:  # I2V: a separate attention over the image tokens, added before to_out
@@ -190,7 +230,9 @@ class WanTimeTextImageEmbedding(nnx.Module):
         temb = temb.astype(dtype)
         h = jax.nn.silu(temb)
         if timestep.ndim == 1:
-            proj = par.gather_columns(self.time_proj(h))  # (B, 6D/P) -> (B, 6D): tiny
+            # per-sample rows padded to 8 (few_rows_linear): a one-row product is a multiply-reduce
+            # fusion XLA prices ~3x its weight's HBM read, 8 rows an MXU matmul near it
+            proj = par.gather_columns(few_rows_linear(self.time_proj, h))  # (B, 6D/P) -> (B, 6D): tiny
         else:
             # Per-token rows differ by rank under SP: gather the (sharded) weight once
             # instead of the (B, n, 6D) output.
@@ -222,8 +264,9 @@ class WanTransformerBlock(nnx.Module):
         self.scale_shift_table = nnx.Param(
             jax.random.normal(rngs.params(), (1, 6, dim), nn.fp32(dtype)) / dim ** 0.5)
 
-    def __call__(self, par, x, kv, temb, cos, sin, kv_mask, split_rope: bool):
-        """x (B, n, D); kv: this block's attn2 K/V; temb: timestep_proj (B, 6, D) or (B, n, 6, D)."""
+    def __call__(self, par, x, kv, temb, cos, sin, kv_mask, split_rope: bool, moments=None):
+        """x (B, n, D); kv: this block's attn2 K/V; temb: timestep_proj (B, 6, D) or (B, n, 6, D);
+        moments: `row_moments(x)` if the caller has them (the scan carries them), for norm1."""
         f = nn.fp32(x.dtype)
         table = self.scale_shift_table[...]
         if temb.ndim == 4:
@@ -232,7 +275,7 @@ class WanTransformerBlock(nnx.Module):
             table.astype(f) + temb.astype(f), 6)
 
         # 1. Self-attention
-        h = modulate(x.astype(f), shift_msa, scale_msa, self.eps).astype(x.dtype)
+        h = modulate(x.astype(f), shift_msa, scale_msa, self.eps, moments).astype(x.dtype)
         attn = self.attn1.self_attention(par, h, cos, sin, kv_mask, split_rope)
         x = (x.astype(f) + attn * gate_msa).astype(x.dtype)
 
@@ -270,11 +313,12 @@ class WanTransformer3DModel(nnx.Module):
         self.scale_shift_table = nnx.Param(
             jax.random.normal(rngs.params(), (1, 2, dim), nn.fp32(dtype)) / dim ** 0.5)
 
-    def encode_text(self, par, encoder_hidden_states, encoder_hidden_states_image=None):
-        """Every block's cross-attention K/V, stacked `[layers, B, L, D/P]` (this rank's heads)."""
+    def encode_text(self, par, encoder_hidden_states, encoder_hidden_states_image=None, all_heads: bool = False):
+        """Every block's cross-attention K/V, stacked `[layers, B, L, D/P]` (this rank's heads),
+        or `[layers, B, L, D]` with `all_heads` (`par.cross_local`'s cache)."""
         ctx, img = self.condition_embedder.text(par, encoder_hidden_states, encoder_hidden_states_image,
                                                 self.dtype)
-        return nn.map_blocks(self.blocks, lambda blk: blk.attn2.context_kv(par, ctx, img))
+        return nn.map_blocks(self.blocks, lambda blk: blk.attn2.context_kv(par, ctx, img, all_heads))
 
     def __call__(self, par, patches, timestep, text_kv, cos, sin, kv_mask=None):
         """The denoiser on patch rows.
@@ -291,14 +335,21 @@ class WanTransformer3DModel(nnx.Module):
         temb, timestep_proj = self.condition_embedder.time(par, timestep, dtype)
 
         split = self.config.split_rope
-        x = nn.scan_blocks(self.blocks, x, lambda blk, h, kv: blk(par, h, kv, timestep_proj, cos, sin, kv_mask, split),
-                           xs=text_kv)
+
+        # norm1's statistics are carried: reduced in the fusion of the previous block's
+        # last residual add (the first block's before the scan), not in a pass of their own
+        def body(blk, carry, kv):
+            h, moments = carry
+            h = blk(par, h, kv, timestep_proj, cos, sin, kv_mask, split, moments)
+            return h, row_moments(h)
+
+        x, moments = nn.scan_blocks(self.blocks, (x, row_moments(x)), body, xs=text_kv)
 
         # 5. Output norm, projection (uses temb, not timestep_proj)
         table = self.scale_shift_table[...]
         mod = table[None] + temb[:, :, None] if temb.ndim == 3 else table + temb[:, None]
         shift, scale = _chunks(mod.astype(f), 2)
-        x = modulate(x.astype(f), shift, scale, self.config.eps).astype(dtype)
+        x = modulate(x.astype(f), shift, scale, self.config.eps, moments).astype(dtype)
         return self.proj_out(x)
 
 

@@ -72,8 +72,9 @@ def unpatchify(y, grid, patch_size):
 
 def _kv_spec(run) -> P:
     """The text K/V `[layers, B, L, D]`: batch over the mesh's batch axes, sharded
-    by heads (TP and SP)."""
-    return P(None, BATCH, None, TP) if run.par.sharded else P(None, BATCH)
+    by heads (TP and SP), or every head on every rank under SP with
+    `Config.sp_cross_local` (cross-attention on this rank's rows with all heads)."""
+    return P(None, BATCH, None, TP) if run.par.sharded and not run.par.cross_local else P(None, BATCH)
 
 
 # --------------------------------------------------------------------------
@@ -217,7 +218,10 @@ def forward(model, par, inputs: dict, key):
     """The step by key: "encode" -> every block's text K/V (`model.encode_text`);
     "full" -> the denoiser with K/V computed in the step; "cached" -> with K/V given."""
     if key != "cached":
-        kv = model.encode_text(par, inputs["encoder_hidden_states"], inputs.get("encoder_hidden_states_image"))
+        # the cache of `par.cross_local` holds every head; a "full" step gathers each
+        # layer's K/V heads in its block instead (overlapped there)
+        kv = model.encode_text(par, inputs["encoder_hidden_states"], inputs.get("encoder_hidden_states_image"),
+                               all_heads=key == "encode" and par.cross_local)
         if key == "encode":
             return kv
     else:
@@ -232,7 +236,8 @@ def forward(model, par, inputs: dict, key):
 
 def encode_text(run, encoder_hidden_states, encoder_hidden_states_image=None):
     """Every block's cross-attention K/V for one prompt (batch): a dict of
-    `[layers, B, L, D]` arrays sharded by heads. Constant across denoise
+    `[layers, B, L, D]` arrays sharded by heads (under SP with
+    `Config.sp_cross_local`: every head on every rank). Constant across denoise
     steps: pass it as `text_kv=` to every step of the prompt."""
     if run.abstract:
         raise ValueError("this Runner holds an abstract model (ShapeDtypeStructs): use text_kv_shapes()")

@@ -154,6 +154,32 @@ def test_sharded_model_float64(mode):
         assert rel(out, ref) <= 1e-12
 
 
+@pytest.mark.parametrize("case", ["wan_t2v_pad", "wan_i2v"])
+def test_sp_cross_local_float64(case):
+    """Config.sp_cross_local: cross-attention on each rank's rows with every head
+    (attn2.to_q / norm_q / to_out replicated, text K/V gathered in the block, or
+    cached with all heads) equals the one-device model in float64, K/V computed in
+    the step and cached alike; off, the weights keep the column / row plan.
+    Broken gathers or rows would not match to 1e-12."""
+    with jax.enable_x64(True):
+        kwargs, _ = fixture(case, np.float64)
+        ref = wan.Runner(load(case, jnp.float64))(**kwargs)
+        mesh = make_mesh(4)
+        model = load(case, jnp.float64, mesh)
+        for local in (True, False):
+            r = wan.Runner(model, mesh, Config(sp_cross_local=local), "sp")
+            assert r.par.cross_local is local
+            to_q, to_out = r.model.blocks.attn2.to_q.kernel[...], r.model.blocks.attn2.to_out["0"].kernel[...]
+            assert to_q.sharding.spec == (P() if local else P(None, None, TP))
+            assert to_out.sharding.spec == (P() if local else P(None, TP, None))
+            assert rel(r(**kwargs), ref) <= 1e-12
+            kv = r.encode_text(kwargs["encoder_hidden_states"], kwargs.get("encoder_hidden_states_image"))
+            assert kv["k"].sharding.spec == (P() if local else P(None, None, None, TP))
+            assert rel(r(kwargs["hidden_states"], kwargs["timestep"], text_kv=kv), ref) <= 1e-12
+        # TP ignores the setting
+        assert not wan.Runner(model, mesh, Config(sp_cross_local=True), "tp").par.cross_local
+
+
 def test_split_rope_float64():
     """Split-halves RoPE (q/k rows and q/k norm weights permuted at load, tables
     permuted per forward) equals the interleaved model; each part is needed."""
@@ -215,10 +241,11 @@ def test_text_kv_cache():
 
     mesh = make_mesh(4)
     kwargs, ref = fixture("wan_t2v_pad")
-    sp = wan.Runner(load_f32("wan_t2v_pad", 4), mesh, Config(), "sp")
-    kv = sp.encode_text(kwargs["encoder_hidden_states"])
-    assert kv["k"].sharding.spec == P(None, None, None, TP)
-    assert rel(sp(kwargs["hidden_states"], kwargs["timestep"], text_kv=kv), ref) <= 1e-5
+    for local, spec in ((False, P(None, None, None, TP)), (True, P())):  # Config.sp_cross_local
+        sp = wan.Runner(load_f32("wan_t2v_pad", 4), mesh, Config(sp_cross_local=local), "sp")
+        kv = sp.encode_text(kwargs["encoder_hidden_states"])
+        assert kv["k"].sharding.spec == spec  # local: every head on every rank
+        assert rel(sp(kwargs["hidden_states"], kwargs["timestep"], text_kv=kv), ref) <= 1e-5
 
     # Compiled per-step cost, one layer (XLA's cost analysis counts a scan body once):
     # the cached step skips the text projection and the K/V projections.
