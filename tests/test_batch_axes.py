@@ -44,7 +44,8 @@ def _batch2(case):
 
 @pytest.mark.parametrize("case,axes,mode,options", [
     ("wan_t2v_batch2", dict(cfg=2), "sp", {}),
-    ("wan_t2v_batch2", dict(cfg=2), "sp", dict(cache_text=True)),  # text K/V [layers, B, L, D] over cfg and tp
+    ("wan_t2v_batch2", dict(cfg=2), "sp", dict(cache_text=True)),  # text K/V [layers, B, L, D] over cfg, every head
+    ("wan_t2v_batch2", dict(cfg=2), "sp", dict(cache_text=True, sp_cross_local=False)),  # ... over cfg and tp
     ("flux_batch2", dict(cfg=2), "sp", {}),
     ("ltx2_batch2", dict(cfg=2), "sp", {}),
     ("hunyuan_video", dict(cfg=2), "sp", {}),
@@ -56,11 +57,17 @@ def _batch2(case):
 def test_ports_split_the_batch_over_cfg_and_data(case, axes, mode, options):
     kw, out = _batch2(case)
     mesh = make_mesh(**axes)
-    model = weights.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32, mesh=mesh, config=Config())
-    run = Runner(model, mesh, Config(), mode, **options)
+    options = dict(options)
+    config = Config(sp_cross_local=options.pop("sp_cross_local", True))
+    model = weights.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32, mesh=mesh, config=config)
+    run = Runner(model, mesh, config, mode, **options)
     got = run(**kw)
     if options.get("cache_text"):
-        assert run.state["text_kv"][2]["k"].sharding.spec == P(None, "cfg", None, "tp")
+        # with Config.sp_cross_local (SP) every rank runs cross-attention with every head, so
+        # the cache holds all heads; otherwise its heads are split over tp
+        heads = None if config.sp_cross_local else "tp"
+        spec = tuple(run.state["text_kv"][2]["k"].sharding.spec)
+        assert spec + (None,) * (4 - len(spec)) == (None, "cfg", None, heads)
         got = run(**kw)  # the cached K/V step
     got = got if isinstance(got, tuple) else (got,)
     refs = [out[k] for k in ("sample", "audio_sample") if k in out]
