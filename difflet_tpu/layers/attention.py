@@ -45,6 +45,30 @@ def rotation_matrix(d: int, split: bool) -> np.ndarray:
     return r
 
 
+def _full_tables(cos, sin, d: int, split: bool, f):
+    """cos / sin as float32 tables of width d (half-width tables: one angle per rotated pair)."""
+    cos, sin = cos.astype(f), sin.astype(f)
+    if cos.shape[-1] != d:
+        cos, sin = (jnp.concatenate([t, t], axis=-1) if split else jnp.repeat(t, 2, axis=-1)
+                    for t in (cos, sin))
+    return cos, sin
+
+
+def _rotation_block(d: int, split: bool) -> int:
+    """The width the rotation matmul works on: interleaved pairs never cross a 128-lane
+    block, so wide interleaved rows rotate block by block; split halves whole."""
+    return LANE if not split and d > LANE and d % LANE == 0 else d
+
+
+def _rotate_matmul(x, block: int, split: bool, f):
+    """`rot(x)` of bf16 x as the 0/+-1 `rotation_matrix` matmul per `block` channels,
+    accumulated in float32 (exact: one non-zero product per output)."""
+    d = x.shape[-1]
+    xb = x.reshape(*x.shape[:-1], d // block, block)
+    return jnp.einsum("...d,de->...e", xb, jnp.asarray(rotation_matrix(block, split), x.dtype),
+                      preferred_element_type=f).reshape(x.shape)
+
+
 def apply_rotary_emb(x, cos, sin, split: bool):
     """diffusers' `apply_rotary_emb(use_real=True)` on x `[..., D]` in float32, cast back;
     cos / sin broadcast against x (e.g. `[S, 1, D]` for x `[B, S, H, D]`).
@@ -69,16 +93,11 @@ def apply_rotary_emb(x, cos, sin, split: bool):
     """
     f = nn.fp32(x.dtype)
     d = x.shape[-1]
-    xf, cos, sin = x.astype(f), cos.astype(f), sin.astype(f)
-    if cos.shape[-1] != d:  # half-width tables: one angle per rotated pair
-        cos, sin = (jnp.concatenate([t, t], axis=-1) if split else jnp.repeat(t, 2, axis=-1)
-                    for t in (cos, sin))
-    # interleaved pairs never cross a 128-lane block: rotate wide rows block by block
-    block = LANE if not split and d > LANE and d % LANE == 0 else d
+    xf = x.astype(f)
+    cos, sin = _full_tables(cos, sin, d, split, f)
+    block = _rotation_block(d, split)
     if x.dtype == jnp.bfloat16 and block <= MAX_ROTATION_MATMUL:
-        xb = x.reshape(*x.shape[:-1], d // block, block)
-        rot = jnp.einsum("...d,de->...e", xb, jnp.asarray(rotation_matrix(block, split), x.dtype),
-                         preferred_element_type=f).reshape(x.shape)
+        rot = _rotate_matmul(x, block, split, f)
     elif split:
         half = d // 2
         rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
@@ -116,17 +135,12 @@ def rms_norm_rope(x, row_scale, weight, cos, sin, split: bool):
     d = x.shape[-1]
     w = weight.astype(f)
     xn = ((x.astype(f) * row_scale) * w).astype(x.dtype)
-    block = LANE if not split and d > LANE and d % LANE == 0 else d
+    block = _rotation_block(d, split)
     if x.dtype != jnp.bfloat16 or block > MAX_ROTATION_MATMUL:
         return apply_rotary_emb(xn, cos, sin, split)
-    cos, sin = cos.astype(f), sin.astype(f)
-    if cos.shape[-1] != d:  # half-width tables: one angle per rotated pair
-        cos, sin = (jnp.concatenate([t, t], axis=-1) if split else jnp.repeat(t, 2, axis=-1)
-                    for t in (cos, sin))
+    cos, sin = _full_tables(cos, sin, d, split, f)
     src = (np.arange(d).reshape(d // block, block)[:, rotation_source(block, split)]).reshape(d)
-    xb = x.reshape(*x.shape[:-1], d // block, block)
-    rot = jnp.einsum("...d,de->...e", xb, jnp.asarray(rotation_matrix(block, split), x.dtype),
-                     preferred_element_type=f).reshape(x.shape)
+    rot = _rotate_matmul(x, block, split, f)
     rn = ((rot * row_scale) * w[..., src]).astype(x.dtype)  # == rot(xn), exactly
     return (xn.astype(f) * cos + rn.astype(f) * sin).astype(x.dtype)
 
