@@ -83,8 +83,8 @@ PLAN = {
 # rank's rows with every head, no ring. Its q and output projections (and q's norm)
 # are replicated over tp; the text K/V keep the column plan (computed per head shard)
 # and are gathered to all heads (`WanAttention.cross_attention`). At 480x832x9 on a
-# v5e-4 both attn2 rings have ICI-bound hops (1184 rows x 5120 per half-hop each way
-# against a 1280-column matmul).
+# v5e-4 both attn2 rings have ICI-bound hops (a 592 x 5120 bf16 half each way per hop
+# against a 1280-column matmul; docs/models/wan.md).
 SP_LOCAL_PLAN = {
     "blocks.attn2.to_q": REPLICATED,
     "blocks.attn2.norm_q": REPLICATED,
