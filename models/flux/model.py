@@ -146,7 +146,7 @@ class FluxAttention(JointAttention):
     through an optimization barrier, as `rms_norm`), then one scaling with a per-row
     select of the stream's weight, which joins the RoPE / splash relayout fusion of the
     joint keys. Normalising each stream's keys and then concatenating made XLA write both
-    normalised tensors in passes of their own (docs/benchmarks.md, row 2h). Queries stay
+    normalised tensors in passes of their own (docs/benchmarks.md, row 2l). Queries stay
     per stream (one attention call per stream's queries, as `JointAttention` under SP).
     The same float32 operations per element. TP and one device: `JointAttention`'s form
     (the joint norm priced 1 ms a step slower in the TP program)."""
