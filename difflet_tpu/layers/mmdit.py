@@ -134,6 +134,12 @@ class JointAttention(nnx.Module):
         return self.attend(par, self._norm(q, self.norm_q), self._norm(k, self.norm_k),
                            split_heads(v, self.head_dim), rope, kv_mask)
 
+    def joint_keys(self, par, first, second):
+        """The joint keys [first | second] of the SP path, each stream's `(key, norm weight)`
+        normalised per head. A hook: FLUX normalises them on the joint rows
+        (`models/flux/model.py`, FluxAttention)."""
+        return jnp.concatenate([self._norm(k, w) for k, w in (first, second)], axis=1)
+
     def __call__(self, par, hidden_states, encoder_hidden_states, rope, kv_mask):
         """Joint attention of the image and text streams (each every row, or this rank's
         under SP, gathered by the rings); `rope` covers the joint sequence (identity
@@ -142,10 +148,11 @@ class JointAttention(nnx.Module):
         q, k, v = nn.column(par, hidden_states, [self.to_q, self.to_k, self.to_v], heads=True)
         eq, ek, ev = nn.column(par, encoder_hidden_states,
                                [self.add_q_proj, self.add_k_proj, self.add_v_proj], heads=True)
-        img = (self._norm(q, self.norm_q), self._norm(k, self.norm_k), split_heads(v, self.head_dim))
-        txt = (self._norm(eq, self.norm_added_q), self._norm(ek, self.norm_added_k), split_heads(ev, self.head_dim))
+        # per stream: (query, norm weight), (key, norm weight), value
+        img = ((q, self.norm_q), (k, self.norm_k), split_heads(v, self.head_dim))
+        txt = ((eq, self.norm_added_q), (ek, self.norm_added_k), split_heads(ev, self.head_dim))
         first, second = (txt, img) if self.context_first else (img, txt)
-        n = first[0].shape[1]
+        n = first[0][0].shape[1]
         ropes = None
         if isinstance(rope, StreamRope):
             rope, ropes = rope.joint, (rope.first, rope.second)
@@ -154,13 +161,15 @@ class JointAttention(nnx.Module):
             # kernels take each stream's output as a whole array, and a row slice of one joint
             # output is a copy (Qwen-Image: 55 us a layer for the image rows, estimated); each
             # query row's softmax is over the same keys either way.
-            k, v = (jnp.concatenate(pair, axis=1) for pair in zip(first[1:], second[1:]))
-            k = self._rope(k, rope)
+            k = self._rope(self.joint_keys(par, first[1], second[1]), rope)
+            v = jnp.concatenate([first[2], second[2]], axis=1)
             ropes = ropes or (rope_rows(rope, slice(0, n)), rope_rows(rope, slice(n, None)))
-            out_first, out_second = (merge_heads(attend(par, self._rope(q, r), k, v, kv_mask))
+            out_first, out_second = (merge_heads(attend(par, self._rope(self._norm(*q), r), k, v, kv_mask))
                                      for q, r in ((first[0], ropes[0]), (second[0], ropes[1])))
         else:
-            o = self.attend(par, *(jnp.concatenate(pair, axis=1) for pair in zip(first, second)), rope, kv_mask)
+            q, k = (jnp.concatenate([self._norm(*a), self._norm(*b)], axis=1)
+                    for a, b in zip(first[:2], second[:2]))
+            o = self.attend(par, q, k, jnp.concatenate([first[2], second[2]], axis=1), rope, kv_mask)
             out_first, out_second = o[:, :n], o[:, n:]
         encoder_out, hidden_out = (out_first, out_second) if self.context_first else (out_second, out_first)
         hidden_out = nn.row(par, [(hidden_out, self.to_out["0"])])
@@ -171,14 +180,17 @@ class JointAttention(nnx.Module):
 class DoubleStreamBlock(nnx.Module):
     """diffusers' `FluxTransformerBlock` / `HunyuanVideoTransformerBlock`: adaLN-zero per
     stream (`norm1`, `norm1_context`), joint attention, gated residuals, a GELU-tanh
-    MLP per stream (`ff`, `ff_context`)."""
+    MLP per stream (`ff`, `ff_context`). `attention`: the joint attention's class
+    (a port's `JointAttention` subclass)."""
+
+    attention = JointAttention
 
     def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_dim: int, *,
                  context_first: bool, clip_fp16: bool = False, eps: float = 1e-6, dtype, rngs: nnx.Rngs):
         self.eps, self.clip_fp16 = eps, clip_fp16
         self.norm1 = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
         self.norm1_context = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
-        self.attn = JointAttention(dim, num_attention_heads, attention_head_dim, added_kv=True,
+        self.attn = self.attention(dim, num_attention_heads, attention_head_dim, added_kv=True,
                                    context_first=context_first, eps=eps, dtype=dtype, rngs=rngs)
         self.ff = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)
         self.ff_context = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)

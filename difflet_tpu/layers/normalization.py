@@ -151,21 +151,25 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, None if self.weight is None else self.weight.scale[...], self.eps)
 
 
-MATMUL_ROWS = 8  # the rows `few_rows_linear` pads a `[B, K]` input to a multiple of
+MATMUL_ROWS = 8  # `few_rows` pads a conditioning input's rows to a multiple of this (one f32 sublane tile)
+
+
+def few_rows(x):
+    """A `[B, ...]` x of few rows (conditioning embeddings) with its rows zero-padded to a
+    multiple of MATMUL_ROWS; the first B rows of anything computed row by row from it are
+    the result for x (rows do not mix in a product: each row's result is the same dot).
+    Why: XLA's TPU compiler turns a one-row product into a multiply-reduce loop fusion it
+    prices near 4x the HBM read of the weight (Qwen-Image's 3072 x 4608 modulation shard:
+    133 us a layer, estimated), where with 8 rows it emits an MXU matmul (48 us)."""
+    pad = -x.shape[0] % MATMUL_ROWS
+    return x if pad == 0 else jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
 
 
 def few_rows_linear(linear, x):
-    """`linear(x)` for a `[B, K]` x of few rows (a conditioning embedding), its rows
-    zero-padded to a multiple of MATMUL_ROWS and the result sliced back: rows do not
-    mix in a product, so each row's result is the same dot. Why: XLA's TPU compiler
-    turns a one-row product into a multiply-reduce loop fusion it prices near 4x
-    the HBM read of the weight (Qwen-Image's 3072 x 4608 modulation shard: 133 us
-    a layer, estimated), where with 8 rows it emits an MXU matmul (48 us)."""
-    rows = x.shape[0]
-    pad = -rows % MATMUL_ROWS
-    if x.ndim != 2 or pad == 0:
+    """`linear(x)` for a `[B, K]` x of few rows, over `few_rows(x)`, sliced back."""
+    if x.ndim != 2:
         return linear(x)
-    return linear(jnp.pad(x, ((0, pad), (0, 0))))[:rows]
+    return linear(few_rows(x))[:x.shape[0]]
 
 
 class AdaLN(nnx.Module):

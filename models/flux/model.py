@@ -47,12 +47,11 @@ from flax import nnx
 from difflet_tpu import nn
 from difflet_tpu.layers import (AdaLayerNormContinuous, AdaLN, CombinedTimestepTextProjEmbeddings,
                                 PixArtAlphaTextProjection, TimestepEmbedding, get_timestep_embedding, rms_norm)
-from difflet_tpu.layers.attention import attend, merge_heads, split_heads
-from difflet_tpu.layers.feedforward import FeedForward
+from difflet_tpu.layers.attention import split_heads
 from difflet_tpu.layers.mmdit import PLAN as MMDIT_PLAN
 from difflet_tpu.layers.mmdit import (DoubleStreamBlock, JointAttention, PackedProjOut, SingleStreamBlock,
-                                      StreamRope, rope_rows, single_stream_rows, stream_rope)
-from difflet_tpu.layers.normalization import MATMUL_ROWS
+                                      single_stream_rows, stream_rope)
+from difflet_tpu.layers.normalization import few_rows
 
 from .config import EPS, FluxConfig
 
@@ -127,79 +126,42 @@ class CombinedTimestepGuidanceTextProjEmbeddings(nnx.Module):
 # Blocks (the MMDiT family, difflet_tpu/layers/mmdit.py)
 # --------------------------------------------------------------------------
 
-def matmul_rows(x):
-    """`[B, ...]` with its rows padded to a multiple of `normalization.MATMUL_ROWS` by
-    repeating row 0; the first B rows of anything computed row by row from it are the
-    result for x. As `normalization.few_rows_linear` does for the adaLN modulations, for
-    the embedders' small linears (a one-row product is a multiply-reduce fusion priced
-    ~3x its weight's HBM time; 8 rows a matmul near it)."""
-    b = x.shape[0]
-    rows = -(-b // MATMUL_ROWS) * MATMUL_ROWS
-    if rows == b:
-        return x
-    return jnp.concatenate([x, jnp.broadcast_to(x[:1], (rows - b, *x.shape[1:]))], axis=0)
-
-
 class FluxAttention(JointAttention):
-    """`JointAttention(added_kv=True, context_first=True)` whose SP path normalises the
-    keys on the joint [txt | img] rows: each stream's per-head sums of squares apart (read
-    through an optimization barrier, as `rms_norm`), then one scaling with a per-row
-    select of the stream's weight, which joins the RoPE / splash relayout fusion of the
-    joint keys. Normalising each stream's keys and then concatenating made XLA write both
-    normalised tensors in passes of their own (docs/benchmarks.md, row 2l). Queries stay
-    per stream (one attention call per stream's queries, as `JointAttention` under SP).
-    The same float32 operations per element. TP and one device: `JointAttention`'s form
-    (the joint norm priced 1 ms a step slower in the TP program)."""
+    """`JointAttention` whose SP path normalises the keys on the joint [txt | img] rows:
+    each stream's per-head sums of squares apart (read through an optimization barrier,
+    as `rms_norm`), then one scaling with a per-row select of the stream's weight, which
+    joins the RoPE / splash relayout fusion of the joint keys. Normalising each stream's
+    keys and then concatenating made XLA write both normalised tensors in passes of their
+    own (docs/benchmarks.md, row 2l). The same float32 operations per element. TP and one
+    device: `JointAttention`'s form (the joint norm priced 1 ms a step slower in the TP
+    program)."""
 
-    def _joint_norm(self, txt, img, txt_weight, img_weight):
+    def joint_keys(self, par, first, second):
+        (a, a_weight), (b, b_weight) = first, second
         d = self.head_dim
-        txt, img = split_heads(txt, d), split_heads(img, d)
-        f = nn.fp32(txt.dtype)
+        a, b = split_heads(a, d), split_heads(b, d)
+        f = nn.fp32(a.dtype)
 
         def sum_sq(t):
             ts = jax.lax.optimization_barrier(t).astype(f)
             return jnp.sum(ts * ts, axis=-1, keepdims=True)
 
         # each row's weight by a select on the row index, which fuses into the scaling
-        is_txt = (jnp.arange(txt.shape[1] + img.shape[1]) < txt.shape[1])[:, None, None]
-        scale = jnp.where(is_txt, txt_weight.scale[...], img_weight.scale[...])
-        return rms_norm(jnp.concatenate([txt, img], axis=1), scale, self.eps,
-                        sum_sq=jnp.concatenate([sum_sq(txt), sum_sq(img)], axis=1), dim=d)
-
-    def __call__(self, par, hidden_states, encoder_hidden_states, rope, kv_mask):
-        if not par.seq_sharded:
-            return super().__call__(par, hidden_states, encoder_hidden_states, rope, kv_mask)
-        par.local_heads(self.heads)
-        q, k, v = nn.column(par, hidden_states, [self.to_q, self.to_k, self.to_v], heads=True)
-        eq, ek, ev = nn.column(par, encoder_hidden_states,
-                               [self.add_q_proj, self.add_k_proj, self.add_v_proj], heads=True)
-        n = eq.shape[1]
-        ropes = None
-        if isinstance(rope, StreamRope):
-            rope, ropes = rope.joint, (rope.first, rope.second)
-        ropes = ropes or (rope_rows(rope, slice(0, n)), rope_rows(rope, slice(n, None)))
-        k = self._rope(self._joint_norm(ek, k, self.norm_added_k, self.norm_k), rope)
-        v = jnp.concatenate([split_heads(ev, self.head_dim), split_heads(v, self.head_dim)], axis=1)
-        encoder_out, hidden_out = (
-            merge_heads(attend(par, self._rope(self._norm(x, w), r), k, v, kv_mask))
-            for x, w, r in ((eq, self.norm_added_q, ropes[0]), (q, self.norm_q, ropes[1])))
-        hidden_out = nn.row(par, [(hidden_out, self.to_out["0"])])
-        encoder_out = nn.row(par, [(encoder_out, self.to_add_out)])
-        return hidden_out, encoder_out
+        in_a = (jnp.arange(a.shape[1] + b.shape[1]) < a.shape[1])[:, None, None]
+        scale = jnp.where(in_a, a_weight.scale[...], b_weight.scale[...])
+        return rms_norm(jnp.concatenate([a, b], axis=1), scale, self.eps,
+                        sum_sq=jnp.concatenate([sum_sq(a), sum_sq(b)], axis=1), dim=d)
 
 
 class FluxTransformerBlock(DoubleStreamBlock):
     """diffusers' `FluxTransformerBlock`: `DoubleStreamBlock` ([txt | img], float16 clip) with
-    `FluxAttention`; submodules built in `DoubleStreamBlock`'s order."""
+    `FluxAttention`."""
+
+    attention = FluxAttention
 
     def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_dim: int, *, dtype, rngs):
-        self.eps, self.clip_fp16 = EPS, True
-        self.norm1 = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
-        self.norm1_context = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
-        self.attn = FluxAttention(dim, num_attention_heads, attention_head_dim, added_kv=True, context_first=True,
-                                  eps=EPS, dtype=dtype, rngs=rngs)
-        self.ff = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)
-        self.ff_context = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)
+        super().__init__(dim, num_attention_heads, attention_head_dim, mlp_dim, context_first=True, clip_fp16=True,
+                         eps=EPS, dtype=dtype, rngs=rngs)
 
 
 class FluxSingleTransformerBlock(SingleStreamBlock):
@@ -264,13 +226,13 @@ class FluxTransformer2DModel(nnx.Module):
         c = self.config
         dtype = self.dtype
         hidden_states = self.x_embedder(hidden_states.astype(dtype))
-        # the embedders' linears over padded rows, as the adaLN modulations (`matmul_rows`)
+        # the embedders' linears over padded rows, as the adaLN modulations (`few_rows`)
         batch = pooled_projections.shape[0]
-        pooled_projections = matmul_rows(pooled_projections.astype(dtype))
+        pooled_projections = few_rows(pooled_projections.astype(dtype))
         if c.guidance_embeds:
-            temb = self.time_text_embed(matmul_rows(timesteps_proj), matmul_rows(guidance_proj), pooled_projections)
+            temb = self.time_text_embed(few_rows(timesteps_proj), few_rows(guidance_proj), pooled_projections)
         else:
-            temb = self.time_text_embed(matmul_rows(timesteps_proj), pooled_projections)
+            temb = self.time_text_embed(few_rows(timesteps_proj), pooled_projections)
         temb = temb[:batch]
         encoder_hidden_states = self.context_embedder(encoder_hidden_states.astype(dtype))
 

@@ -29,6 +29,7 @@ from difflet_tpu.testing import read_fixture_io, rel_l2
 from difflet_tpu import weights
 from difflet_tpu.config import Config
 from difflet_tpu.layers import mmdit
+from difflet_tpu.layers.normalization import MATMUL_ROWS, few_rows
 from difflet_tpu.mesh import TP, make_mesh
 from difflet_tpu.models import flux
 from difflet_tpu.models.flux import model as tf
@@ -455,7 +456,7 @@ def test_example_inputs_run():
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_embedders_over_padded_rows(batch):
-    """The model runs its embedders over `matmul_rows` (rows repeated to a multiple of 8):
+    """The model runs its embedders over `few_rows` (rows zero-padded to a multiple of 8):
     the first rows are the inputs, and temb of the padded rows sliced back is temb of
     the given rows (float32, against the embedders run on the rows alone and a float64
     numpy pass of one linear)."""
@@ -464,10 +465,10 @@ def test_embedders_over_padded_rows(batch):
     keys = jax.random.split(jax.random.key(4), 3)
     t, g = (jax.random.normal(k, (batch, 256)) for k in keys[:2])
     pooled = jax.random.normal(keys[2], (batch, 12))
-    padded = tf.matmul_rows(t)
-    assert padded.shape[0] % tf.MATMUL_ROWS == 0 and padded.shape[0] >= batch
+    padded = few_rows(t)
+    assert padded.shape[0] % MATMUL_ROWS == 0 and padded.shape[0] >= batch
     np.testing.assert_array_equal(np.asarray(padded[:batch]), np.asarray(t))
-    got = emb(padded, tf.matmul_rows(g), tf.matmul_rows(pooled))[:batch]
+    got = emb(padded, few_rows(g), few_rows(pooled))[:batch]
     np.testing.assert_allclose(np.asarray(got), np.asarray(emb(t, g, pooled)), rtol=1e-5, atol=1e-5)
     lin = emb.timestep_embedder.linear_1
     ref = np.asarray(t, np.float64) @ np.asarray(lin.kernel[...], np.float64) + np.asarray(lin.bias[...], np.float64)
@@ -486,7 +487,7 @@ def test_joint_qk_norm_matches_per_stream_norms(dtype):
     attn.norm_added_q.scale[...] = (1 + jax.random.normal(keys[1], (d,))).astype(dtype)
     txt = jax.random.normal(keys[2], (1, n_txt, heads * d)).astype(dtype)
     img = jax.random.normal(keys[3], (1, n_img, heads * d)).astype(dtype)
-    out = attn._joint_norm(txt, img, attn.norm_added_q, attn.norm_q)
+    out = attn.joint_keys(None, (txt, attn.norm_added_q), (img, attn.norm_q))
     assert out.shape == (1, n_txt + n_img, heads, d) and out.dtype == dtype
 
     def ref(x, w):
@@ -497,5 +498,5 @@ def test_joint_qk_norm_matches_per_stream_norms(dtype):
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
     if dtype == jnp.float32:
-        shared = jnp.concatenate([attn._norm(txt, attn.norm_added_q), attn._norm(img, attn.norm_q)], axis=1)
+        shared = tf.JointAttention.joint_keys(attn, None, (txt, attn.norm_added_q), (img, attn.norm_q))
         np.testing.assert_array_equal(np.asarray(out), np.asarray(shared))
