@@ -81,7 +81,7 @@ def epilogue(linear: Linear, activation=None, sum_squares: bool = False):
     return fn
 
 
-def column(par, x, linears, activations=None, sum_squares=None, heads=False):
+def column(par, x, linears, activations=None, sum_squares=None, heads=False, row_major=False):
     """Column-parallel `linears` sharing input `x` through `par.column`.
 
     `heads`: the outputs are split into attention heads (`Parallel.column`).
@@ -91,12 +91,22 @@ def column(par, x, linears, activations=None, sum_squares=None, heads=False):
     columns of y's squares, per row (under SP the Pallas all-gather kernel
     accumulates it from its tiles; elsewhere it is computed from y), for
     `rms_norm_across_heads(..., sum_sq=ssq)`.
+
+    `row_major`: where the rows are not sequence-sharded (the projections are plain
+    dots: one device, TP, a rank-local `par`), the outputs come through an
+    optimization barrier, row-major as the dot writes them. Without it XLA may lay
+    the dot out to produce splash's head-major `[H, S, D]` directly, as a dot batched
+    over heads, for which it copies the layer's weight out of the stack transposed
+    every layer (LTX-2's text K/V: 8 MB a weight, ~40 us each on v5e, estimated);
+    with it the dot reads the stacked weight in place and only its (smaller) output
+    is relaid for splash.
     """
     linears = list(linears)
     activations = activations or [None] * len(linears)
     sum_squares = sum_squares or [False] * len(linears)
-    return par.column(x, [weight(l) for l in linears],
+    outs = par.column(x, [weight(l) for l in linears],
                       [epilogue(l, a, q) for l, a, q in zip(linears, activations, sum_squares)], heads=heads)
+    return jax.lax.optimization_barrier(outs) if row_major and not par.seq_sharded else outs
 
 
 def row(par, pairs):

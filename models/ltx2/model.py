@@ -158,18 +158,6 @@ class LTX2AdaLayerNormSingle(nnx.Module):
 # Attention and feed-forward
 # --------------------------------------------------------------------------
 
-def rows_out(par, outs):
-    """A plain (unsharded-rows) projection's outputs as the dot writes them, row-major.
-
-    Without the barrier, XLA lays the dot out to produce splash's head-major
-    `[H, S, D]` directly, as a dot batched over heads, for which it copies the
-    layer's weight `[K, N]` out of the stack into `[N, K]` every layer (text
-    K/V: 8 MB per weight, ~40 us each on v5e); with it, the dot reads the stacked
-    weight in place and only its (smaller) output is relaid for splash. Under SP
-    the sequence-sharded sites run the all-gather kernels, untouched."""
-    return outs if par.seq_sharded else jax.lax.optimization_barrier(outs)
-
-
 class LTX2Attention(nnx.Module):
     def __init__(self, query_dim, heads, dim_head, *, cross_attention_dim=None, bias=True, out_bias=True,
                  norm_eps=1e-6, apply_gated_attention=False, dtype, rngs):
@@ -198,16 +186,16 @@ class LTX2Attention(nnx.Module):
         # q and k come with their per-row sums of squares over this rank's columns for the
         # across-heads norms (accumulated by the all-gather kernel, else by the dot's epilogue)
         if encoder_hidden_states is None:  # self-attention: one gather feeds q, k, v (and the gate)
-            outs = rows_out(qpar, nn.column(qpar, hidden_states, [self.to_q, self.to_k, self.to_v]
-                                            + ([self.to_gate_logits] if gated else []),
-                                            sum_squares=[True, True, False] + ([False] if gated else [])))
+            outs = nn.column(qpar, hidden_states, [self.to_q, self.to_k, self.to_v]
+                             + ([self.to_gate_logits] if gated else []),
+                             sum_squares=[True, True, False] + ([False] if gated else []), row_major=True)
             (query, query_ssq), (key, key_ssq), value = outs[:3]
         else:
-            outs = rows_out(qpar, nn.column(qpar, hidden_states, [self.to_q] + ([self.to_gate_logits] if gated else []),
-                                            sum_squares=[True] + ([False] if gated else [])))
+            outs = nn.column(qpar, hidden_states, [self.to_q] + ([self.to_gate_logits] if gated else []),
+                             sum_squares=[True] + ([False] if gated else []), row_major=True)
             query, query_ssq = outs[0]
-            (key, key_ssq), value = rows_out(kvpar, nn.column(kvpar, encoder_hidden_states, [self.to_k, self.to_v],
-                                                              sum_squares=[True, False]))
+            (key, key_ssq), value = nn.column(kvpar, encoder_hidden_states, [self.to_k, self.to_v],
+                                              sum_squares=[True, False], row_major=True)
         gate_logits = outs[-1] if gated else None
 
         query = rms_norm_across_heads(qpar, query, self.norm_q.scale[...], self.norm_eps, self.inner_dim,

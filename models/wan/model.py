@@ -178,9 +178,8 @@ class WanAttention(nnx.Module):
         if par.cross_local and par.seq_sharded:
             lp = par.local()
             kv = {k: v if v.shape[-1] == self.dim else par.gather_columns(v) for k, v in kv.items()}
-            # through a barrier, as the dot writes it: XLA would otherwise lay the dot out
-            # head-major for splash and copy the layer's weight transposed out of its stack
-            ((q, q_ssq),) = jax.lax.optimization_barrier(nn.column(lp, x, [self.to_q], sum_squares=[True]))
+            # row-major, as the dot writes it (see nn.column)
+            ((q, q_ssq),) = nn.column(lp, x, [self.to_q], sum_squares=[True], row_major=True)
             return self._cross(lp, q, q_ssq, kv)
         ((q, q_ssq),) = nn.column(par, x, [self.to_q], sum_squares=[True])
         return self._cross(par, q, q_ssq, kv)
