@@ -28,6 +28,8 @@ from difflet_tpu import nn
 from difflet_tpu.layers import (FeedForward, LayerNorm, PixArtAlphaTextProjection, TimestepEmbedding, Weight,
                                 attend, get_timestep_embedding, merge_heads, modulate, rms_norm_across_heads,
                                 rms_norm_rope, rms_scale_across_heads, row_moments)
+from difflet_tpu.kernels.cross_attention import rms_cross_attention
+from difflet_tpu.kernels.cross_attention import unsupported_reason as cross_attention_unsupported
 from difflet_tpu.layers.normalization import few_rows_linear
 from difflet_tpu.parallel import COLUMN, REPLICATED, ROW, SHARDED, Parallel
 
@@ -178,11 +180,27 @@ class WanAttention(nnx.Module):
         if par.cross_local and par.seq_sharded:
             lp = par.local()
             kv = {k: v if v.shape[-1] == self.dim else par.gather_columns(v) for k, v in kv.items()}
+            if self._fused_cross(lp, x, kv):
+                # the q norm, splash's relayouts and the heads' split / merge in one kernel
+                # (kernels/cross_attention.py): q and the output stay [B, n, D]
+                (q,) = nn.column(lp, x, [self.to_q])
+                o = rms_cross_attention(q, self.norm_q.scale[...], kv["k"], kv["v"], head_dim=self.head_dim,
+                                        eps=self.eps, interpret=lp.interpret)
+                return nn.row(lp, [(o, self.to_out["0"])])
             # row-major, as the dot writes it (see nn.column)
             ((q, q_ssq),) = nn.column(lp, x, [self.to_q], sum_squares=[True], row_major=True)
             return self._cross(lp, q, q_ssq, kv)
         ((q, q_ssq),) = nn.column(par, x, [self.to_q], sum_squares=[True])
         return self._cross(par, q, q_ssq, kv)
+
+    def _fused_cross(self, par, x, kv) -> bool:
+        """Whether `cross_attention` under `par.cross_local` runs `rms_cross_attention`: with
+        splash attention (TPU, or interpreted), text K/V only (no I2V image tokens), shapes
+        and dtype the kernel takes."""
+        k = kv["k"]
+        return (par.attn_impl == "splash" and "k_img" not in kv and x.dtype in (jnp.bfloat16, jnp.float32)
+                and k.dtype == x.dtype
+                and cross_attention_unsupported((*x.shape[:-1], self.dim), k.shape, self.head_dim, x.dtype) is None)
 
     def _cross(self, par, q, q_ssq, kv):
         q = self._heads(par, self._norm(par, q, self.norm_q, q_ssq))

@@ -95,6 +95,42 @@ def test_sp_pallas_kernels_interpret_mode():
     assert rel(out, ref) <= 1e-5
 
 
+@pytest.mark.slow
+def test_sp_cross_local_fused_kernel_interpret_mode(monkeypatch):
+    """With splash attention (here interpreted) under SP and Config.sp_cross_local, the
+    cross-attention runs kernels/cross_attention.py (q's norm and every head in one
+    kernel, once per block) and matches the one-device model and the unfused SP path;
+    heads of 128 (the kernel's lane block), 16 text tokens (one key block)."""
+    from difflet_tpu import attention as attention_mod
+    from difflet_tpu.models.wan import model as wan_model
+
+    c = wan.config_from_diffusers(dict(wan.PRESETS["tiny"], attention_head_dim=128, ffn_dim=512, num_layers=2))
+    model = wan.build(c, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    kwargs = wan.example_inputs(c, height=64, width=128, frames=9, text_len=16)  # 24 rows a rank
+    ref = wan.Runner(model)(**kwargs)
+    mesh = make_mesh(4)
+    calls = []
+
+    def counted(*a, **k):
+        calls.append(a[0].shape)
+        return kernel(*a, **k)
+
+    kernel = wan_model.rms_cross_attention
+    monkeypatch.setattr(wan_model, "rms_cross_attention", counted)
+    outs = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(wan_model.WanAttention, "_fused_cross", lambda *a: False)
+        # interpret-mode splash kernels built in one trace hold its tracers: build anew
+        attention_mod._splash_kernel.cache_clear()
+        r = wan.Runner(model, mesh, Config(sp_cross_local=True, check_vma=True), "sp")
+        r.par = dataclasses.replace(r.par, attn_impl="splash")
+        outs[fused] = r(**kwargs)
+    assert len(calls) == 1 and calls[0][-1] == c.inner_dim, calls  # traced once: the blocks' scan body
+    assert rel(outs[True], ref) <= 1e-5
+    assert rel(outs[True], outs[False]) <= 1e-5
+
+
 # --------------------------------------------------------------------------
 # Model-specific mechanisms against the plain model (float64)
 # --------------------------------------------------------------------------
