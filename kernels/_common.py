@@ -305,7 +305,10 @@ def fit_stream(half_rows: int, unit: int, blocks: StreamBlocks, candidates, what
     """(reason, StreamPlan): the plan of the fewest chunks (largest chunk) that fits.
 
     With blocks.chunk_rows set, that chunk size only; else C = 1, 2, ... up to
-    `MAX_CHUNKS`, chunk rows `stream_chunk_rows`. `candidates(chunk_rows)` yields
+    `MAX_CHUNKS`, chunk rows `stream_chunk_rows`, the fewest chunks C0 that fit,
+    or, if C0's chunks do not tile the half exactly, the fewest of C0 .. 2 C0
+    that do (Wan 480x832x81's 4096-row halves: 4 chunks of 1024 rather than 3 of
+    1376, the last overlapping by 32 rows). `candidates(chunk_rows)` yields
     (VmemPlan, (col_tile, row_tiles)) pairs, best first."""
     cap = vmem_capacity_bytes()
     if blocks.chunk_rows is not None:
@@ -319,11 +322,20 @@ def fit_stream(half_rows: int, unit: int, blocks: StreamBlocks, candidates, what
             hc = stream_chunk_rows(half_rows, n, unit)
             if hc not in sizes:
                 sizes.append(hc)
-    plan = None
+    plan, fits = None, []
     for hc in sizes:
         for plan, (tn, tiles) in candidates(hc):
             if plan.limit <= cap:
-                return None, StreamPlan(half_rows, hc, -(-half_rows // hc), blocks.window, tn, tiles, plan)
+                fits.append(StreamPlan(half_rows, hc, -(-half_rows // hc), blocks.window, tn, tiles, plan))
+                break
+        if fits and blocks.chunk_rows is None:
+            # the fewest chunks that fit, unless up to twice as many tile the half exactly
+            # (no overlapping last chunk, whose rows would be multiplied twice)
+            if fits[0].overlap_rows == 0 or fits[-1].overlap_rows == 0 or fits[-1].chunks >= 2 * fits[0].chunks:
+                break
+    if fits:
+        exact = [p for p in fits if p.overlap_rows == 0]
+        return None, (exact or fits)[0]
     need = "no plan" if plan is None else f"{plan.limit / 2**20:.1f} MiB needed"
     return (f"VMEM budget exceeded: {need} ({what}, chunks of {sizes[-1]} rows) > {cap / 2**20:.0f} MiB "
             f"on this chip"), None

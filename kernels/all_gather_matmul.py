@@ -71,6 +71,9 @@ so nothing is copied; its sums of squares come out per call and are put in
 row order by a small concatenation. Each call streams the weights P times
 again (C x the weight traffic, hidden under the MXU work at Wan 480x832x81
 by the estimate) and starts with its own barrier.
+The dispatch (difflet_tpu.collective_matmul.ag_kernel_choice) runs
+kernels/all_gather_matmul_stream.py instead by default: one call, the halves
+streamed chunk by chunk through a window of VMEM slots guarded by credits.
 
 Epilogue (per weight, static): each product tile leaves the MXU as float32;
 the bias row's columns are added in float32, then the activation

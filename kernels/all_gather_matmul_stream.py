@@ -437,7 +437,7 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
         compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, vmem_limit_bytes=sp.vmem.limit),
         cost_estimate=cost,
         interpret=_common.interpret_params(interpret),
-        name=f"all_gather_matmul_stream_{C}chunks",
+        name=f"all_gather_matmul_stream_{C}chunks_{hc}rows",  # difflet_tpu.estimate prices it by steps
     )(tables, layer, slabs, x3, *ws, *bias_ops)
     ys = [o.reshape(*lead, S, o.shape[-1]) for o in outs[:len(ws)]]
     rem = h - (C - 1) * hc  # rows of the last chunk not in the one before

@@ -35,6 +35,9 @@ re-raise). The race detector is always on. Spec keys:
            (against collective_matmul.row_sum_squares of the unfused output),
            each max over rows of |ssq - ref| / max(ref_row, 1).
   ring:    ring size P (2 or 4; default 4) on the 4 CPU devices
+  vmem_capacity: the chip VMEM bytes the plans assume (default 128 MiB): a small one
+           makes the dispatch's resident plan need row chunks ("ag_dispatch" then
+           reports "choice", collective_matmul.ag_kernel_choice's)
   stream:  true: kinds "ag" / "ag_epi" (and the stacked "ag" case) run the streaming
            kernel (kernels/all_gather_matmul_stream.py) instead, with
            StreamBlocks(chunk_rows, window, col_tile, row_tile) from the keys
@@ -109,6 +112,10 @@ def run(spec):
                      ("chunks", "_chunks")):
         if key in spec:
             knobs[arg] = spec[key]
+    if "vmem_capacity" in spec:
+        from difflet_tpu.kernels import _common
+
+        _common.vmem_capacity_bytes = lambda: spec["vmem_capacity"]
     if spec.get("stream"):
         global AG_KERNEL
         AG_KERNEL, chunks = stream_kernel(spec, P_RING, dt)
@@ -147,6 +154,9 @@ def run(spec):
         outs = g()(*args)
         if kind == "ag_fallback":  # tracing the same shape again must not warn again
             outs = g()(*args)
+        if kind == "ag_dispatch":
+            result["choice"] = cm.ag_kernel_choice(x.shape[:-2] + (x.shape[-2] // P_RING, x.shape[-1]),
+                                                   [w.shape[1] // P_RING for w in ws], dt, P_RING)[0]
         result["reason"] = agk.unsupported_reason(x.shape[:-2] + (x.shape[-2] // P_RING, x.shape[-1]),
                                                   [w.shape[1] // P_RING for w in ws], dt, P_RING)
         errs = []

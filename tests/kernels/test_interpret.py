@@ -350,3 +350,15 @@ def test_race_detector_flags_the_streaming_kernel_with_one_credit_too_few(name, 
     assert not r["ok"], "the race detector did not flag a streaming kernel with one credit too few"
     assert r["error_type"] == "JaxRuntimeError", r["error_type"]
     assert "RACE DETECTED" in r["error"], r["error"][-2000:]
+
+
+# The dispatch (collective_matmul, impl="pallas") with a chip VMEM of 8 MiB + ~0.5 MB:
+# the resident halves (0.56 MB of buffers) do not fit, so it runs the streaming kernel
+# (2 chunks of 16 rows, 0.38 MB); with long_sequence "chunks" (ag_kernel_choice) it would
+# run 2 resident calls instead.
+@pytest.mark.slow
+def test_dispatch_streams_when_the_resident_halves_do_not_fit():
+    r = check_ok(dict(kind="ag_dispatch", dtype="float32", batch=[2], S=256, K=128, widths=[128, 256],
+                      vmem_capacity=8 * 2**20 + 500_000), 0.0)
+    assert r["choice"] == "stream", r["choice"]
+    assert r["warnings"] == []
