@@ -36,6 +36,12 @@ Rules:
   `difflet_tpu.kernels` when they support the shape, and falls back to the
   JAX ring with one notice per shape otherwise; `impl="xla"` is the plain
   collective + dot (the `sp-xla` baseline, which XLA may decompose itself).
+* Long sequences (the all-gather's halves do not fit VMEM resident): by
+  default (`AG_LONG_SEQUENCE = "stream"`) one call of the streaming kernel
+  (`kernels/all_gather_matmul_stream.py`: each half in row chunks through a
+  window of VMEM slots, guarded by credit semaphores); `"chunks"` keeps the
+  resident kernel once per row chunk (C calls, each with its own barrier).
+  `ag_kernel_choice` says which runs for a shape.
 
 Weights are arrays, or `LayerWeight`s: one layer of a stacked `[L, K, N]`
 array, as `difflet_tpu.nn.scan_blocks` hands a scanned block its linears.
@@ -74,6 +80,10 @@ log = logging.getLogger(__name__)
 
 IMPLS = ("jax", "pallas", "xla")
 ASSEMBLE = ("concat", "dus")
+# The all-gather kernel for shards whose halves do not fit VMEM resident: "stream"
+# (one call, kernels/all_gather_matmul_stream.py) or "chunks" (the resident kernel
+# once per row chunk). Both are exact; docs/kernels.md compares their estimates.
+AG_LONG_SEQUENCE = "stream"
 
 
 # --------------------------------------------------------------------------
@@ -268,16 +278,45 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
         biases = [_kernel_bias(e.bias, layer) if f else None for e, f in zip(epilogues, fused)]
         acts = [e.activation if f else None for e, f in zip(epilogues, fused)]
         ssq = [e.sum_squares if f else False for e, f in zip(epilogues, fused)]
-        reason = kernel.unsupported_reason(x.shape, [w.shape[1] for w in weights], x.dtype, P,
-                                           biases=[None if b is None else (b.size // b.shape[-1], b.dtype)
-                                                   for b in biases],
-                                           activations=acts, sum_squares=ssq)
+        choice, reason = ag_kernel_choice(x.shape, [w.shape[1] for w in weights], x.dtype, P,
+                                          biases=[None if b is None else (b.size // b.shape[-1], b.dtype)
+                                                  for b in biases],
+                                          activations=acts, sum_squares=ssq)
         if reason is None:
-            ys = kernel.all_gather_matmul(x, stacks, layer=layer, biases=biases, activations=acts,
-                                          sum_squares=ssq, axis_name=axis_name, interpret=interpret)
+            if choice == "stream":
+                from difflet_tpu.kernels import all_gather_matmul_stream as stream
+
+                call = stream.all_gather_matmul_stream
+            else:
+                call = kernel.all_gather_matmul
+            ys = call(x, stacks, layer=layer, biases=biases, activations=acts, sum_squares=ssq,
+                      axis_name=axis_name, interpret=interpret)
             return [y if f or e is None else e(y) for y, e, f in zip(ys, epilogues, fused)]
         _notice_fallback("all_gather_matmul", (x.shape, tuple(w.shape for w in weights), str(x.dtype)), reason)
     return _ag_ring(x, [as_array(w) for w in weights], epilogues, axis_name, P, assemble)
+
+
+def ag_kernel_choice(x_shape, widths, dtype, P, *, biases=None, activations=None, sum_squares=None,
+                     long_sequence=None):
+    """(choice, reason) for the all-gather kernel at these per-rank shapes: choice
+    "resident" (one call, halves resident), "stream" (one call of the streaming
+    kernel) or "chunks" (the resident kernel once per row chunk), reason None; or
+    (None, why no kernel runs). `long_sequence` (default `AG_LONG_SEQUENCE`) picks
+    between "stream" and "chunks" when the halves do not fit resident."""
+    from difflet_tpu.kernels import all_gather_matmul as kernel
+
+    kw = dict(biases=biases, activations=activations, sum_squares=sum_squares)
+    reason, _, _, _, pieces = kernel._plan(x_shape, list(widths), dtype, P, **kw)
+    if reason is not None:
+        return None, reason
+    if len(pieces) == 1:
+        return "resident", None
+    if (long_sequence or AG_LONG_SEQUENCE) == "stream":
+        from difflet_tpu.kernels import all_gather_matmul_stream as stream
+
+        if stream.unsupported_reason(x_shape, widths, dtype, P, **kw) is None:
+            return "stream", None
+    return "chunks", None
 
 
 def _kernel_bias(bias, layer):

@@ -190,7 +190,8 @@ COLLECTIVE_MATMUL_KERNELS = ("all_gather_matmul", "matmul_reduce_scatter")
 _FLOAT_DTYPES = ("bf16", "f32", "f16")
 
 
-_KERNEL_NAME = re.compile(r"(?:^|/)(" + "|".join(COLLECTIVE_MATMUL_KERNELS) + r")(?:_(\d+)chunks)?(?:$|/)")
+_KERNEL_NAME = re.compile(r"(?:^|/)(" + "|".join(COLLECTIVE_MATMUL_KERNELS)
+                          + r")(_stream)?(?:_(\d+)chunks)?(?:_(\d+)rows)?(?:$|/)")
 
 
 def collective_matmul_call(o: Op) -> tuple[str, int] | None:
@@ -202,7 +203,19 @@ def collective_matmul_call(o: Op) -> tuple[str, int] | None:
     for name in (o.name.split(".")[0], o.op_name):
         m = _KERNEL_NAME.search(name)
         if m:
-            return m.group(1), int(m.group(2) or 1)
+            return m.group(1), int(m.group(3) or 1)
+    return None
+
+
+def collective_matmul_stream_rows(o: Op) -> int | None:
+    """The chunk rows of a streaming kernel's call (kernels/all_gather_matmul_stream.py,
+    named "all_gather_matmul_stream_<C>chunks_<rows>rows"), else None."""
+    if not is_pallas(o):
+        return None
+    for name in (o.name.split(".")[0], o.op_name):
+        m = _KERNEL_NAME.search(name)
+        if m:
+            return int(m.group(4)) if m.group(2) and m.group(4) else None
     return None
 
 
@@ -231,7 +244,8 @@ class KernelHops:
     prologue_hbm: float
 
 
-def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int = 1) -> KernelHops | None:
+def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int = 1,
+                           stream_rows: int | None = None) -> KernelHops | None:
     """The hops of kernels/all_gather_matmul.py or kernels/matmul_reduce_scatter.py from
     the kernel's operand and result shapes ((dtype, dims) each, as the compiled text
     prints them); None if they do not look like that kernel's.
@@ -254,6 +268,12 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int
       first, a call also takes the output buffer (aliased) as its last operand.
     A weight may come stacked, [L, K, n_i] / [L, k_i, N] (a block scan's layers,
     the layer index a scalar operand): the kernel reads one layer, priced as above.
+    stream_rows: an all-gather call of the streaming kernel, C = chunks chunks of
+      stream_rows (hc) rows a half, in one call: its P C steps are the "hops" (P of
+      the result counts them): each multiplies 2 hc rows by every weight, streams
+      every weight once and writes 2 hc rows of products, sends hc rows each way
+      except at a chunk's last hop (j = P-1), which instead loads the next own
+      chunk (2 hc rows of x, HBM); the prologue is the first chunk's 2 hc rows.
     """
     floats = [(dt, d) for dt, d in operands if dt in _FLOAT_DTYPES]
     layer = lambda w: w[1:] if len(w) == 3 else w  # a stacked weight's one layer
@@ -277,6 +297,16 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int
         P, n = S // s, sum(w[1] for w in ws)
         site = (f"all_gather_matmul x[{B},{s},{K}] -> n={'+'.join(str(w[1]) for w in ws)} (P={P}"
                 f"{f', {chunks} row chunks' if chunks > 1 else ''})")
+        if stream_rows:
+            hc, C = stream_rows, chunks
+            last = lambda t: t % P == P - 1
+            flops = (2 * B * 2 * hc * K * n,) * (P * C)
+            hbm = tuple(isz * (K * n + B * 2 * hc * n + (B * 2 * hc * K if last(t) and t + 1 < P * C else 0))
+                        for t in range(P * C))
+            ici = tuple(0.0 if last(t) else isz * B * hc * K for t in range(P * C))
+            site = site[:-1] + f", streaming {C} chunks of {hc} rows)"
+            return KernelHops(kind, site.replace(f", {chunks} row chunks", ""), P * C, flops, hbm, ici,
+                              isz * B * 2 * hc * K)
         s = s / chunks  # this call's rows per rank (on average)
         flops = (2 * B * s * K * n,) * P
         hbm = (isz * (K * n + B * s * n),) * P
@@ -468,7 +498,8 @@ class Simulator:
         if shapes is None:  # older text: the operands' own types
             shapes = [array_shapes(x.type)[0] for x in (self.m.lookup(comp, n) for n in o.operands)
                       if x is not None and array_shapes(x.type)]
-        hops = collective_matmul_hops(kind, shapes, array_shapes(o.type), collective_matmul_call(o)[1])
+        hops = collective_matmul_hops(kind, shapes, array_shapes(o.type), collective_matmul_call(o)[1],
+                                      collective_matmul_stream_rows(o))
         name = o.op_name.rsplit("/", 2)[-2] if "/" in o.op_name else kind
         if hops is None:
             self.est.warnings.append(f"{o.name}: {kind} shapes not understood; priced as a whole-kernel roofline")

@@ -223,3 +223,119 @@ def kernel_vmem_from_hlo(text: str) -> list[dict]:
         out.append(dict(name=name.group(1) if name else "?", requested=vmem("scoped_memory_configs"),
                         used=vmem("used_scoped_memory_configs")))
     return out
+
+
+# --------------------------------------------------------------------------
+# Streaming plans (kernels/all_gather_matmul_stream.py): a half in row chunks
+# --------------------------------------------------------------------------
+
+DEFAULT_STREAM_WINDOW = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamBlocks:
+    """Block sizes asked of a streaming kernel; validated here, fitted by `fit_stream`.
+
+    chunk_rows: rows of one chunk of a half (a multiple of the dtype's sublane
+      rows), or None for the largest whose buffers fit VMEM.
+    window: VMEM slots per direction a chunk may travel through (>= 2; the
+      credits let a sender write only into a slot its neighbour has freed).
+    col_tile_limit / row_tile_limit: the largest column tile (a multiple of
+      128) and matmul row piece.
+    """
+
+    chunk_rows: int | None = None
+    window: int = DEFAULT_STREAM_WINDOW
+    col_tile_limit: int = 512
+    row_tile_limit: int = 512
+
+    def __post_init__(self):
+        ints = dict(window=self.window, col_tile_limit=self.col_tile_limit, row_tile_limit=self.row_tile_limit)
+        if self.chunk_rows is not None:
+            ints["chunk_rows"] = self.chunk_rows
+        for k, v in ints.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"StreamBlocks.{k} must be a positive int, got {v!r}")
+        if self.window < 2:
+            raise ValueError(f"StreamBlocks.window must be >= 2 (a chunk is read in one slot while the "
+                             f"next arrives in another), got {self.window}")
+        if self.col_tile_limit < LANES:
+            raise ValueError(f"StreamBlocks.col_tile_limit must be >= {LANES}, got {self.col_tile_limit}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPlan:
+    """A fitted streaming plan: each half of h rows moves as `chunks` chunks of
+    `chunk_rows` rows; chunk c starts at row `chunk_offset(c)` of its half, the
+    last one shifted back to end at h (it overlaps the one before by
+    chunks * chunk_rows - h rows, computed and written twice with the same
+    values) when chunk_rows does not divide h."""
+
+    half_rows: int
+    chunk_rows: int
+    chunks: int
+    window: int
+    col_tile: int
+    row_tiles: tuple[tuple[int, int], ...]
+    vmem: VmemPlan
+
+    def __post_init__(self):
+        h, hc, C = self.half_rows, self.chunk_rows, self.chunks
+        if not 0 < hc <= h or C != -(-h // hc):
+            raise ValueError(f"StreamPlan: {C} chunks of {hc} rows do not cover a {h}-row half")
+        if self.window < 2 or self.col_tile % LANES:
+            raise ValueError(f"StreamPlan: window {self.window} < 2 or column tile {self.col_tile}")
+        if sum(sz for _, sz in self.row_tiles) != hc:
+            raise ValueError(f"StreamPlan: row pieces {self.row_tiles} do not cover {hc} rows")
+
+    def chunk_offset(self, c: int) -> int:
+        return min(c * self.chunk_rows, self.half_rows - self.chunk_rows)
+
+    @property
+    def overlap_rows(self) -> int:
+        return self.chunks * self.chunk_rows - self.half_rows
+
+
+def stream_chunk_rows(half_rows: int, n: int, unit: int) -> int:
+    """Rows of each of `n` equal chunks covering a half: ceil(half / n) in whole `unit`s."""
+    return -(-half_rows // (n * unit)) * unit
+
+
+def fit_stream(half_rows: int, unit: int, blocks: StreamBlocks, candidates, what: str):
+    """(reason, StreamPlan): the plan of the fewest chunks (largest chunk) that fits.
+
+    With blocks.chunk_rows set, that chunk size only; else C = 1, 2, ... up to
+    `MAX_CHUNKS`, chunk rows `stream_chunk_rows`, the fewest chunks C0 that fit,
+    or, if C0's chunks do not tile the half exactly, the fewest of C0 .. 2 C0
+    that do (Wan 480x832x81's 4096-row halves: 4 chunks of 1024 rather than 3 of
+    1376, the last overlapping by 32 rows). `candidates(chunk_rows)` yields
+    (VmemPlan, (col_tile, row_tiles)) pairs, best first."""
+    cap = vmem_capacity_bytes()
+    if blocks.chunk_rows is not None:
+        if blocks.chunk_rows % unit or blocks.chunk_rows > half_rows:
+            return (f"chunk_rows {blocks.chunk_rows} is not a multiple of {unit} rows within the "
+                    f"{half_rows}-row half"), None
+        sizes = [blocks.chunk_rows]
+    else:
+        sizes = []
+        for n in range(1, min(half_rows // unit, MAX_CHUNKS) + 1):
+            hc = stream_chunk_rows(half_rows, n, unit)
+            if hc not in sizes:
+                sizes.append(hc)
+    plan, fits = None, []
+    for hc in sizes:
+        for plan, (tn, tiles) in candidates(hc):
+            if plan.limit <= cap:
+                fits.append(StreamPlan(half_rows, hc, -(-half_rows // hc), blocks.window, tn, tiles, plan))
+                break
+        if fits and blocks.chunk_rows is None:
+            # the fewest chunks that fit, unless up to twice as many tile the half exactly
+            # (no overlapping last chunk, whose rows would be multiplied twice)
+            if fits[0].overlap_rows == 0 or fits[-1].overlap_rows == 0 or fits[-1].chunks >= 2 * fits[0].chunks:
+                break
+    if fits:
+        exact = [p for p in fits if p.overlap_rows == 0]
+        return None, (exact or fits)[0]
+    need = "no plan" if plan is None else f"{plan.limit / 2**20:.1f} MiB needed"
+    return (f"VMEM budget exceeded: {need} ({what}, chunks of {sizes[-1]} rows) > {cap / 2**20:.0f} MiB "
+            f"on this chip"), None

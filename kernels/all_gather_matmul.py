@@ -71,6 +71,9 @@ so nothing is copied; its sums of squares come out per call and are put in
 row order by a small concatenation. Each call streams the weights P times
 again (C x the weight traffic, hidden under the MXU work at Wan 480x832x81
 by the estimate) and starts with its own barrier.
+The dispatch (difflet_tpu.collective_matmul.ag_kernel_choice) runs
+kernels/all_gather_matmul_stream.py instead by default: one call, the halves
+streamed chunk by chunk through a window of VMEM slots guarded by credits.
 
 Epilogue (per weight, static): each product tile leaves the MXU as float32;
 the bias row's columns are added in float32, then the activation
@@ -139,6 +142,68 @@ ACTIVATIONS = {"gelu_tanh": lambda y: jax.nn.gelu(y, approximate=True)}
 # Plan: tiles and the VMEM each buffer takes
 # --------------------------------------------------------------------------
 
+def _check(x_shape, widths, dtype, axis_size, biases, activations, sum_squares):
+    """The shape / dtype / epilogue rules shared by the resident and streaming plans
+    (kernels/all_gather_matmul_stream.py): one sentence why not, or
+    (B, s, K, unit, dtype, activations, sum_squares, bias VMEM buffers)."""
+    dtype = jnp.dtype(dtype)
+    reason = _common.dtype_reason(dtype)
+    if reason:
+        return reason
+    if len(x_shape) < 2:
+        return f"x must be [..., rows, K], got {tuple(x_shape)}"
+    if axis_size < 2:
+        return "the ring needs at least 2 ranks"
+    B, _ = _common.fold_batch(x_shape)
+    s, K = int(x_shape[-2]), int(x_shape[-1])
+    unit = _common.sublane_rows(dtype)
+    if s % 2 or (s // 2) % unit:
+        return (f"each half of this rank's {s} rows must be a multiple of {unit} rows for {dtype.name} "
+                f"(pad the sequence to a multiple of {2 * unit * axis_size})")
+    if K % _common.LANES:
+        return f"K = {K} is not a multiple of 128"
+    if not widths or any(int(n) % _common.LANES or int(n) <= 0 for n in widths):
+        return f"weight widths {list(widths)} are not all positive multiples of 128"
+    biases = list(biases) if biases is not None else [None] * len(widths)
+    activations = list(activations) if activations is not None else [None] * len(widths)
+    sum_squares = [bool(q) for q in sum_squares] if sum_squares is not None else [False] * len(widths)
+    if len(biases) != len(widths) or len(activations) != len(widths) or len(sum_squares) != len(widths):
+        return "one bias, one activation (or None) and one sum_squares flag per weight"
+    bad = [a for a in activations if a is not None and a not in ACTIVATIONS]
+    if bad:
+        return f"activations {bad} are not among {sorted(ACTIVATIONS)}"
+    for b in biases:
+        if b is not None and _common.dtype_reason(b[1]):
+            return "bias: " + _common.dtype_reason(b[1])
+    # biases in VMEM: all rows, padded by Mosaic to whole sublane tiles of their dtype
+    pad = lambda rows, bd: -(-int(rows) // _common.sublane_rows(bd)) * _common.sublane_rows(bd)
+    bias_bufs = [_common.buffer(f"bias {i}", (pad(*b), n), b[1])
+                 for i, (b, n) in enumerate(zip(biases, widths)) if b is not None]
+    return B, s, K, unit, dtype, activations, sum_squares, bias_bufs
+
+
+def _vmem_plan(B, h, K, tn, tiles, dtype, slots, activations, sum_squares, bias_bufs):
+    """The VMEM buffers of h-row halves (resident) or h-row chunks (streaming) in `slots`
+    slots per direction, column tile tn, row pieces `tiles`."""
+    tm = max(sz for _, sz in tiles)
+    return _common.VmemPlan((
+        _common.buffer("xbuf", (2, slots, B, h, K), dtype),
+        _common.buffer("wbuf", (2, K, tn), dtype),
+        _common.buffer("obuf", (2, 2, B, h, tn), dtype),
+        # values Mosaic materialises per dot: the x row piece, the weight tile, the f32 result
+        _common.buffer("dot operands", (tm * K + K * tn,), dtype),
+        _common.buffer("f32 result", (tm, tn), jnp.float32),
+        # the epilogue's float32 temporaries (bias added, GELU's inner terms;
+        # the rounded tile read back and squared for a sum of squares)
+        *([_common.buffer("f32 epilogue", (2, tm, tn), jnp.float32)]
+          if any(a is not None for a in activations) or any(sum_squares) else []),
+        *bias_bufs,
+        # row sums of squares: [2, 2, B, 1, h] f32, (1, h) padded to (8, 128k)
+        *([_common.buffer("ssq", (2, 2, B, 8, -(-h // _common.LANES) * _common.LANES), jnp.float32)]
+          if any(sum_squares) else []),
+    ))
+
+
 def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
           col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT, row_tile_limit=DEFAULT_ROW_TILE_LIMIT,
           biases=None, activations=None, sum_squares=None, chunks=None):
@@ -150,60 +215,15 @@ def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
     chunks: how many row chunks of the shard (one kernel call each,
     `_common.row_chunks`); None takes the fewest whose buffers fit VMEM. The
     buffers and `row_tiles` are the largest chunk's."""
-    dtype = jnp.dtype(dtype)
-    reason = _common.dtype_reason(dtype)
-    if reason:
-        return reason, None, None, None, None
-    if len(x_shape) < 2:
-        return f"x must be [..., rows, K], got {tuple(x_shape)}", None, None, None, None
-    if axis_size < 2:
-        return "the ring needs at least 2 ranks", None, None, None, None
-    B, _ = _common.fold_batch(x_shape)
-    s, K = int(x_shape[-2]), int(x_shape[-1])
-    unit = _common.sublane_rows(dtype)
-    if s % 2 or (s // 2) % unit:
-        return (f"each half of this rank's {s} rows must be a multiple of {unit} rows for {dtype.name} "
-                f"(pad the sequence to a multiple of {2 * unit * axis_size})"), None, None, None, None
-    if K % _common.LANES:
-        return f"K = {K} is not a multiple of 128", None, None, None, None
-    if not widths or any(int(n) % _common.LANES or int(n) <= 0 for n in widths):
-        return f"weight widths {list(widths)} are not all positive multiples of 128", None, None, None, None
-    biases = list(biases) if biases is not None else [None] * len(widths)
-    activations = list(activations) if activations is not None else [None] * len(widths)
-    sum_squares = [bool(q) for q in sum_squares] if sum_squares is not None else [False] * len(widths)
-    if len(biases) != len(widths) or len(activations) != len(widths) or len(sum_squares) != len(widths):
-        return "one bias, one activation (or None) and one sum_squares flag per weight", None, None, None, None
-    bad = [a for a in activations if a is not None and a not in ACTIVATIONS]
-    if bad:
-        return f"activations {bad} are not among {sorted(ACTIVATIONS)}", None, None, None, None
-    for b in biases:
-        if b is not None and _common.dtype_reason(b[1]):
-            return "bias: " + _common.dtype_reason(b[1]), None, None, None, None
-    # biases in VMEM: all rows, padded by Mosaic to whole sublane tiles of their dtype
-    pad = lambda rows, bd: -(-int(rows) // _common.sublane_rows(bd)) * _common.sublane_rows(bd)
-    bias_bufs = [_common.buffer(f"bias {i}", (pad(*b), n), b[1])
-                 for i, (b, n) in enumerate(zip(biases, widths)) if b is not None]
+    checked = _check(x_shape, widths, dtype, axis_size, biases, activations, sum_squares)
+    if isinstance(checked, str):
+        return checked, None, None, None, None
+    B, s, K, unit, dtype, activations, sum_squares, bias_bufs = checked
 
     def candidates(h):
         for tn in _common.column_tile_candidates(widths, col_tile_limit):
             tiles = _common.row_tiles(h, row_tile_limit, unit)
-            tm = max(sz for _, sz in tiles)
-            yield _common.VmemPlan((
-                _common.buffer("xbuf", (2, recv_slots, B, h, K), dtype),
-                _common.buffer("wbuf", (2, K, tn), dtype),
-                _common.buffer("obuf", (2, 2, B, h, tn), dtype),
-                # values Mosaic materialises per dot: the x row piece, the weight tile, the f32 result
-                _common.buffer("dot operands", (tm * K + K * tn,), dtype),
-                _common.buffer("f32 result", (tm, tn), jnp.float32),
-                # the epilogue's float32 temporaries (bias added, GELU's inner terms;
-                # the rounded tile read back and squared for a sum of squares)
-                *([_common.buffer("f32 epilogue", (2, tm, tn), jnp.float32)]
-                  if any(a is not None for a in activations) or any(sum_squares) else []),
-                *bias_bufs,
-                # row sums of squares: [2, 2, B, 1, h] f32, (1, h) padded to (8, 128k)
-                *([_common.buffer("ssq", (2, 2, B, 8, -(-h // _common.LANES) * _common.LANES), jnp.float32)]
-                  if any(sum_squares) else []),
-            )), (tn, tiles)
+            yield _vmem_plan(B, h, K, tn, tiles, dtype, recv_slots, activations, sum_squares, bias_bufs), (tn, tiles)
 
     reason, extra, plan, pieces = _common.fit_chunks(
         s, unit, chunks, candidates, f"halves resident in {recv_slots} slots per direction")

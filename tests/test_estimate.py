@@ -507,3 +507,27 @@ def test_row_chunk_calls_price_their_share_of_the_rows():
     assert 3 * sum(later.flops) == pytest.approx(sum(whole.flops)) and "3 row chunks" in later.site
     assert 3 * sum(later.ici) == pytest.approx(sum(whole.ici))
     assert E.collective_matmul_call(op("matmul_reduce_scatter_x.1")) is None
+
+
+def test_streaming_all_gather_kernel_is_priced_by_steps():
+    # kernels/all_gather_matmul_stream.py: one call, P C steps of 2 hc rows each; the
+    # name carries C and hc. Wan 480x832x81 q: 4096-row halves in 4 chunks of 1024.
+    op = lambda name: E.Op(name=name, op="custom-call", type="bf16[1]",
+                           text='custom_call_target="tpu_custom_call"')
+    o = op("all_gather_matmul_stream_4chunks_1024rows.3")
+    assert E.collective_matmul_call(o) == ("all_gather_matmul", 4)
+    assert E.collective_matmul_stream_rows(o) == 1024
+    assert E.collective_matmul_stream_rows(op("all_gather_matmul_3chunks.5")) is None
+    head = [("s32", (10,)), ("s32", (1,)), ("s32", (10,))]
+    x, out, wq = ("bf16", (1, 8192, 5120)), [("bf16", (1, 32768, 1280))], ("bf16", (40, 5120, 1280))
+    whole = E.collective_matmul_hops("all_gather_matmul", head + [x, wq], out)
+    stream = E.collective_matmul_hops("all_gather_matmul", head + [x, wq], out, chunks=4, stream_rows=1024)
+    assert stream.P == 16 and "streaming 4 chunks of 1024 rows" in stream.site
+    assert sum(stream.flops) == pytest.approx(sum(whole.flops))  # chunks tile the halves: no overlap
+    assert sum(stream.ici) == pytest.approx(sum(whole.ici))
+    assert [bool(i) for i in stream.ici] == [True, True, True, False] * 4
+    weight = 2 * 1280 * 5120
+    # own rows read once (prologue + 3 loads), the weights once per step instead of once per hop
+    assert sum(stream.hbm) + stream.prologue_hbm == pytest.approx(sum(whole.hbm) + whole.prologue_hbm
+                                                                   + 12 * weight)
+    assert stream.prologue_hbm == pytest.approx(whole.prologue_hbm / 4)

@@ -35,6 +35,16 @@ re-raise). The race detector is always on. Spec keys:
            (against collective_matmul.row_sum_squares of the unfused output),
            each max over rows of |ssq - ref| / max(ref_row, 1).
   ring:    ring size P (2 or 4; default 4) on the 4 CPU devices
+  vmem_capacity: the chip VMEM bytes the plans assume (default 128 MiB): a small one
+           makes the dispatch's resident plan need row chunks ("ag_dispatch" then
+           reports "choice", collective_matmul.ag_kernel_choice's)
+  stream:  true: kinds "ag" / "ag_epi" (and the stacked "ag" case) run the streaming
+           kernel (kernels/all_gather_matmul_stream.py) instead, with
+           StreamBlocks(chunk_rows, window, col_tile, row_tile) from the keys
+           chunk_rows, window (default 3), col_tile, row_tile (default 512), and
+           skip_credit (a step whose send goes without its credit: the racy
+           variant); the result then has "chunks", the plan's chunks a half
+           ("ag_epi" checks against the resident kernel's unfused path)
 
 Float32 cases use small integer values, so every product is exact and the
 kernel must equal numpy bit for bit; bf16 cases use normal values and a
@@ -102,6 +112,13 @@ def run(spec):
                      ("chunks", "_chunks")):
         if key in spec:
             knobs[arg] = spec[key]
+    if "vmem_capacity" in spec:
+        from difflet_tpu.kernels import _common
+
+        _common.vmem_capacity_bytes = lambda: spec["vmem_capacity"]
+    if spec.get("stream"):
+        global AG_KERNEL
+        AG_KERNEL, chunks = stream_kernel(spec, P_RING, dt)
     kind = spec["kind"]
     nb = len(spec.get("batch", []))
     lead = (None,) * nb
@@ -113,6 +130,8 @@ def run(spec):
 
     logging.getLogger("difflet_tpu.collective_matmul").addHandler(Count(level=logging.WARNING))
     result = {}
+    if spec.get("stream"):
+        result["chunks"] = chunks
     if kind == "ag_epi":
         result.update(epilogues(spec, params, mesh, dt, rng, lead, knobs))
         result["warnings"] = warnings
@@ -126,7 +145,7 @@ def run(spec):
         x, ws = inputs(spec, rng)
         nw = len(ws)
         if kind == "ag":
-            f = lambda x, *w: agk.all_gather_matmul(x, list(w), interpret=params, **knobs)
+            f = lambda x, *w: ag_kernel(x, list(w), interpret=params, **knobs)
         else:  # the dispatch in difflet_tpu.collective_matmul (kernel, or the ring on fallback)
             f = lambda x, *w: cm.all_gather_matmul(x, list(w), impl="pallas", interpret=params)
         g = lambda: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(*lead, "tp", None),) + (P(None, "tp"),) * nw,
@@ -135,6 +154,9 @@ def run(spec):
         outs = g()(*args)
         if kind == "ag_fallback":  # tracing the same shape again must not warn again
             outs = g()(*args)
+        if kind == "ag_dispatch":
+            result["choice"] = cm.ag_kernel_choice(x.shape[:-2] + (x.shape[-2] // P_RING, x.shape[-1]),
+                                                   [w.shape[1] // P_RING for w in ws], dt, P_RING)[0]
         result["reason"] = agk.unsupported_reason(x.shape[:-2] + (x.shape[-2] // P_RING, x.shape[-1]),
                                                   [w.shape[1] // P_RING for w in ws], dt, P_RING)
         errs = []
@@ -193,7 +215,7 @@ def stacked(spec, kind, params, mesh, dt, rng, lead):
         x, ws = inputs(spec, rng)
         nw = len(ws)
         if kind == "ag":
-            f = lambda x, layer, *w: agk.all_gather_matmul(x, list(w), layer=layer, interpret=params)
+            f = lambda x, layer, *w: ag_kernel(x, list(w), layer=layer, interpret=params)
         else:
             f = lambda x, layer, *w: cm.all_gather_matmul(x, [cm.LayerWeight(a, layer) for a in w],
                                                           impl="pallas", interpret=params)
@@ -221,6 +243,35 @@ def stacked(spec, kind, params, mesh, dt, rng, lead):
             o = np.asarray(o.astype(jnp.float32))
             errs.append(float(np.abs(o - ref).max() / max(1.0, np.abs(ref).max())))
     return errs
+
+
+AG_KERNEL = None  # the streaming kernel (a partial with its blocks), when spec["stream"]
+
+
+def ag_kernel(x, ws, **kw):
+    """The all-gather kernel under test: the resident one with its private knobs, or
+    the streaming one with its StreamBlocks (the resident knobs dropped)."""
+    from difflet_tpu.kernels import all_gather_matmul as agk
+
+    if AG_KERNEL is None:
+        return agk.all_gather_matmul(x, ws, **kw)
+    return AG_KERNEL(x, ws, **{k: v for k, v in kw.items() if not k.startswith("_")})
+
+
+def stream_kernel(spec, ring, dt):
+    """(the streaming kernel with the spec's blocks, the plan's chunks a half)."""
+    import functools
+
+    from difflet_tpu.kernels import _common
+    from difflet_tpu.kernels import all_gather_matmul_stream as ags
+
+    blocks = _common.StreamBlocks(chunk_rows=spec.get("chunk_rows"), window=spec.get("window", 3),
+                                  col_tile_limit=spec.get("col_tile", 512), row_tile_limit=spec.get("row_tile", 512))
+    S, K = spec["S"], spec["K"]
+    reason, plan = ags.plan(tuple(spec.get("batch", [])) + (S // ring, K), spec["widths"], dt, ring, blocks=blocks)
+    assert reason is None, reason
+    return functools.partial(ags.all_gather_matmul_stream, blocks=blocks,
+                             _skip_credit_at=spec.get("skip_credit")), plan.chunks
 
 
 def gelu_tanh64(y):
@@ -264,8 +315,8 @@ def epilogues(spec, params, mesh, dt, rng, lead, knobs):
             wrap = (lambda v: cm.LayerWeight(v, layer)) if stacked else (lambda v: v)
             eps = [cm.Epilogue(None if bb is None else wrap(bb), ac, q) for bb, ac, q in zip(b, acts, ssqs)]
             return cm.all_gather_matmul(x, [wrap(v) for v in w], impl="pallas", epilogues=eps, interpret=params)
-        return agk.all_gather_matmul(x, w, layer=layer if stacked else None, biases=b, activations=acts,
-                                     sum_squares=ssqs, interpret=params, **knobs)
+        return ag_kernel(x, w, layer=layer if stacked else None, biases=b, activations=acts,
+                         sum_squares=ssqs, interpret=params, **knobs)
 
     def unfused(x, layer, *a):  # the kernel's bare products, then the epilogue as an XLA pass
         w, b = split(a)

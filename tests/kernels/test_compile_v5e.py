@@ -19,7 +19,8 @@ import json, time
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from difflet_tpu import collective_matmul as cm, deviceless
-from difflet_tpu.kernels import _common, all_gather_matmul as agk, matmul_reduce_scatter as rsk
+from difflet_tpu.kernels import _common, all_gather_matmul as agk, all_gather_matmul_stream as ags
+from difflet_tpu.kernels import matmul_reduce_scatter as rsk
 mesh = deviceless.topology_mesh("v5e:2x2")
 kind, S, K, widths, N = {kind!r}, {S}, {K}, {widths!r}, {N}
 bf = jnp.bfloat16
@@ -52,9 +53,15 @@ else:
     f = jax.shard_map(lambda *a: cm.matmul_reduce_scatter(list(zip(a[:n], a[n:])), impl="pallas"), mesh=mesh,
                       in_specs=(P(None, "tp"),) * n + (P("tp", None),) * n, out_specs=P("tp", None))
     args = [sd((S, 4 * k), P(None, "tp")) for k in widths] + [sd((4 * k, N), P("tp", None)) for k in widths]
+choice = None
+if kind.startswith("ag"):  # the dispatch's kernel: resident, or streaming when the halves do not fit
+    epi = {{}} if kind == "ag" else dict(biases=[(1, bf)] * n, activations=acts, sum_squares=ssq)
+    choice = cm.ag_kernel_choice((S // 4, K), widths, bf, 4, **epi)[0]
+    if choice == "stream":
+        plan = ags.plan((S // 4, K), widths, bf, 4, **epi)[1].vmem
 t = time.time()
 compiled = jax.jit(f).trace(*args).lower().compile()
-out = dict(reason=reason, compile_s=round(time.time() - t, 1),
+out = dict(reason=reason, choice=choice, compile_s=round(time.time() - t, 1),
            kernels=_common.kernel_vmem_from_hlo(compiled.as_text()),
            plan_total=plan.total if plan else None, plan_limit=plan.limit if plan else None)
 print(json.dumps(out))
@@ -75,13 +82,18 @@ SHAPES = [
     ("flux-single-qkv-mlp-bias-gelu", "ag_epi", 4608, 3072, [768, 768, 768, 3072], 0),
     # a long sequence in row chunks, one call each (Wan 480x832x81 attention out: 3 calls)
     ("wan81-attn-out-3chunks", "rs", 32768, 0, [1280], 5120),
-    ("wan81-cross-q-3chunks", "ag", 32768, 5120, [1280], 0),  # (q/k/v + sums of squares: 3 x the code)
+    # ... and the all-gathers, streamed in one call (kernels/all_gather_matmul_stream.py):
+    # 4096-row halves in 4 chunks of 1024 rows; self-attention's q/k/v with biases and
+    # the sums of squares of q and k
+    ("wan81-cross-q-stream", "ag", 32768, 5120, [1280], 0),
+    ("wan81-attn-qkv-bias-ssq-stream", "ag_ssq", 32768, 5120, [1280, 1280, 1280], 0),
     # row sums of squares (across-heads q/k RMSNorm): bias on every weight; ssq of
     # self-attention's q and k (not v), of cross-attention's q
     ("wan-attn-qkv-bias-ssq", "ag_ssq", 4736, 5120, [1280, 1280, 1280], 0),
     ("wan-cross-q-bias-ssq", "ag_ssq", 4736, 5120, [1280], 0),
 ]
-CALLS = {"wan81-attn-out-3chunks": 3, "wan81-cross-q-3chunks": 3}
+CALLS = {"wan81-attn-out-3chunks": 3}
+STREAMED = {"wan81-cross-q-stream", "wan81-attn-qkv-bias-ssq-stream"}
 
 
 @pytest.mark.slow
@@ -94,6 +106,9 @@ def test_kernel_compiles_for_v5e_within_its_vmem_limit(name, kind, S, K, widths,
     assert out["reason"] is None, f"{name} is unsupported: {out['reason']}"
     kernels = [k for k in out["kernels"] if k["name"].startswith(("all_gather_matmul", "matmul_reduce_scatter"))]
     assert len(kernels) == CALLS.get(name, 1), out["kernels"]
+    if kind.startswith("ag"):
+        assert out["choice"] == ("stream" if name in STREAMED else "resident"), out["choice"]
+        assert all(("_stream_" in k["name"]) == (name in STREAMED) for k in kernels), kernels
     for k in kernels:
         assert k["requested"] == out["plan_limit"], (k, out["plan_limit"])
         assert 0 < k["used"] <= k["requested"] <= V5E_VMEM, k

@@ -268,3 +268,97 @@ def test_race_detector_flags_the_sum_squares_kernel_with_one_slot_too_few():
                       act=[None], ssq=[True], col_tile=128, row_tile=8))
     assert not r["ok"], "the race detector did not flag the sum-of-squares kernel with one receive slot too few"
     assert "RACE DETECTED" in r["error"], r["error"][-2000:]
+
+
+# The streaming all-gather kernel (kernels/all_gather_matmul_stream.py): one call, each
+# half in C row chunks through a window of W VMEM slots per direction, guarded by
+# credits. f32 cases exact (small integers). "ragged": the chunk rows do not divide
+# the half, so the last chunk is shifted back and overlaps the one before.
+STREAM_CASES = [
+    # (name, spec, tolerance, chunks a half the plan must take)
+    ("ring4-1chunk", dict(kind="ag", ring=4, dtype="float32", batch=[], S=128, K=128, widths=[256],
+                          chunk_rows=16, col_tile=128, row_tile=8), 0.0, 1),
+    ("ring4-2chunks", dict(kind="ag", ring=4, dtype="float32", batch=[], S=128, K=128, widths=[256],
+                           chunk_rows=8, col_tile=128, row_tile=8), 0.0, 2),
+    # 40-row halves in chunks of 16: 0, 16, 24 (the last overlaps by 8 rows)
+    ("ring4-3chunks-ragged-b2-2w", dict(kind="ag", ring=4, dtype="float32", batch=[2], S=320, K=256,
+                                        widths=[128, 384], chunk_rows=16, col_tile=128, row_tile=8), 0.0, 3),
+    ("ring2-3chunks-window2", dict(kind="ag", ring=2, dtype="float32", batch=[], S=96, K=128, widths=[256, 128],
+                                   chunk_rows=8, window=2, col_tile=128, row_tile=8), 0.0, 3),
+    ("ring4-4chunks-window4", dict(kind="ag", ring=4, dtype="float32", batch=[1], S=256, K=128, widths=[128],
+                                   chunk_rows=8, window=4, col_tile=128, row_tile=8), 0.0, 4),
+    ("bf16-ring4-2chunks-3w", dict(kind="ag", ring=4, dtype="bfloat16", batch=[1], S=256, K=128,
+                                   widths=[128, 256, 128], chunk_rows=16, col_tile=128, row_tile=16), 1e-2, 2),
+    ("ring4-2chunks-stacked-L3", dict(kind="ag", ring=4, dtype="float32", batch=[], S=128, K=128,
+                                      widths=[128, 256], layers=3, at=[2, 0], chunk_rows=8, col_tile=128,
+                                      row_tile=8), 0.0, 2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,spec,tol,chunks", STREAM_CASES, ids=[c[0] for c in STREAM_CASES])
+def test_streaming_all_gather_matmul(name, spec, tol, chunks):
+    r = check_ok(dict(stream=True, **spec), tol)
+    assert r["chunks"] == chunks, r["chunks"]
+
+
+# ... with fused epilogues: bias, GELU, sums of squares (assembled from the chunks'
+# slabs, the overlap dropped), against float64 numpy and the resident kernel's
+# unfused path (f32: bit for bit).
+STREAM_EPILOGUE_CASES = [
+    ("f32-ring4-3chunks-ragged-stacked", dict(ring=4, dtype="float32", batch=[1], S=320, K=128, widths=[128, 256],
+                                              bias=[True, False], act=[None, "gelu_tanh"], ssq=[True, True],
+                                              layers=3, at=[2, 0], chunk_rows=16, col_tile=128, row_tile=8),
+     1e-6, 1e-6, 3),
+    ("bf16-ring2-qkv-2chunks", dict(ring=2, dtype="bfloat16", batch=[], S=128, K=128, widths=[256, 256, 256],
+                                    bias=[True, True, True], act=[None, None, None], ssq=[True, True, False],
+                                    chunk_rows=16, col_tile=128, row_tile=16), 1e-6, 2 ** -7, 2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,spec,tol,ref_tol,chunks", STREAM_EPILOGUE_CASES,
+                         ids=[c[0] for c in STREAM_EPILOGUE_CASES])
+def test_streaming_epilogues_match_float64_and_the_unfused_path(name, spec, tol, ref_tol, chunks):
+    f32 = spec["dtype"] == "float32"
+    r = check_ok(dict(kind="ag_epi", stream=True, **spec), 1e-6 if f32 else 1e-2)
+    assert r["chunks"] == chunks, r["chunks"]
+    if f32:
+        assert max(r["unfused_err"]) == 0.0, r["unfused_err"]
+    n_ssq = len(spec.get("at", [0])) * sum(spec["ssq"])
+    assert len(r["ssq_err"]) == n_ssq and r["ssq_dtype"] == ["float32"] * n_ssq
+    assert max(r["ssq_err"]) <= tol, r["ssq_err"]
+    assert max(r["ssq_ref_err"]) <= ref_tol, r["ssq_ref_err"]
+
+
+# One credit too few: the send at step P (chunk 1's first, where nothing but the
+# credit orders the receiver's reads of that slot before the write) goes without
+# its credit, and the receiver does not signal it. The same shapes pass above.
+@pytest.mark.slow
+@pytest.mark.parametrize("name,spec", [
+    ("ring4-2chunks", dict(kind="ag", ring=4, dtype="float32", batch=[], S=128, K=128, widths=[256], chunk_rows=8,
+                           col_tile=128, row_tile=8, skip_credit=4)),
+    ("ring2-3chunks-window2", dict(kind="ag", ring=2, dtype="float32", batch=[], S=96, K=128, widths=[256, 128],
+                                   chunk_rows=8, window=2, col_tile=128, row_tile=8, skip_credit=2)),
+    ("epilogue-ring4-3chunks-ragged", dict(kind="ag_epi", ring=4, dtype="float32", batch=[1], S=320, K=128,
+                                           widths=[128, 256], bias=[True, False], act=[None, "gelu_tanh"],
+                                           ssq=[True, True], chunk_rows=16, col_tile=128, row_tile=8,
+                                           skip_credit=4)),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_race_detector_flags_the_streaming_kernel_with_one_credit_too_few(name, spec):
+    r = run_case(dict(stream=True, **spec))
+    assert not r["ok"], "the race detector did not flag a streaming kernel with one credit too few"
+    assert r["error_type"] == "JaxRuntimeError", r["error_type"]
+    assert "RACE DETECTED" in r["error"], r["error"][-2000:]
+
+
+# The dispatch (collective_matmul, impl="pallas") with a chip VMEM of 8 MiB + ~0.5 MB:
+# the resident halves (0.56 MB of buffers) do not fit, so it runs the streaming kernel
+# (2 chunks of 16 rows, 0.38 MB); with long_sequence "chunks" (ag_kernel_choice) it would
+# run 2 resident calls instead.
+@pytest.mark.slow
+def test_dispatch_streams_when_the_resident_halves_do_not_fit():
+    r = check_ok(dict(kind="ag_dispatch", dtype="float32", batch=[2], S=256, K=128, widths=[128, 256],
+                      vmem_capacity=8 * 2**20 + 500_000), 0.0)
+    assert r["choice"] == "stream", r["choice"]
+    assert r["warnings"] == []

@@ -124,3 +124,39 @@ def test_all_gather_matmul_row_chunks_fit_vmem(x_shape, widths, want):
     assert [off for off, _ in pieces] == [sum(sz for _, sz in pieces[:i]) for i in range(n)]
     assert n == want, n
     assert all(agk._plan(x_shape, widths, BF16, 4, chunks=c)[0] is not None for c in range(1, n))
+
+
+# Which all-gather kernel the dispatch runs (difflet_tpu.collective_matmul.ag_kernel_choice):
+# resident halves when they fit, else the streaming kernel (one call), or with
+# long_sequence="chunks" the resident kernel once per row chunk.
+@pytest.mark.parametrize("x_shape,widths,kw,choice", [
+    ((1184, 5120), [1280, 1280, 1280], {}, "resident"),                            # Wan 480x832x21 q/k/v
+    ((8192, 5120), [1280, 1280, 1280], {}, "stream"),                              # Wan 480x832x81 q/k/v
+    ((8192, 5120), [1280, 1280, 1280], dict(biases=[(1, BF16)] * 3, sum_squares=[True, True, False]), "stream"),
+    ((8192, 5120), [3456], dict(long_sequence="chunks"), "chunks"),
+])
+def test_all_gather_kernel_choice(x_shape, widths, kw, choice):
+    from difflet_tpu import collective_matmul as cm
+    from difflet_tpu.kernels import all_gather_matmul_stream as ags
+
+    got, reason = cm.ag_kernel_choice(x_shape, widths, BF16, 4, **kw)
+    assert (got, reason) == (choice, None)
+    if choice == "stream":  # 4096-row halves: 4 chunks of 1024 rows (3 of 1376 would overlap by 32)
+        _, plan = ags.plan(x_shape, widths, BF16, 4, **{k: v for k, v in kw.items() if k != "long_sequence"})
+        assert (plan.chunks, plan.chunk_rows, plan.overlap_rows, plan.window) == (4, 1024, 0, 3)
+        assert plan.vmem.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
+
+
+def test_stream_blocks_are_validated():
+    from difflet_tpu.kernels import all_gather_matmul_stream as ags
+
+    for bad in (dict(window=1), dict(chunk_rows=0), dict(col_tile_limit=64), dict(window=2.0)):
+        with pytest.raises(ValueError):
+            _common.StreamBlocks(**bad)
+    reason = ags.unsupported_reason((8192, 5120), [1280], BF16, 4, blocks=_common.StreamBlocks(chunk_rows=1000))
+    assert "multiple of 16" in reason
+    reason = ags.unsupported_reason((8192, 5120), [1280], BF16, 4, blocks=_common.StreamBlocks(chunk_rows=4096))
+    assert "VMEM budget exceeded" in reason
+    # a chunk size asked for is kept; the last chunk shifted back to end at the half
+    _, plan = ags.plan((8192, 5120), [1280], BF16, 4, blocks=_common.StreamBlocks(chunk_rows=1024, window=2))
+    assert (plan.chunks, plan.window, [plan.chunk_offset(c) for c in range(4)]) == (4, 2, [0, 1024, 2048, 3072])

@@ -1,0 +1,452 @@
+"""All-gather + matmul, streaming: each half moves in row chunks through a window of VMEM slots.
+
+The variant of kernels/all_gather_matmul.py for shards whose halves do not fit
+VMEM (long sequences: Wan 480x832x81 is 32,768 rows, 8192 a rank at tp=4).
+Same contract, same ring, same weight-tile stream and epilogues; one call.
+
+    x        [B, s, K]      this rank's rows (leading dims folded into B)
+    w_i      [L, K, n_i]    column shards (read at layer `layer`), n_i multiples of 128
+    bias_i   [n_i] or [L, n_i]  optional, per weight
+    out_i    [B, S, n_i]    rows in global order, act_i(x @ w_i + bias_i)
+    ssq_i    [B, 2PC, 1, hc] optional (`sum_squares`): float32 row sums of squares
+                            of out_i over this rank's columns; slab (2q + d) C + c
+                            holds chunk c of rank q's half d (the wrapper puts
+                            them in row order, dropping the overlap below)
+
+Layout and tiling (per rank; h = s/2 rows a half, hc rows a chunk, W slots):
+
+    VMEM  xbuf  [2 dirs, W slots, B, hc, K]   chunks in flight (own, received, forwarded)
+          wbuf  [2, K, tn]                     weight tiles, double-buffered
+          obuf  [2, 2 dirs, B, hc, tn]         product tiles on their way to HBM
+          bbuf_i [L_i, n_i]                    weight i's bias rows (only if it has one)
+          sbuf  [2, 2 dirs, B, 1, hc] f32      row sums of squares (only with sum_squares)
+    HBM   x, w_i, bias_i (inputs), out_i, ssq_i (outputs); memory_space ANY, explicit DMA
+    SMEM  tables int32[2 + 2P]  (scalar prefetch: neighbours, shard rows of hop j; _common.ring_tables)
+          layer  int32[1]
+          slabs  int32[2 + 2P]  (ring_tables with 2C slabs a shard: (2q) C for the shards of hop j)
+          sems   recv DMA [2, W] (per direction, slot: own chunk loaded or neighbour's arrived),
+                 send DMA [2], credit REGULAR [2] (free slots downstream), w [2], o [2, 2],
+                 b [#bias], s [2, 2]
+
+Chunks: the plan (`_common.StreamPlan`, from a validated `_common.StreamBlocks`)
+cuts each half into C chunks of hc rows (a multiple of the dtype's sublane
+rows); chunk c starts at row min(c hc, h - hc) of its half, so when hc does not
+divide h the last chunk is shifted back and overlaps the one before (those rows
+are computed and written twice, with the same values). The plan prefers
+chunks that tile the half exactly (`_common.fit_stream`): Wan 480x832x81's
+4096-row halves go as 4 chunks of 1024 rows.
+
+Steps: t = c P + j, t = 0 .. PC-1 (one `lax.fori_loop`; c, j, slots and rows are
+runtime values of t). At step t rank r holds chunk c of the forward half of rank
+r-j and of the backward half of rank r+j, in slot t % W of each direction; j = 0
+is its own chunk, DMA'd from HBM during step t-1 (or before the loop); j >= 1
+arrived from upstream (r-1 forward, r+1 backward), sent by it at its step t-1.
+Chunk-major order keeps the ring a pipeline: what a rank receives at step t is
+what its upstream held at step t-1, so a chunk never waits a whole half for
+its next hop, and the window needs no more slots as C grows.
+
+    step t:  wait slot t%W (own load or arrival) ─┬─ [j < P-1] wait credit, send slot -> downstream slot (t+1)%W
+                                                   ├─ [j = P-1] load own chunk c+1 -> slot (t+1)%W
+                                                   └─ for (weight, column tile): multiply both directions' chunk,
+                                                      epilogue, DMA out (the weight stream runs on across steps)
+             [j < P-1] wait send; signal a credit upstream if slot t%W is next filled by upstream
+
+Credits (why a sender never overwrites a slot in use). Slot t % W is read by
+step t (the multiplies and the forward send), then next filled for step t + W.
+If that step's j >= 1, upstream fills it, at ITS step t + W - 1. A REGULAR
+semaphore `credit[d]` on the sender counts the slots its downstream (in
+direction d) has freed: the receiver signals it remotely
+(`pl.semaphore_signal(..., device_id=upstream)`) after step u iff step u + W
+is upstream-filled (u + W < PC and (u + W) % P != 0); the sender waits one
+credit before its send at step s iff s + 1 - W >= 0 (its send fills the
+receiver's step s + 1, whose slot's previous user was step s + 1 - W). The two
+conditions pair up one to one (u = s + 1 - W) and both sides go in step order,
+so every wait meets the signal of exactly the step it needs, and every
+semaphore is zero at exit. Within one chunk the bidirectional coupling alone
+would bound the skew (the resident kernel's R = 3 argument), but at a chunk
+boundary it does not: step (c+1, 0) waits for nobody, so upstream can start
+sending chunk c+1 while this rank still reads chunk c's last slots. A window of
+W >= 2 cannot deadlock: the credit a sender waits for is the receiver's step
+s + 1 - W <= s - 1, earlier than its own. Own chunks load into the same slots
+(a local DMA on the same receive semaphore), during step t-1 when its slot's
+previous user t - W <= t - 2 is done. `_skip_credit_at` (tests only) removes
+one credit: the sender sends at that step without waiting for it, and the
+receiver does not signal it (so the counts still balance); at the step P (the
+first send of chunk 1, where nothing else orders the receiver's reads before
+the write) the race detector flags the overwrite (tests/kernels/test_interpret.py).
+(Assuming a window of W + 1 in the bookkeeping would be one credit too few as
+well, but the detector merges the clocks of every signal a semaphore has
+received by the time of a wait, so whether it sees that overwrite depends on
+the threads' timing.)
+
+A barrier with both neighbours at entry keeps anyone from writing (a chunk or a
+credit) into a kernel instance that has not started. The weight-tile stream
+(tile u+1 loads while tile u multiplies both chunks of the step), the
+epilogue (bias, activation, cast, sum of squares of the rounded tile) and the
+output DMAs (each tile written once at its final rows, waited two tiles later)
+are those of kernels/all_gather_matmul.py; the weights stream once per step,
+i.e. P C times a call (as C resident calls would; hidden under the MXU work
+at Wan's shapes by the estimate).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import _common
+from .all_gather_matmul import ACTIVATIONS, _check, _vmem_plan
+
+COLLECTIVE_ID = 8
+
+
+# --------------------------------------------------------------------------
+# Plan
+# --------------------------------------------------------------------------
+
+def plan(x_shape, widths, dtype, axis_size, *, blocks: _common.StreamBlocks | None = None, biases=None,
+         activations=None, sum_squares=None):
+    """(reason, StreamPlan): reason None if the streaming kernel runs for these shapes.
+
+    biases / activations / sum_squares as kernels/all_gather_matmul.py's `_plan`
+    takes them; blocks: the block sizes asked (default `StreamBlocks()`: the
+    largest chunk that fits, a window of 3)."""
+    blocks = blocks or _common.StreamBlocks()
+    widths = list(widths)
+    checked = _check(x_shape, widths, dtype, axis_size, biases, activations, sum_squares)
+    if isinstance(checked, str):
+        return checked, None
+    B, s, K, unit, dtype, activations, sum_squares, bias_bufs = checked
+    if not blocks.row_tile_limit:
+        return "row_tile_limit must be positive", None
+
+    def candidates(hc):
+        for tn in _common.column_tile_candidates(widths, blocks.col_tile_limit):
+            tiles = _common.row_tiles(hc, blocks.row_tile_limit, unit)
+            yield (_vmem_plan(B, hc, K, tn, tiles, dtype, blocks.window, activations, sum_squares, bias_bufs),
+                   (tn, tiles))
+
+    return _common.fit_stream(s // 2, unit, blocks, candidates, f"chunks in {blocks.window} slots per direction")
+
+
+def unsupported_reason(x_shape, widths, dtype, axis_size, *, blocks=None, biases=None, activations=None,
+                       sum_squares=None) -> str | None:
+    """None if `all_gather_matmul_stream` runs for these shapes, else one sentence why not."""
+    return plan(x_shape, widths, dtype, axis_size, blocks=blocks, biases=biases, activations=activations,
+                sum_squares=sum_squares)[0]
+
+
+# --------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------
+
+def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, widths, tn, tiles, unit,
+            bias_stacked, activations, sum_squares, skip_credit_at):
+    nw = len(widths)
+    has_bias = [st is not None for st in bias_stacked]
+    nb, ns = sum(has_bias), sum(sum_squares)
+    refs = list(refs)
+    take = lambda n: [refs.pop(0) for _ in range(n)]
+    w_hbm, b_hbm = take(nw), take(nb)
+    out_hbm, ssq_hbm = take(nw), take(ns)
+    xbuf, wbuf, obuf = take(3)
+    bbuf = take(nb)
+    sbuf = take(1)[0] if ns else None
+    recv_sem, send_sem, credit, w_sem, o_sem, b_sem, s_sem = refs
+    bias_of, ssq_of, kb, ks = [], [], 0, 0  # weight i -> its bias slot / ssq output (None: none)
+    for hb, q in zip(has_bias, sum_squares):
+        bias_of.append(kb if hb else None)
+        ssq_of.append(ks if q else None)
+        kb, ks = kb + hb, ks + q
+    ncols = [n // tn for n in widths]
+    per_step = sum(ncols)  # weight tiles a step
+    T = P * C
+    nbr = (tables[0], tables[1])  # downstream per direction: forward r+1, backward r-1
+    upstream = (tables[1], tables[0])
+
+    def chunk0(c):  # first row of chunk c within its half (the last one shifted back to end at h)
+        return pl.multiple_of(jnp.minimum(c * hc, h - hc), unit)
+
+    def out_row(t, d):  # first output row of the chunk held at step t in direction d
+        j, c = t % P, t // P
+        base = tables[2 + j] if d == 0 else tables[2 + P + j] + h
+        return pl.multiple_of(base + chunk0(c), unit)
+
+    def load(t, d):  # own chunk t // P of half d, HBM -> slot t % W
+        return pltpu.make_async_copy(x_hbm.at[:, pl.ds(d * h + chunk0(t // P), hc)], xbuf.at[d, t % W],
+                                     recv_sem.at[d, t % W])
+
+    def send(t, d):  # slot t % W -> the downstream neighbour's slot (t + 1) % W (its step t + 1)
+        return pltpu.make_async_remote_copy(xbuf.at[d, t % W], xbuf.at[d, (t + 1) % W], send_sem.at[d],
+                                            recv_sem.at[d, (t + 1) % W], device_id={axis_name: nbr[d]})
+
+    def w_copy(i, col, par):
+        c0 = pl.multiple_of(col * tn, tn)
+        return pltpu.make_async_copy(w_hbm[i].at[layer[0], :, pl.ds(c0, tn)], wbuf.at[par], w_sem.at[par])
+
+    def o_copy(i, t, d, col, par):
+        c0 = pl.multiple_of(col * tn, tn)
+        return pltpu.make_async_copy(obuf.at[par, d], out_hbm[i].at[:, pl.ds(out_row(t, d), hc), pl.ds(c0, tn)],
+                                     o_sem.at[par, d])
+
+    def s_copy(k, t, d, sp):  # ssq output k, step t, direction d: sbuf[sp, d] -> its slab
+        j, c = t % P, t // P
+        slab = slabs[2 + j] + c if d == 0 else slabs[2 + P + j] + C + c
+        return pltpu.make_async_copy(sbuf.at[sp, d], ssq_hbm[k].at[:, slab], s_sem.at[sp, d])
+
+    # Own chunk 0 of both halves into slot 0, the bias rows and the first weight tile, at once.
+    bias_rows = [pltpu.make_async_copy(b_hbm[k], bbuf[k], b_sem.at[k]) for k in range(nb)]
+    for d in (0, 1):
+        load(0, d).start()
+    for cp in bias_rows:
+        cp.start()
+    w_copy(0, 0, 0).start()
+
+    # Nobody may write (a chunk or a credit) into a neighbour's kernel before it runs.
+    barrier = pltpu.get_barrier_semaphore()
+    for d in (0, 1):
+        pl.semaphore_signal(barrier, 1, device_id={axis_name: nbr[d]})
+    pl.semaphore_wait(barrier, 2)
+    for cp in bias_rows:
+        cp.wait()
+
+    def step(t, carry):
+        j = t % P
+        slot = t % W
+
+        @pl.when(j == 0)
+        def _():
+            for d in (0, 1):
+                load(t, d).wait()
+
+        @pl.when(j > 0)
+        def _():
+            for d in (0, 1):
+                send(t - 1, d).wait_recv()
+
+        @pl.when(j < P - 1)
+        def _():
+            for d in (0, 1):
+                needed = t + 1 - W >= 0  # downstream has freed the slot of its step t + 1 - W
+                if skip_credit_at is not None:  # tests only: one credit too few
+                    needed = needed & (t != skip_credit_at)
+
+                @pl.when(needed)
+                def _():
+                    pl.semaphore_wait(credit.at[d], 1)
+
+                send(t, d).start()
+
+        @pl.when((j == P - 1) & (t + 1 < T))  # the next step is this rank's next own chunk
+        def _():
+            for d in (0, 1):
+                load(t + 1, d).start()
+
+        for i in range(nw):
+            base = sum(ncols[:i])
+            last_weight = i + 1 == nw
+            kstep = t * ns + (ssq_of[i] or 0)  # this (step, ssq weight)'s sbuf parity
+            sp = kstep % 2
+
+            def body(col, carry, i=i, base=base, last_weight=last_weight, kstep=kstep, sp=sp):
+                u = t * per_step + base + col  # the weight stream's global tile index
+                par = u % 2
+                w_copy(i, col, par).wait()
+
+                @pl.when(col + 1 < ncols[i])
+                def _():
+                    w_copy(i, col + 1, 1 - par).start()
+
+                @pl.when((col + 1 == ncols[i]) & ((t + 1 < T) if last_weight else True))
+                def _():
+                    w_copy(0 if last_weight else i + 1, 0, 1 - par).start()
+
+                @pl.when(u >= 2)  # obuf[par] was sent out two tiles ago
+                def _():
+                    for d in (0, 1):
+                        o_copy(i, t, d, col, par).wait()
+
+                w = wbuf[par]
+                bias = None
+                if bias_of[i] is not None:  # this column tile of the bias row, float32 [1, tn]
+                    c0 = pl.multiple_of(col * tn, tn)
+                    rows = bbuf[bias_of[i]][:, pl.ds(c0, tn)].astype(jnp.float32)
+                    if bias_stacked[i]:  # row `layer`: a masked sum (exact: one term is non-zero)
+                        pick = lax.broadcasted_iota(jnp.int32, rows.shape, 0) == layer[0]
+                        bias = jnp.sum(jnp.where(pick, rows, 0.0), axis=0, keepdims=True)
+                    else:
+                        bias = rows
+                act = ACTIVATIONS[activations[i]] if activations[i] is not None else None
+                ssq = ssq_of[i] is not None
+                if ssq:
+                    @pl.when((col == 0) & (kstep >= 2))  # sbuf[sp] went out two ssq steps ago
+                    def _():
+                        for d in (0, 1):
+                            s_copy(0, 0, d, sp).wait()
+                for d in (0, 1):
+                    for b in range(B):
+                        for r0, tm in tiles:
+                            y = jnp.dot(xbuf[d, slot, b, pl.ds(r0, tm), :], w, preferred_element_type=jnp.float32)
+                            if bias is not None:
+                                y = y + bias
+                            if act is not None:
+                                y = act(y)
+                            y = y.astype(obuf.dtype)
+                            obuf[par, d, b, pl.ds(r0, tm), :] = y
+                            if ssq:  # the rounded output's squares, summed over this tile's columns
+                                yf = y.astype(jnp.float32)
+                                part = jnp.sum(yf * yf, axis=-1).reshape(1, tm)
+                                prev = sbuf[sp, d, b, :, pl.ds(r0, tm)]
+                                sbuf[sp, d, b, :, pl.ds(r0, tm)] = jnp.where(col > 0, prev + part, part)
+                for d in (0, 1):
+                    o_copy(i, t, d, col, par).start()
+                if ssq:
+                    @pl.when(col + 1 == ncols[i])  # this step's row sums are complete
+                    def _():
+                        for d in (0, 1):
+                            s_copy(ssq_of[i], t, d, sp).start()
+                return carry
+
+            lax.fori_loop(0, ncols[i], body, 0)
+
+        @pl.when(j < P - 1)
+        def _():
+            for d in (0, 1):
+                send(t, d).wait_send()
+
+        # Slot t % W is free (multiplied, forwarded): a credit upstream if upstream fills it next.
+        nxt = t + W
+        owed = (nxt < T) & (nxt % P != 0)
+        if skip_credit_at is not None:
+            owed = owed & (t != skip_credit_at + 1 - W)
+
+        @pl.when(owed)
+        def _():
+            for d in (0, 1):
+                pl.semaphore_signal(credit.at[d], 1, device_id={axis_name: upstream[d]})
+
+        return carry
+
+    lax.fori_loop(0, T, step, 0)
+
+    # Drain the last two tiles' output DMAs and the last two ssq steps' (waits count bytes only).
+    for u in range(max(0, T * per_step - 2), T * per_step):
+        for d in (0, 1):
+            o_copy(0, 0, d, 0, u % 2).wait()
+    for k in range(max(0, T * ns - 2), T * ns):
+        for d in (0, 1):
+            s_copy(0, 0, d, k % 2).wait()
+
+
+def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations=None, sum_squares=None,
+                             axis_name="tp", blocks: _common.StreamBlocks | None = None, interpret=False,
+                             _skip_credit_at=None):
+    """`kernels.all_gather_matmul.all_gather_matmul`, streaming the halves in row chunks.
+
+    Same arguments and results; `blocks` asks for block sizes (chunk rows,
+    window, tile limits), validated and fitted to VMEM (`plan`).
+    `_skip_credit_at` (tests only): a step whose send goes without its credit
+    (the deliberately racy variant; see the module docstring).
+    """
+    weights = list(weights)
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    activations = list(activations) if activations is not None else [None] * len(weights)
+    sum_squares = [bool(q) for q in sum_squares] if sum_squares is not None else [False] * len(weights)
+    if len(biases) != len(weights) or len(activations) != len(weights) or len(sum_squares) != len(weights):
+        raise ValueError("all_gather_matmul_stream kernel: one bias, one activation (or None) and one "
+                         "sum_squares flag per weight")
+    stacked_layer = layer is not None
+    if layer is None:
+        weights, layer = [w[None] for w in weights], 0
+    if any(w.ndim != 3 for w in weights) or len({w.shape[0] for w in weights}) != 1:
+        raise ValueError(f"all_gather_matmul_stream kernel: stacked weights [L, K, n_i] of one L, got "
+                         f"{[w.shape for w in weights]}")
+    widths = [int(w.shape[2]) for w in weights]
+    bias_stacked = []
+    for b, n in zip(biases, widths):
+        if b is None:
+            bias_stacked.append(None)
+        elif b.ndim == 1 and b.shape == (n,):
+            bias_stacked.append(False)
+        elif stacked_layer and b.ndim == 2 and b.shape[1] == n:
+            bias_stacked.append(True)
+        else:
+            raise ValueError(f"all_gather_matmul_stream kernel: bias {b.shape} for a weight of width {n}")
+    P = lax.axis_size(axis_name)
+    reason, sp = plan(x.shape, widths, x.dtype, P, blocks=blocks,
+                      biases=[None if b is None else (b.size // b.shape[-1], b.dtype) for b in biases],
+                      activations=activations, sum_squares=sum_squares)
+    if reason:
+        raise ValueError(f"all_gather_matmul_stream kernel: {reason}")
+    for w in weights:
+        if w.shape[1] != x.shape[-1] or w.dtype != x.dtype:
+            raise ValueError(f"all_gather_matmul_stream kernel: weight {w.shape} {w.dtype} does not take "
+                             f"x {x.shape} {x.dtype}")
+    B, lead = _common.fold_batch(x.shape)
+    s, K = x.shape[-2], x.shape[-1]
+    S, h, hc, C, W, tn = s * P, s // 2, sp.chunk_rows, sp.chunks, sp.window, sp.col_tile
+    x3 = x.reshape(B, s, K)
+    tables = _common.ring_tables(axis_name, s)
+    slabs = _common.ring_tables(axis_name, 2 * C)  # (2q) C: the first ssq slab of each hop's shard
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    ns = sum(sum_squares)
+    bias_ops = [b.reshape(-1, b.shape[-1]) for b in biases if b is not None]
+    ws = [_common.in_hbm(w) for w in weights]
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    n_total = sum(widths)
+    itemsize = jnp.dtype(x.dtype).itemsize
+    rows = 2 * C * hc  # rows a rank multiplies per hop (the overlap included)
+    kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, hc=hc, C=C, W=W, widths=tuple(widths),
+                               tn=tn, tiles=sp.row_tiles, unit=_common.sublane_rows(x.dtype),
+                               bias_stacked=tuple(bias_stacked), activations=tuple(activations),
+                               sum_squares=tuple(sum_squares),
+                               skip_credit_at=_skip_credit_at)
+    cost = pl.CostEstimate(
+        flops=2 * B * P * rows * K * n_total,
+        transcendentals=B * P * rows * sum(n for n, a in zip(widths, activations) if a is not None),
+        # this rank's rows once, every weight tile once per step, every product once
+        bytes_accessed=itemsize * (B * rows * K + P * C * K * n_total + B * P * rows * n_total),
+    )
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=([_common.out_struct((B, S, n), x.dtype, x) for n in widths]
+                   + [_common.out_struct((B, 2 * P * C, 1, hc), jnp.float32, x)] * ns),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            in_specs=[any_spec] * (1 + len(ws) + len(bias_ops)),
+            out_specs=[any_spec] * (len(ws) + ns),
+            scratch_shapes=[
+                pltpu.VMEM((2, W, B, hc, K), x.dtype),             # xbuf: the window of chunks
+                pltpu.VMEM((2, K, tn), x.dtype),                   # wbuf
+                pltpu.VMEM((2, 2, B, hc, tn), x.dtype),            # obuf
+                *[pltpu.VMEM(b.shape, b.dtype) for b in bias_ops],  # bbuf
+                *([pltpu.VMEM((2, 2, B, 1, hc), jnp.float32)] if ns else []),  # sbuf
+                pltpu.SemaphoreType.DMA((2, W)),                   # recv_sem per direction, slot
+                pltpu.SemaphoreType.DMA((2,)),                     # send_sem per direction
+                pltpu.SemaphoreType.REGULAR((2,)),                 # credit: slots freed downstream
+                pltpu.SemaphoreType.DMA((2,)),                     # w_sem
+                pltpu.SemaphoreType.DMA((2, 2)),                   # o_sem
+                pltpu.SemaphoreType.DMA((max(1, len(bias_ops)),)),  # b_sem
+                pltpu.SemaphoreType.DMA((2, 2)),                   # s_sem
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, vmem_limit_bytes=sp.vmem.limit),
+        cost_estimate=cost,
+        interpret=_common.interpret_params(interpret),
+        name=f"all_gather_matmul_stream_{C}chunks_{hc}rows",  # difflet_tpu.estimate prices it by steps
+    )(tables, layer, slabs, x3, *ws, *bias_ops)
+    ys = [o.reshape(*lead, S, o.shape[-1]) for o in outs[:len(ws)]]
+    rem = h - (C - 1) * hc  # rows of the last chunk not in the one before
+
+    def ssq_rows(o):  # [B, 2PC, 1, hc] -> [B, P, 2, C, hc] -> each half's h rows -> [..., S, 1]
+        o = o.reshape(B, P, 2, C, hc)
+        o = jnp.concatenate([o[..., :C - 1, :].reshape(B, P, 2, (C - 1) * hc), o[..., C - 1, hc - rem:]], axis=-1)
+        return o.reshape(*lead, S, 1)
+
+    ssqs = iter([ssq_rows(o) for o in outs[len(ws):]])
+    return [(y, next(ssqs)) if q else y for y, q in zip(ys, sum_squares)]
