@@ -8,8 +8,8 @@ videos of issue 14) is traced, not compiled, at its released model size on a
 every site's shapes as the step traces; this test records every answer. The
 kernels' plans are chip-independent but for VMEM, 128 MiB on both v5e and v6e
 (the default of `_common.vmem_capacity_bytes` off TPU), so one walk covers
-both. A long sequence is allowed to take several row-chunk calls; a fallback
-is not.
+both. A long sequence is allowed to take the streaming all-gather kernel or
+several row-chunk calls; a fallback is not.
 """
 
 import importlib.util
@@ -24,7 +24,7 @@ from flax import nnx
 from difflet_tpu import bench, runtime
 from difflet_tpu import pipeline as PL
 from difflet_tpu.config import Config
-from difflet_tpu.kernels import all_gather_matmul as agk
+from difflet_tpu import collective_matmul as cm
 from difflet_tpu.kernels import matmul_reduce_scatter as rsk
 from difflet_tpu.mesh import make_mesh
 from difflet_tpu.runner import Runner
@@ -38,17 +38,26 @@ CASES = sorted(n for n, (_, _, modes) in estimates.CASES.items() if modes == "al
 
 
 def _record(monkeypatch):
+    """Every site's answer: ("ag", shapes, reason, choice) from the all-gather dispatch
+    (`collective_matmul.ag_kernel_choice`: resident, stream or chunks) and ("rs", shapes,
+    reason, calls) from the reduce-scatter kernel's `unsupported_reason` / `chunks`."""
     seen = []
-    for mod, kind in ((agk, "ag"), (rsk, "rs")):
-        orig = mod.unsupported_reason
+    orig_ag = cm.ag_kernel_choice
 
-        def wrapped(*a, _orig=orig, _kind=kind, _mod=mod, **k):
-            reason = _orig(*a, **k)
-            chunks = None if reason else _mod.chunks(*a[:4], **k) if _kind == "ag" else _mod.chunks(*a[:4])
-            seen.append((_kind, repr(a[:2]), reason, chunks))
-            return reason
+    def ag(*a, **k):
+        choice, reason = orig_ag(*a, **k)
+        seen.append(("ag", repr(a[:2]), reason, choice))
+        return choice, reason
 
-        monkeypatch.setattr(mod, "unsupported_reason", wrapped)
+    orig_rs = rsk.unsupported_reason
+
+    def rs(*a, **k):
+        reason = orig_rs(*a, **k)
+        seen.append(("rs", repr(a[:2]), reason, None if reason else rsk.chunks(*a[:4])))
+        return reason
+
+    monkeypatch.setattr(cm, "ag_kernel_choice", ag)
+    monkeypatch.setattr(rsk, "unsupported_reason", rs)
     return seen
 
 
@@ -73,4 +82,6 @@ def test_every_kernel_site_runs_the_kernel(name, monkeypatch):
     assert {k for k, *_ in seen} == {"ag", "rs"}, seen  # both kernels were asked
     bad = [s for s in seen if s[2] is not None]
     assert not bad, "\n".join(f"{k} {shapes}: {reason}" for k, shapes, reason, _ in bad)
-    assert all(c >= 1 for *_, c in seen)
+    assert all(c in ("resident", "stream", "chunks") for k, *_, c in seen if k == "ag"), seen
+    print(name, sorted({c for k, *_, c in seen if k == "ag"}))
+    assert all(c >= 1 for k, *_, c in seen if k == "rs"), seen
