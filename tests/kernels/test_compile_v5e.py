@@ -72,8 +72,8 @@ V5E_VMEM = 128 * MIB
 
 SHAPES = [
     # name, kind, S, K (ag: model width), per-rank widths (ag: n_i; rs: k_i), N (rs)
-    ("wan-attn-qkv", "ag", 4736, 5120, [1280, 1280, 1280], 0),
-    ("wan-ffn-up", "ag", 4736, 5120, [3456], 0),
+    # (Wan's q/k/v and MLP input compile below with their epilogues, the sites' real form;
+    # FLUX's single-block group compiles both plain and with epilogues)
     ("wan-ffn-down", "rs", 4736, 0, [3456], 5120),
     ("flux-single-qkv-mlp", "ag", 4608, 3072, [768, 768, 768, 3072], 0),
     ("flux-single-out-2pairs", "rs", 4608, 0, [768, 3072], 3072),
