@@ -44,7 +44,11 @@ re-raise). The race detector is always on. Spec keys:
            chunk_rows, window (default 3), col_tile, row_tile (default 512), and
            skip_credit (a step whose send goes without its credit: the racy
            variant); the result then has "chunks", the plan's chunks a half
-           ("ag_epi" checks against the resident kernel's unfused path)
+           ("ag_epi" checks against the resident kernel's unfused path).
+           Kind "rs" (and the stacked "rs" case) likewise runs the streaming
+           reduce-scatter (kernels/matmul_reduce_scatter_stream.py), with the
+           same keys; bias (true/false, optional) then adds a bias [N] of small
+           integers, passed to the kernel and added to both references
 
 Float32 cases use small integer values, so every product is exact and the
 kernel must equal numpy bit for bit; bf16 cases use normal values and a
@@ -116,7 +120,10 @@ def run(spec):
         from difflet_tpu.kernels import _common
 
         _common.vmem_capacity_bytes = lambda: spec["vmem_capacity"]
-    if spec.get("stream"):
+    if spec.get("stream") and spec["kind"].startswith("rs"):
+        global RS_KERNEL
+        RS_KERNEL, chunks = rs_stream_kernel(spec, P_RING, dt)
+    elif spec.get("stream"):
         global AG_KERNEL
         AG_KERNEL, chunks = stream_kernel(spec, P_RING, dt)
     kind = spec["kind"]
@@ -174,20 +181,32 @@ def run(spec):
     else:
         xs, ws = inputs(spec, rng)
         n = len(xs)
-        if kind == "rs":
+        bias = None
+        if spec.get("bias"):  # the streaming kernel's bias [N], added once to the finished sums
+            bias = rng.integers(-3, 4, size=(spec["N"],)).astype(np.float32)
+        if kind == "rs" and RS_KERNEL is not None:
+            if bias is None:
+                f = lambda *a: RS_KERNEL(list(zip(a[:n], a[n:])), interpret=params)
+            else:
+                f = lambda *a: RS_KERNEL(list(zip(a[:n], a[n:2 * n])), bias=a[2 * n], interpret=params)
+        elif kind == "rs":
             f = lambda *a: rsk.matmul_reduce_scatter(list(zip(a[:n], a[n:])), interpret=params, **knobs)
         else:
             f = lambda *a: cm.matmul_reduce_scatter(list(zip(a[:n], a[n:])), impl="pallas", interpret=params)
-        g = lambda: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(*lead, None, "tp"),) * n + (P("tp", None),) * n,
+        bspecs = () if bias is None else (P(),)
+        g = lambda: jax.jit(jax.shard_map(f, mesh=mesh,
+                                          in_specs=(P(*lead, None, "tp"),) * n + (P("tp", None),) * n + bspecs,
                                           out_specs=P(*lead, "tp", None)))
         args = [jnp.asarray(a, dt) for a in xs + ws]
-        out = g()(*args)
+        out = g()(*args, *([] if bias is None else [jnp.asarray(bias, dt)]))
         if kind == "rs_fallback":  # tracing the same shape again must not warn again
             out = g()(*args)
         result["reason"] = rsk.unsupported_reason(
             [a.shape[:-1] + (a.shape[-1] // P_RING,) for a in xs], [(w.shape[0] // P_RING, w.shape[1]) for w in ws],
             dt, P_RING)
         ref = sum(a @ w for a, w in zip(xs, ws))
+        if bias is not None:
+            ref = ref + bias
         o = np.asarray(out.astype(jnp.float32))
         result["rel_err"] = [float(np.abs(o - ref).max() / max(1.0, np.abs(ref).max()))]
         if kind == "rs":  # the one plain reference, as above
@@ -195,6 +214,8 @@ def run(spec):
                                       mesh=mesh,
                                       in_specs=(P(*lead, None, "tp"),) * n + (P("tp", None),) * n,
                                       out_specs=P(*lead, "tp", None)))(*args)
+            if bias is not None:
+                r = r + jnp.asarray(bias, dt)
             result["ref_err"] = [float(np.abs(np.asarray(r.astype(jnp.float32)) - ref).max()
                                        / max(1.0, np.abs(ref).max()))]
     result["warnings"] = warnings
@@ -228,7 +249,8 @@ def stacked(spec, kind, params, mesh, dt, rng, lead):
         xs, ws = inputs(spec, rng)
         n = len(xs)
         if kind == "rs":
-            f = lambda layer, *a: rsk.matmul_reduce_scatter(list(zip(a[:n], a[n:])), layer=layer, interpret=params)
+            call = rsk.matmul_reduce_scatter if RS_KERNEL is None else RS_KERNEL
+            f = lambda layer, *a: call(list(zip(a[:n], a[n:])), layer=layer, interpret=params)
         else:
             f = lambda layer, *a: cm.matmul_reduce_scatter([(x, cm.LayerWeight(w, layer)) for x, w in zip(a[:n], a[n:])],
                                                            impl="pallas", interpret=params)
@@ -271,6 +293,26 @@ def stream_kernel(spec, ring, dt):
     reason, plan = ags.plan(tuple(spec.get("batch", [])) + (S // ring, K), spec["widths"], dt, ring, blocks=blocks)
     assert reason is None, reason
     return functools.partial(ags.all_gather_matmul_stream, blocks=blocks,
+                             _skip_credit_at=spec.get("skip_credit")), plan.chunks
+
+
+RS_KERNEL = None  # the streaming reduce-scatter kernel (a partial with its blocks), when spec["stream"]
+
+
+def rs_stream_kernel(spec, ring, dt):
+    """(the streaming reduce-scatter kernel with the spec's blocks, the plan's chunks a half)."""
+    import functools
+
+    from difflet_tpu.kernels import _common
+    from difflet_tpu.kernels import matmul_reduce_scatter_stream as rss
+
+    blocks = _common.StreamBlocks(chunk_rows=spec.get("chunk_rows"), window=spec.get("window", 3),
+                                  col_tile_limit=spec.get("col_tile", 512), row_tile_limit=spec.get("row_tile", 512))
+    lead, S, N = tuple(spec.get("batch", [])), spec["S"], spec["N"]
+    reason, plan = rss.plan([lead + (S, k) for k in spec["widths"]], [(k, N) for k in spec["widths"]], dt, ring,
+                            blocks=blocks, bias=(1, dt) if spec.get("bias") else None)
+    assert reason is None, reason
+    return functools.partial(rss.matmul_reduce_scatter_stream, blocks=blocks,
                              _skip_credit_at=spec.get("skip_credit")), plan.chunks
 
 

@@ -352,6 +352,50 @@ def test_race_detector_flags_the_streaming_kernel_with_one_credit_too_few(name, 
     assert "RACE DETECTED" in r["error"], r["error"][-2000:]
 
 
+# The streaming reduce-scatter kernel (kernels/matmul_reduce_scatter_stream.py): one call,
+# each direction's partial sums in C row chunks through a window of W VMEM slots, guarded
+# by credits. f32 cases exact (small integers, bit for bit against numpy and the plain
+# reference). "ragged": 40-row halves in chunks of 16 (0, 16, 24; the last overlaps).
+RS_STREAM_CASES = [
+    ("ring4-1chunk", dict(kind="rs", ring=4, dtype="float32", batch=[], S=128, N=256, widths=[128],
+                          chunk_rows=16, col_tile=128, row_tile=8), 0.0, 1),
+    ("ring4-2chunks", dict(kind="rs", ring=4, dtype="float32", batch=[], S=128, N=256, widths=[128],
+                           chunk_rows=8, col_tile=128, row_tile=8), 0.0, 2),
+    ("ring4-3chunks-ragged-b2-2pairs-bias", dict(kind="rs", ring=4, dtype="float32", batch=[2], S=320, N=384,
+                                                 widths=[128, 256], bias=True, chunk_rows=16, col_tile=128,
+                                                 row_tile=8), 0.0, 3),
+    ("ring2-3chunks-window2", dict(kind="rs", ring=2, dtype="float32", batch=[], S=96, N=256, widths=[128],
+                                   chunk_rows=8, window=2, col_tile=128, row_tile=8), 0.0, 3),
+    ("bf16-ring4-2chunks-2pairs", dict(kind="rs", ring=4, dtype="bfloat16", batch=[1], S=256, N=256,
+                                       widths=[128, 128], chunk_rows=16, col_tile=128, row_tile=16), 2e-2, 2),
+    ("ring4-2chunks-stacked-L3", dict(kind="rs", ring=4, dtype="float32", batch=[], S=128, N=256, widths=[128],
+                                      layers=3, at=[2, 0], chunk_rows=8, col_tile=128, row_tile=8), 0.0, 2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,spec,tol,chunks", RS_STREAM_CASES, ids=[c[0] for c in RS_STREAM_CASES])
+def test_streaming_matmul_reduce_scatter(name, spec, tol, chunks):
+    r = check_ok(dict(stream=True, **spec), tol)
+    assert r["chunks"] == chunks, r["chunks"]
+
+
+# One credit too few (as for the all-gather above): the send at step P, chunk 1's first
+# hop, where nothing but the credit orders the receiver's use of that slot before the write.
+@pytest.mark.slow
+@pytest.mark.parametrize("name,spec", [
+    ("ring4-2chunks", dict(kind="rs", ring=4, dtype="float32", batch=[], S=128, N=256, widths=[128],
+                           chunk_rows=8, col_tile=128, row_tile=8, skip_credit=4)),
+    ("ring2-3chunks-window2", dict(kind="rs", ring=2, dtype="float32", batch=[], S=96, N=256, widths=[128],
+                                   chunk_rows=8, window=2, col_tile=128, row_tile=8, skip_credit=2)),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_race_detector_flags_the_streaming_reduce_scatter_with_one_credit_too_few(name, spec):
+    r = run_case(dict(stream=True, **spec))
+    assert not r["ok"], "the race detector did not flag a streaming kernel with one credit too few"
+    assert r["error_type"] == "JaxRuntimeError", r["error_type"]
+    assert "RACE DETECTED" in r["error"], r["error"][-2000:]
+
+
 # The dispatch (collective_matmul, impl="pallas") with a chip VMEM of 8 MiB + ~0.5 MB:
 # the resident halves (0.56 MB of buffers) do not fit, so it runs the streaming kernel
 # (2 chunks of 16 rows, 0.38 MB); with long_sequence "chunks" (ag_kernel_choice) it would
