@@ -41,7 +41,9 @@ Rules:
   (`kernels/all_gather_matmul_stream.py`: each half in row chunks through a
   window of VMEM slots, guarded by credit semaphores); `"chunks"` keeps the
   resident kernel once per row chunk (C calls, each with its own barrier).
-  `ag_kernel_choice` says which runs for a shape.
+  `ag_kernel_choice` says which runs for a shape. The reduce-scatter likewise
+  (`RS_LONG_SEQUENCE = "stream"`: `kernels/matmul_reduce_scatter_stream.py`,
+  each direction's partial sums in row chunks; `rs_kernel_choice`).
 
 Weights are arrays, or `LayerWeight`s: one layer of a stacked `[L, K, N]`
 array, as `difflet_tpu.nn.scan_blocks` hands a scanned block its linears.
@@ -84,6 +86,9 @@ ASSEMBLE = ("concat", "dus")
 # (one call, kernels/all_gather_matmul_stream.py) or "chunks" (the resident kernel
 # once per row chunk). Both are exact; docs/kernels.md compares their estimates.
 AG_LONG_SEQUENCE = "stream"
+# The same choice for the reduce-scatter kernel (kernels/matmul_reduce_scatter_stream.py
+# or the resident kernel once per row chunk).
+RS_LONG_SEQUENCE = "stream"
 
 
 # --------------------------------------------------------------------------
@@ -422,15 +427,44 @@ def matmul_reduce_scatter(pairs, *, axis_name=TP, impl="jax", interpret=False):
     if impl == "pallas":
         from difflet_tpu.kernels import matmul_reduce_scatter as kernel
 
-        reason = kernel.unsupported_reason([x.shape for x, _ in pairs], [w.shape for _, w in pairs],
-                                           pairs[0][0].dtype, P)
+        choice, reason = rs_kernel_choice([x.shape for x, _ in pairs], [w.shape for _, w in pairs],
+                                          pairs[0][0].dtype, P)
         if reason is None:
             stacks, layer = _stacked([w for _, w in pairs])
-            return kernel.matmul_reduce_scatter([(x, w) for (x, _), w in zip(pairs, stacks)], layer=layer,
-                                                axis_name=axis_name, interpret=interpret)
+            if choice == "stream":
+                from difflet_tpu.kernels import matmul_reduce_scatter_stream as stream
+
+                call = stream.matmul_reduce_scatter_stream
+            else:
+                call = kernel.matmul_reduce_scatter
+            return call([(x, w) for (x, _), w in zip(pairs, stacks)], layer=layer, axis_name=axis_name,
+                        interpret=interpret)
         _notice_fallback("matmul_reduce_scatter",
                          (tuple(x.shape for x, _ in pairs), tuple(w.shape for _, w in pairs)), reason)
     return _rs_ring([(x, as_array(w)) for x, w in pairs], axis_name, P)
+
+
+def rs_kernel_choice(x_shapes, w_shapes, dtype, P, *, long_sequence=None):
+    """(choice, reason) for the reduce-scatter kernel at these per-rank shapes
+    (x_i [..., S, k_i], w_i [k_i, N]): choice "resident" (one call, full-width
+    accumulators resident), "stream" (one call of the streaming kernel,
+    kernels/matmul_reduce_scatter_stream.py) or "chunks" (the resident kernel once
+    per row chunk), reason None; or (None, why no kernel runs). `long_sequence`
+    (default `RS_LONG_SEQUENCE`) picks between "stream" and "chunks" when the
+    accumulators do not fit resident."""
+    from difflet_tpu.kernels import matmul_reduce_scatter as kernel
+
+    reason, _, _, _, pieces = kernel._plan(x_shapes, w_shapes, dtype, P)
+    if reason is not None:
+        return None, reason
+    if len(pieces) == 1:
+        return "resident", None
+    if (long_sequence or RS_LONG_SEQUENCE) == "stream":
+        from difflet_tpu.kernels import matmul_reduce_scatter_stream as stream
+
+        if stream.unsupported_reason(x_shapes, w_shapes, dtype, P) is None:
+            return "stream", None
+    return "chunks", None
 
 
 def _rs_ring(pairs, axis_name, P):

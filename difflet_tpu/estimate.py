@@ -209,7 +209,8 @@ def collective_matmul_call(o: Op) -> tuple[str, int] | None:
 
 def collective_matmul_stream_rows(o: Op) -> int | None:
     """The chunk rows of a streaming kernel's call (kernels/all_gather_matmul_stream.py,
-    named "all_gather_matmul_stream_<C>chunks_<rows>rows"), else None."""
+    named "all_gather_matmul_stream_<C>chunks_<rows>rows", or
+    kernels/matmul_reduce_scatter_stream.py, "matmul_reduce_scatter_stream_..."), else None."""
     if not is_pallas(o):
         return None
     for name in (o.name.split(".")[0], o.op_name):
@@ -274,6 +275,11 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int
       every weight once and writes 2 hc rows of products, sends hc rows each way
       except at a chunk's last hop (j = P-1), which instead loads the next own
       chunk (2 hc rows of x, HBM); the prologue is the first chunk's 2 hc rows.
+      A reduce-scatter call of its streaming kernel (kernels/matmul_reduce_scatter_stream.py,
+      "matmul_reduce_scatter_stream_<C>chunks_<hc>rows"): P C steps, each multiplying
+      2 hc rows by every weight, streaming every weight once and the next step's 2 hc
+      rows of x, and sending hc rows x N of sums each way, except at a chunk's last hop
+      (j = P-1), which writes its 2 hc rows of out instead; the prologue is step 0's rows.
     """
     floats = [(dt, d) for dt, d in operands if dt in _FLOAT_DTYPES]
     layer = lambda w: w[1:] if len(w) == 3 else w  # a stacked weight's one layer
@@ -315,6 +321,8 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int
     if kind == "matmul_reduce_scatter":
         if len(floats) % 2 and chunks > 1 and floats[-1][1] == outs[0][1]:
             floats = floats[:-1]  # the aliased output buffer
+        if len(floats) % 2 and stream_rows and len(floats[-1][1]) in (1, 2) and floats[-1][1][-1] == outs[0][1][-1]:
+            floats = floats[:-1]  # the streaming kernel's bias ([N] or [L, N]): a few KiB, not priced
         if len(floats) % 2:
             return None
         npairs = len(floats) // 2
@@ -328,6 +336,17 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int
         P, k = S // s, sum(x[2] for x in xs)
         site = (f"matmul_reduce_scatter x[{B},{S},{'+'.join(str(x[2]) for x in xs)}] -> N={N} (P={P}"
                 f"{f', {chunks} row chunks' if chunks > 1 else ''})")
+        if stream_rows:
+            hc, C = stream_rows, chunks
+            T = P * C
+            last = lambda t: t % P == P - 1
+            flops = tuple(2 * B * 2 * hc * k * N + B * 2 * hc * N * (npairs - 1) + (B * 2 * hc * N if t % P else 0)
+                          for t in range(T))
+            hbm = tuple(isz * (k * N + (B * 2 * hc * k if t + 1 < T else 0) + (B * 2 * hc * N if last(t) else 0))
+                        for t in range(T))
+            ici = tuple(0.0 if last(t) else isz * B * hc * N for t in range(T))
+            site = site.replace(f", {chunks} row chunks", "")[:-1] + f", streaming {C} chunks of {hc} rows)"
+            return KernelHops(kind, site, T, flops, hbm, ici, isz * B * 2 * hc * k)
         s = s / chunks  # this call's rows per rank (on average)
         flops = tuple(2 * B * s * k * N + B * s * N * (npairs - 1) + (B * s * N if j else 0) for j in range(P))
         hbm = tuple(isz * (k * N + (B * s * k if j < P - 1 else B * s * N)) for j in range(P))

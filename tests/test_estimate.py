@@ -531,3 +531,31 @@ def test_streaming_all_gather_kernel_is_priced_by_steps():
     assert sum(stream.hbm) + stream.prologue_hbm == pytest.approx(sum(whole.hbm) + whole.prologue_hbm
                                                                    + 12 * weight)
     assert stream.prologue_hbm == pytest.approx(whole.prologue_hbm / 4)
+
+
+def test_streaming_reduce_scatter_kernel_is_priced_by_steps():
+    # kernels/matmul_reduce_scatter_stream.py: one call, P C steps of 2 hc rows each; the
+    # name carries C and hc. Wan 480x832x81 attention out: 4096-row halves in 4 chunks of 1024.
+    op = lambda name: E.Op(name=name, op="custom-call", type="bf16[1]",
+                           text='custom_call_target="tpu_custom_call"')
+    o = op("matmul_reduce_scatter_stream_4chunks_1024rows.3")
+    assert E.collective_matmul_call(o) == ("matmul_reduce_scatter", 4)
+    assert E.collective_matmul_stream_rows(o) == 1024
+    assert E.collective_matmul_stream_rows(op("matmul_reduce_scatter_3chunks.5")) is None
+    head = [("s32", (10,)), ("s32", (1,))]
+    x, w, out = ("bf16", (1, 32768, 1280)), ("bf16", (40, 1280, 5120)), [("bf16", (1, 8192, 5120))]
+    whole = E.collective_matmul_hops("matmul_reduce_scatter", head + [x, w], out)
+    stream = E.collective_matmul_hops("matmul_reduce_scatter", head + [x, w], out, chunks=4, stream_rows=1024)
+    assert stream.P == 16 and "streaming 4 chunks of 1024 rows" in stream.site and "row chunks" not in stream.site
+    assert sum(stream.flops) == pytest.approx(sum(whole.flops))  # chunks tile the halves: no overlap
+    assert sum(stream.ici) == pytest.approx(sum(whole.ici))
+    assert [bool(i) for i in stream.ici] == [True, True, True, False] * 4
+    weight = 2 * 1280 * 5120
+    # x rows and out once each, the weights once per step instead of once per hop
+    assert sum(stream.hbm) + stream.prologue_hbm == pytest.approx(sum(whole.hbm) + whole.prologue_hbm
+                                                                   + 12 * weight)
+    assert stream.prologue_hbm == pytest.approx(whole.prologue_hbm / 4)
+    # a bias operand ([N]) is not priced
+    biased = E.collective_matmul_hops("matmul_reduce_scatter", head + [x, w, ("bf16", (5120,))], out, chunks=4,
+                                      stream_rows=1024)
+    assert biased == stream

@@ -4,12 +4,12 @@ Every case of benchmark/estimates.py (the results table's shapes and the long
 videos of issue 14) is traced, not compiled, at its released model size on a
 4-device `tp` ring with both Pallas kernels forced (`sp_kernel` and
 `sp_rs_kernel` "pallas"), bf16, abstract weights. The dispatch
-(difflet_tpu.collective_matmul) asks each kernel's `unsupported_reason` for
-every site's shapes as the step traces; this test records every answer. The
+(difflet_tpu.collective_matmul) asks `ag_kernel_choice` / `rs_kernel_choice`
+for every site's shapes as the step traces; this test records every answer. The
 kernels' plans are chip-independent but for VMEM, 128 MiB on both v5e and v6e
 (the default of `_common.vmem_capacity_bytes` off TPU), so one walk covers
-both. A long sequence is allowed to take the streaming all-gather kernel or
-several row-chunk calls; a fallback is not.
+both. A long sequence is allowed to take a streaming kernel (all-gather or
+reduce-scatter) or several row-chunk calls; a fallback is not.
 """
 
 import importlib.util
@@ -25,7 +25,6 @@ from difflet_tpu import bench, runtime
 from difflet_tpu import pipeline as PL
 from difflet_tpu.config import Config
 from difflet_tpu import collective_matmul as cm
-from difflet_tpu.kernels import matmul_reduce_scatter as rsk
 from difflet_tpu.mesh import make_mesh
 from difflet_tpu.runner import Runner
 
@@ -40,7 +39,7 @@ CASES = sorted(n for n, (_, _, modes) in estimates.CASES.items() if modes == "al
 def _record(monkeypatch):
     """Every site's answer: ("ag", shapes, reason, choice) from the all-gather dispatch
     (`collective_matmul.ag_kernel_choice`: resident, stream or chunks) and ("rs", shapes,
-    reason, calls) from the reduce-scatter kernel's `unsupported_reason` / `chunks`."""
+    reason, choice) from the reduce-scatter's (`collective_matmul.rs_kernel_choice`)."""
     seen = []
     orig_ag = cm.ag_kernel_choice
 
@@ -49,15 +48,15 @@ def _record(monkeypatch):
         seen.append(("ag", repr(a[:2]), reason, choice))
         return choice, reason
 
-    orig_rs = rsk.unsupported_reason
+    orig_rs = cm.rs_kernel_choice
 
     def rs(*a, **k):
-        reason = orig_rs(*a, **k)
-        seen.append(("rs", repr(a[:2]), reason, None if reason else rsk.chunks(*a[:4])))
-        return reason
+        choice, reason = orig_rs(*a, **k)
+        seen.append(("rs", repr(a[:2]), reason, choice))
+        return choice, reason
 
     monkeypatch.setattr(cm, "ag_kernel_choice", ag)
-    monkeypatch.setattr(rsk, "unsupported_reason", rs)
+    monkeypatch.setattr(cm, "rs_kernel_choice", rs)
     return seen
 
 
@@ -82,6 +81,5 @@ def test_every_kernel_site_runs_the_kernel(name, monkeypatch):
     assert {k for k, *_ in seen} == {"ag", "rs"}, seen  # both kernels were asked
     bad = [s for s in seen if s[2] is not None]
     assert not bad, "\n".join(f"{k} {shapes}: {reason}" for k, shapes, reason, _ in bad)
-    assert all(c in ("resident", "stream", "chunks") for k, *_, c in seen if k == "ag"), seen
-    print(name, sorted({c for k, *_, c in seen if k == "ag"}))
-    assert all(c >= 1 for k, *_, c in seen if k == "rs"), seen
+    assert all(c in ("resident", "stream", "chunks") for *_, c in seen), seen
+    print(name, {kind: sorted({c for k, *_, c in seen if k == kind}) for kind in ("ag", "rs")})

@@ -36,8 +36,9 @@ re-raise). The race detector is always on. Spec keys:
            each max over rows of |ssq - ref| / max(ref_row, 1).
   ring:    ring size P (2 or 4; default 4) on the 4 CPU devices
   vmem_capacity: the chip VMEM bytes the plans assume (default 128 MiB): a small one
-           makes the dispatch's resident plan need row chunks ("ag_dispatch" then
-           reports "choice", collective_matmul.ag_kernel_choice's)
+           makes the dispatch's resident plan need row chunks ("ag_dispatch" /
+           "rs_dispatch" then report "choice", collective_matmul.ag_kernel_choice's /
+           rs_kernel_choice's)
   stream:  true: kinds "ag" / "ag_epi" (and the stacked "ag" case) run the streaming
            kernel (kernels/all_gather_matmul_stream.py) instead, with
            StreamBlocks(chunk_rows, window, col_tile, row_tile) from the keys
@@ -204,6 +205,10 @@ def run(spec):
         result["reason"] = rsk.unsupported_reason(
             [a.shape[:-1] + (a.shape[-1] // P_RING,) for a in xs], [(w.shape[0] // P_RING, w.shape[1]) for w in ws],
             dt, P_RING)
+        if kind == "rs_dispatch":
+            result["choice"] = cm.rs_kernel_choice(
+                [a.shape[:-1] + (a.shape[-1] // P_RING,) for a in xs],
+                [(w.shape[0] // P_RING, w.shape[1]) for w in ws], dt, P_RING)[0]
         ref = sum(a @ w for a, w in zip(xs, ws))
         if bias is not None:
             ref = ref + bias

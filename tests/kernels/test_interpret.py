@@ -406,3 +406,15 @@ def test_dispatch_streams_when_the_resident_halves_do_not_fit():
                       vmem_capacity=8 * 2**20 + 500_000), 0.0)
     assert r["choice"] == "stream", r["choice"]
     assert r["warnings"] == []
+
+
+# The same for the reduce-scatter, with a chip VMEM of 8 MiB + 0.9 MB: the resident
+# accumulators (1.26 MB of buffers) do not fit one call, so it runs the streaming kernel
+# (2 chunks of 16 rows, 0.70 MB); with long_sequence "chunks" (rs_kernel_choice) it would
+# run 2 resident calls instead.
+@pytest.mark.slow
+def test_dispatch_streams_the_reduce_scatter_when_its_accumulators_do_not_fit():
+    r = check_ok(dict(kind="rs_dispatch", dtype="float32", batch=[2], S=256, N=256, widths=[128],
+                      vmem_capacity=8 * 2**20 + 900_000), 0.0)
+    assert r["choice"] == "stream", r["choice"]
+    assert r["warnings"] == []
