@@ -160,3 +160,38 @@ def test_stream_blocks_are_validated():
     # a chunk size asked for is kept; the last chunk shifted back to end at the half
     _, plan = ags.plan((8192, 5120), [1280], BF16, 4, blocks=_common.StreamBlocks(chunk_rows=1024, window=2))
     assert (plan.chunks, plan.window, [plan.chunk_offset(c) for c in range(4)]) == (4, 2, [0, 1024, 2048, 3072])
+
+
+# Which reduce-scatter kernel the dispatch runs (collective_matmul.rs_kernel_choice): the
+# resident accumulators when they fit one call, else the streaming kernel (one call,
+# kernels/matmul_reduce_scatter_stream.py), or with long_sequence="chunks" the resident
+# kernel once per row chunk.
+@pytest.mark.parametrize("x_shapes,w_shapes,kw,choice,plan_want", [
+    ([(4736, 1280)], [(1280, 5120)], {}, "resident", None),                   # Wan 480x832x9 attention out
+    ([(32768, 1280)], [(1280, 5120)], {}, "stream", (4, 1024)),               # Wan 480x832x81 attention out
+    ([(75776, 3456)], [(3456, 5120)], {}, "stream", (8, 1184)),               # Wan 720x1280x81 FFN down
+    ([(32768, 1280)], [(1280, 5120)], dict(long_sequence="chunks"), "chunks", None),
+])
+def test_reduce_scatter_kernel_choice(x_shapes, w_shapes, kw, choice, plan_want):
+    from difflet_tpu import collective_matmul as cm
+    from difflet_tpu.kernels import matmul_reduce_scatter_stream as rss
+
+    assert cm.rs_kernel_choice(x_shapes, w_shapes, BF16, 4, **kw) == (choice, None)
+    if plan_want:  # chunks that tile the half exactly, within the chip's VMEM
+        _, plan = rss.plan(x_shapes, w_shapes, BF16, 4)
+        assert (plan.chunks, plan.chunk_rows, plan.overlap_rows, plan.window) == plan_want + (0, 3)
+        assert plan.vmem.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
+
+
+def test_streaming_reduce_scatter_plan_reasons():
+    from difflet_tpu.kernels import matmul_reduce_scatter_stream as rss
+
+    x, w = [(32768, 1280)], [(1280, 5120)]
+    assert "multiple of 16" in rss.unsupported_reason(x, w, BF16, 4, blocks=_common.StreamBlocks(chunk_rows=1000))
+    assert "VMEM budget exceeded" in rss.unsupported_reason(x, w, BF16, 4,
+                                                            blocks=_common.StreamBlocks(chunk_rows=4096))
+    assert "multiple of 128" in rss.unsupported_reason(x, [(1280, 5100)], BF16, 4)
+    assert "one or two" in rss.unsupported_reason(x * 3, w * 3, BF16, 4)
+    # a bias [N] adds its row to the plan
+    _, plan = rss.plan(x, w, BF16, 4, bias=(1, BF16))
+    assert ("bbuf", (1, 5120), "bfloat16", 10240) in plan.vmem.buffers
