@@ -51,7 +51,7 @@ each direction:
              wait this step's sends / out writes; signal a credit upstream if upstream fills slot t%W next
 
 Sums are formed in f32 and rounded to the dtype once per hop, as the resident
-kernel and the JAX ring do, so float32 results match them bit for bit.
+kernel and the JAX ring do (the float32 tests, on small integers, are exact).
 
 Credits (why a sender never overwrites a slot in use), as
 kernels/all_gather_matmul_stream.py: slot t % W is read and rewritten by step
@@ -69,8 +69,8 @@ receiver's step s + 1 - W <= s - 1. Each (direction, slot, tile) has its own
 receive semaphore (tiles of a slot arrive one by one; a later tile's bytes
 must not satisfy an earlier tile's wait). `_skip_credit_at` (tests only)
 removes one credit (the sender sends at that step without waiting, the
-receiver does not signal it); the race detector flags the overwrite
-(tests/kernels/test_interpret.py). A barrier with both neighbours at entry
+receiver does not signal it); at step P (chunk 1's first send) the race
+detector flags the overwrite (tests/kernels/test_interpret.py). A barrier with both neighbours at entry
 keeps anyone from writing (a tile or a credit) into a kernel instance that
 has not started.
 
