@@ -102,7 +102,7 @@ from jax.experimental.pallas import tpu as pltpu
 from . import _common
 from .all_gather_matmul import ACTIVATIONS, _check, _vmem_plan
 
-COLLECTIVE_ID = 8
+COLLECTIVE_ID = 9  # each kernel its own barrier semaphore id (all_gather_matmul 7, matmul_reduce_scatter 8)
 
 
 # --------------------------------------------------------------------------

@@ -90,7 +90,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import _common
 
-COLLECTIVE_ID = 8
+COLLECTIVE_ID = 10  # each kernel its own barrier semaphore id (all_gather_matmul 7, matmul_reduce_scatter 8)
 
 
 # --------------------------------------------------------------------------
