@@ -301,16 +301,20 @@ def deviceless_report(port, shape=None, modes=("tp", "sp"), sp_kernel="jax"):
 @pytest.mark.slow
 @pytest.mark.parametrize("port", models.PORTS)
 def test_deviceless_v5e_2x2_compile_fits(port, monkeypatch):
-    """The released config at its benchmark shape, TP and SP (the JAX rings: a port's
+    """The released config at its benchmark shape under SP (the JAX rings: a port's
     Pallas all-gather default adds minutes of Mosaic compile at these sizes;
     tests/kernels compiles the kernels at the ports' shapes): compiles with splash
     attention inside, the big weights sharded, and arguments + temporaries fit in
-    a v5e chip's 16 GiB."""
+    a v5e chip's 16 GiB. SP only, to keep the suite within its time budget: TP's
+    HBM per chip at the same shapes is in the compile-only table
+    (benchmark/results/*.json, docs/benchmarks.md), and TP's plan is checked on
+    CPU devices by the parity cases above; `deviceless_report(port, modes=("tp",))`
+    compiles it by hand."""
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other engineers' deviceless compiles
-    out = deviceless_report(port)
+    out = deviceless_report(port, modes=("sp",))
     gib = 2 ** 30
     weight_bytes = 2 * out["params"]
-    for mode in ("tp", "sp"):
+    for mode in ("sp",):
         rep = out[mode]
         hbm = rep["arguments"] + rep["temporaries"]
         print(f"\n{out['preset']} {out['shape']} bf16 v5e:2x2 {mode}: arguments {rep['arguments'] / gib:.2f} GiB"
