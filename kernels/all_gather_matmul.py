@@ -256,6 +256,39 @@ def chunks(x_shape, widths, dtype, axis_size, *, biases=None, activations=None, 
 # Kernel
 # --------------------------------------------------------------------------
 
+def _bias_tile(bias_rows, col, tn: int, stacked: bool, layer):
+    """Column tile `col` of a bias held in VMEM (`bias_rows` [L, n]), float32 [1, tn]; a
+    stacked bias's row `layer` as a masked sum (exact: one term is non-zero)."""
+    c0 = pl.multiple_of(col * tn, tn)
+    rows = bias_rows[:, pl.ds(c0, tn)].astype(jnp.float32)
+    if not stacked:
+        return rows
+    pick = lax.broadcasted_iota(jnp.int32, rows.shape, 0) == layer[0]
+    return jnp.sum(jnp.where(pick, rows, 0.0), axis=0, keepdims=True)
+
+
+def _multiply_tile(xbuf, slot, w, bias, act, obuf, par, sbuf, sp, col, *, B, tiles, ssq: bool):
+    """Both directions' rows in `slot` of xbuf times the weight tile `w`, the epilogue on
+    the float32 product (bias, activation, cast) written to obuf[par]; with `ssq`, the
+    rounded tile's squares summed over its columns into sbuf[sp] (column tile 0 writes,
+    the others add). Shared by the resident and the streaming kernel."""
+    for d in (0, 1):
+        for b in range(B):
+            for r0, tm in tiles:
+                y = jnp.dot(xbuf[d, slot, b, pl.ds(r0, tm), :], w, preferred_element_type=jnp.float32)
+                if bias is not None:
+                    y = y + bias
+                if act is not None:
+                    y = act(y)
+                y = y.astype(obuf.dtype)
+                obuf[par, d, b, pl.ds(r0, tm), :] = y
+                if ssq:  # the rounded output's squares, summed over this tile's columns
+                    yf = y.astype(jnp.float32)
+                    part = jnp.sum(yf * yf, axis=-1).reshape(1, tm)
+                    prev = sbuf[sp, d, b, :, pl.ds(r0, tm)]
+                    sbuf[sp, d, b, :, pl.ds(r0, tm)] = jnp.where(col > 0, prev + part, part)
+
+
 def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, row0, K, widths, tn, tiles, slots, unit,
             bias_stacked, activations, sum_squares, aliased):
     nw = len(widths)
@@ -367,15 +400,8 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, row0, K, wid
                         o_copy(i, j, d, c, par).wait()
 
                 w = wbuf[par]
-                bias = None
-                if bias_of[i] is not None:  # this column tile of the bias row, float32 [1, tn]
-                    col = pl.multiple_of(c * tn, tn)
-                    rows = bbuf[bias_of[i]][:, pl.ds(col, tn)].astype(jnp.float32)  # [L_i, tn]
-                    if bias_stacked[i]:  # row `layer`: a masked sum (exact: one term is non-zero)
-                        pick = lax.broadcasted_iota(jnp.int32, rows.shape, 0) == layer[0]
-                        bias = jnp.sum(jnp.where(pick, rows, 0.0), axis=0, keepdims=True)
-                    else:
-                        bias = rows
+                bias = (None if bias_of[i] is None
+                        else _bias_tile(bbuf[bias_of[i]], c, tn, bias_stacked[i], layer))
                 act = ACTIVATIONS[activations[i]] if activations[i] is not None else None
                 ssq = ssq_of[i] is not None
                 if ssq and step >= 2:
@@ -383,22 +409,7 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, row0, K, wid
                     def _():
                         for d in (0, 1):
                             s_copy(0, 0, d, sp).wait()
-                for d in (0, 1):
-                    for b in range(B):
-                        for r0, tm in tiles:
-                            y = jnp.dot(xbuf[d, slot, b, pl.ds(r0, tm), :], w,
-                                        preferred_element_type=jnp.float32)
-                            if bias is not None:
-                                y = y + bias
-                            if act is not None:
-                                y = act(y)
-                            y = y.astype(obuf.dtype)
-                            obuf[par, d, b, pl.ds(r0, tm), :] = y
-                            if ssq:  # the rounded output's squares, summed over this tile's columns
-                                yf = y.astype(jnp.float32)
-                                part = jnp.sum(yf * yf, axis=-1).reshape(1, tm)
-                                prev = sbuf[sp, d, b, :, pl.ds(r0, tm)]
-                                sbuf[sp, d, b, :, pl.ds(r0, tm)] = jnp.where(c > 0, prev + part, part)
+                _multiply_tile(xbuf, slot, w, bias, act, obuf, par, sbuf, sp, c, B=B, tiles=tiles, ssq=ssq)
                 for d in (0, 1):
                     o_copy(i, j, d, c, par).start()
                 if ssq:

@@ -100,7 +100,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _common
-from .all_gather_matmul import ACTIVATIONS, _check, _vmem_plan
+from .all_gather_matmul import ACTIVATIONS, _bias_tile, _check, _multiply_tile, _vmem_plan
 
 COLLECTIVE_ID = 9  # each kernel its own barrier semaphore id (all_gather_matmul 7, matmul_reduce_scatter 8)
 
@@ -272,15 +272,8 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, wi
                         o_copy(i, t, d, col, par).wait()
 
                 w = wbuf[par]
-                bias = None
-                if bias_of[i] is not None:  # this column tile of the bias row, float32 [1, tn]
-                    c0 = pl.multiple_of(col * tn, tn)
-                    rows = bbuf[bias_of[i]][:, pl.ds(c0, tn)].astype(jnp.float32)
-                    if bias_stacked[i]:  # row `layer`: a masked sum (exact: one term is non-zero)
-                        pick = lax.broadcasted_iota(jnp.int32, rows.shape, 0) == layer[0]
-                        bias = jnp.sum(jnp.where(pick, rows, 0.0), axis=0, keepdims=True)
-                    else:
-                        bias = rows
+                bias = (None if bias_of[i] is None
+                        else _bias_tile(bbuf[bias_of[i]], col, tn, bias_stacked[i], layer))
                 act = ACTIVATIONS[activations[i]] if activations[i] is not None else None
                 ssq = ssq_of[i] is not None
                 if ssq:
@@ -288,21 +281,7 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, wi
                     def _():
                         for d in (0, 1):
                             s_copy(0, 0, d, sp).wait()
-                for d in (0, 1):
-                    for b in range(B):
-                        for r0, tm in tiles:
-                            y = jnp.dot(xbuf[d, slot, b, pl.ds(r0, tm), :], w, preferred_element_type=jnp.float32)
-                            if bias is not None:
-                                y = y + bias
-                            if act is not None:
-                                y = act(y)
-                            y = y.astype(obuf.dtype)
-                            obuf[par, d, b, pl.ds(r0, tm), :] = y
-                            if ssq:  # the rounded output's squares, summed over this tile's columns
-                                yf = y.astype(jnp.float32)
-                                part = jnp.sum(yf * yf, axis=-1).reshape(1, tm)
-                                prev = sbuf[sp, d, b, :, pl.ds(r0, tm)]
-                                sbuf[sp, d, b, :, pl.ds(r0, tm)] = jnp.where(col > 0, prev + part, part)
+                _multiply_tile(xbuf, slot, w, bias, act, obuf, par, sbuf, sp, col, B=B, tiles=tiles, ssq=ssq)
                 for d in (0, 1):
                     o_copy(i, t, d, col, par).start()
                 if ssq:
