@@ -36,14 +36,15 @@ Rules:
   `difflet_tpu.kernels` when they support the shape, and falls back to the
   JAX ring with one notice per shape otherwise; `impl="xla"` is the plain
   collective + dot (the `sp-xla` baseline, which XLA may decompose itself).
-* Long sequences (the all-gather's halves do not fit VMEM resident): by
-  default (`AG_LONG_SEQUENCE = "stream"`) one call of the streaming kernel
-  (`kernels/all_gather_matmul_stream.py`: each half in row chunks through a
-  window of VMEM slots, guarded by credit semaphores); `"chunks"` keeps the
-  resident kernel once per row chunk (C calls, each with its own barrier).
-  `ag_kernel_choice` says which runs for a shape. The reduce-scatter likewise
-  (`RS_LONG_SEQUENCE = "stream"`: `kernels/matmul_reduce_scatter_stream.py`,
-  each direction's partial sums in row chunks; `rs_kernel_choice`).
+* Which kernel: by default (`AG_KERNEL = "stream"`) the streaming kernel at
+  every shape (`kernels/all_gather_matmul_stream.py`: one call, its steps a
+  runtime loop, so its code is one step's; each half in row chunks through a
+  window of VMEM slots guarded by credit semaphores, one chunk a half when the
+  halves fit VMEM); `"resident"` runs `kernels/all_gather_matmul.py` (the hop
+  loop unrolled; once per row chunk, C calls each with its own barrier, when
+  the halves do not fit). `ag_kernel_choice` says which runs for a shape. The
+  reduce-scatter likewise (`RS_KERNEL`: `kernels/matmul_reduce_scatter_stream.py`
+  or `kernels/matmul_reduce_scatter.py`; `rs_kernel_choice`).
 
 Weights are arrays, or `LayerWeight`s: one layer of a stacked `[L, K, N]`
 array, as `difflet_tpu.nn.scan_blocks` hands a scanned block its linears.
@@ -82,13 +83,15 @@ log = logging.getLogger(__name__)
 
 IMPLS = ("jax", "pallas", "xla")
 ASSEMBLE = ("concat", "dus")
-# The all-gather kernel for shards whose halves do not fit VMEM resident: "stream"
-# (one call, kernels/all_gather_matmul_stream.py) or "chunks" (the resident kernel
-# once per row chunk). Both are exact; docs/kernels.md compares their estimates.
-AG_LONG_SEQUENCE = "stream"
+# The all-gather kernel: "stream" (kernels/all_gather_matmul_stream.py at every shape,
+# one call with a runtime step loop) or "resident" (kernels/all_gather_matmul.py, its
+# hop loop unrolled; once per row chunk where the halves do not fit VMEM). Both exact;
+# docs/benchmarks.md compares their estimates (rows L0-L2, 3a).
+AG_KERNEL = "stream"
 # The same choice for the reduce-scatter kernel (kernels/matmul_reduce_scatter_stream.py
-# or the resident kernel once per row chunk).
-RS_LONG_SEQUENCE = "stream"
+# or kernels/matmul_reduce_scatter.py).
+RS_KERNEL = "stream"
+KERNELS = ("stream", "resident")
 
 
 # --------------------------------------------------------------------------
@@ -301,27 +304,34 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
     return _ag_ring(x, [as_array(w) for w in weights], epilogues, axis_name, P, assemble)
 
 
-def ag_kernel_choice(x_shape, widths, dtype, P, *, biases=None, activations=None, sum_squares=None,
-                     long_sequence=None):
-    """(choice, reason) for the all-gather kernel at these per-rank shapes: choice
-    "resident" (one call, halves resident), "stream" (one call of the streaming
-    kernel) or "chunks" (the resident kernel once per row chunk), reason None; or
-    (None, why no kernel runs). `long_sequence` (default `AG_LONG_SEQUENCE`) picks
-    between "stream" and "chunks" when the halves do not fit resident."""
-    from difflet_tpu.kernels import all_gather_matmul as kernel
-
-    kw = dict(biases=biases, activations=activations, sum_squares=sum_squares)
-    reason, _, _, _, pieces = kernel._plan(x_shape, list(widths), dtype, P, **kw)
+def _kernel_choice(which, default, stream_reason, resident_plan):
+    """The dispatch rule of both kernels: the streaming kernel where `which` (default
+    `default`) is "stream" and it runs; else the resident one, "chunks" where its
+    plan takes more than one call."""
+    which = which or default
+    if which not in KERNELS:
+        raise ValueError(f"kernel {which!r} is not one of {KERNELS}")
+    reason, _, _, _, pieces = resident_plan()
     if reason is not None:
         return None, reason
-    if len(pieces) == 1:
-        return "resident", None
-    if (long_sequence or AG_LONG_SEQUENCE) == "stream":
-        from difflet_tpu.kernels import all_gather_matmul_stream as stream
+    if which == "stream" and stream_reason() is None:
+        return "stream", None
+    return ("resident" if len(pieces) == 1 else "chunks"), None
 
-        if stream.unsupported_reason(x_shape, widths, dtype, P, **kw) is None:
-            return "stream", None
-    return "chunks", None
+
+def ag_kernel_choice(x_shape, widths, dtype, P, *, biases=None, activations=None, sum_squares=None,
+                     kernel=None):
+    """(choice, reason) for the all-gather kernel at these per-rank shapes: choice
+    "stream" (one call of the streaming kernel), "resident" (one call, halves
+    resident) or "chunks" (the resident kernel once per row chunk), reason None;
+    or (None, why no kernel runs). `kernel` ("stream" or "resident", default
+    `AG_KERNEL`) says which of the two runs where both can."""
+    from difflet_tpu.kernels import all_gather_matmul as resident
+    from difflet_tpu.kernels import all_gather_matmul_stream as stream
+
+    kw = dict(biases=biases, activations=activations, sum_squares=sum_squares)
+    return _kernel_choice(kernel, AG_KERNEL, lambda: stream.unsupported_reason(x_shape, widths, dtype, P, **kw),
+                          lambda: resident._plan(x_shape, list(widths), dtype, P, **kw))
 
 
 def _kernel_bias(bias, layer):
@@ -444,27 +454,18 @@ def matmul_reduce_scatter(pairs, *, axis_name=TP, impl="jax", interpret=False):
     return _rs_ring([(x, as_array(w)) for x, w in pairs], axis_name, P)
 
 
-def rs_kernel_choice(x_shapes, w_shapes, dtype, P, *, long_sequence=None):
+def rs_kernel_choice(x_shapes, w_shapes, dtype, P, *, kernel=None):
     """(choice, reason) for the reduce-scatter kernel at these per-rank shapes
-    (x_i [..., S, k_i], w_i [k_i, N]): choice "resident" (one call, full-width
-    accumulators resident), "stream" (one call of the streaming kernel,
-    kernels/matmul_reduce_scatter_stream.py) or "chunks" (the resident kernel once
-    per row chunk), reason None; or (None, why no kernel runs). `long_sequence`
-    (default `RS_LONG_SEQUENCE`) picks between "stream" and "chunks" when the
-    accumulators do not fit resident."""
-    from difflet_tpu.kernels import matmul_reduce_scatter as kernel
+    (x_i [..., S, k_i], w_i [k_i, N]): choice "stream" (one call of
+    kernels/matmul_reduce_scatter_stream.py), "resident" (one call, full-width
+    accumulators resident) or "chunks" (the resident kernel once per row chunk),
+    reason None; or (None, why no kernel runs). `kernel` (default `RS_KERNEL`)
+    as `ag_kernel_choice`'s."""
+    from difflet_tpu.kernels import matmul_reduce_scatter as resident
+    from difflet_tpu.kernels import matmul_reduce_scatter_stream as stream
 
-    reason, _, _, _, pieces = kernel._plan(x_shapes, w_shapes, dtype, P)
-    if reason is not None:
-        return None, reason
-    if len(pieces) == 1:
-        return "resident", None
-    if (long_sequence or RS_LONG_SEQUENCE) == "stream":
-        from difflet_tpu.kernels import matmul_reduce_scatter_stream as stream
-
-        if stream.unsupported_reason(x_shapes, w_shapes, dtype, P) is None:
-            return "stream", None
-    return "chunks", None
+    return _kernel_choice(kernel, RS_KERNEL, lambda: stream.unsupported_reason(x_shapes, w_shapes, dtype, P),
+                          lambda: resident._plan(x_shapes, w_shapes, dtype, P))
 
 
 def _rs_ring(pairs, axis_name, P):

@@ -65,6 +65,12 @@ def column_tile_candidates(widths, limit: int) -> list[int]:
     return [t for t in range(min(g, limit) // LANES * LANES, 0, -LANES) if g % t == 0]
 
 
+def depth_tile(K: int, limit: int) -> int:
+    """The depth chunk of a matmul kernel: the largest multiple of 128 dividing K
+    (itself a multiple of 128), at most `limit` (K itself when K <= limit)."""
+    return column_tile_candidates([K], max(int(limit), LANES))[0]
+
+
 MAX_CHUNKS = 64
 
 
@@ -242,15 +248,19 @@ class StreamBlocks:
       credits let a sender write only into a slot its neighbour has freed).
     col_tile_limit / row_tile_limit: the largest column tile (a multiple of
       128) and matmul row piece.
+    depth_tile_limit: the largest depth chunk (all-gather kernel: K goes in
+      chunks summed in float32, `depth_tile`).
     """
 
     chunk_rows: int | None = None
     window: int = DEFAULT_STREAM_WINDOW
     col_tile_limit: int = 512
     row_tile_limit: int = 512
+    depth_tile_limit: int = 1024
 
     def __post_init__(self):
-        ints = dict(window=self.window, col_tile_limit=self.col_tile_limit, row_tile_limit=self.row_tile_limit)
+        ints = dict(window=self.window, col_tile_limit=self.col_tile_limit, row_tile_limit=self.row_tile_limit,
+                    depth_tile_limit=self.depth_tile_limit)
         if self.chunk_rows is not None:
             ints["chunk_rows"] = self.chunk_rows
         for k, v in ints.items():
@@ -259,8 +269,9 @@ class StreamBlocks:
         if self.window < 2:
             raise ValueError(f"StreamBlocks.window must be >= 2 (a chunk is read in one slot while the "
                              f"next arrives in another), got {self.window}")
-        if self.col_tile_limit < LANES:
-            raise ValueError(f"StreamBlocks.col_tile_limit must be >= {LANES}, got {self.col_tile_limit}")
+        for k in ("col_tile_limit", "depth_tile_limit"):
+            if getattr(self, k) < LANES:
+                raise ValueError(f"StreamBlocks.{k} must be >= {LANES}, got {getattr(self, k)}")
 
 
 @dataclasses.dataclass(frozen=True)

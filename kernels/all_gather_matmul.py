@@ -33,6 +33,8 @@ Layout and tiling (per rank; isz = itemsize):
                                               stacked; only if it has one)
           sbuf  [2, 2 dirs, B, 1, h] f32      row sums of squares on their way to HBM
                                               (only if some weight has sum_squares)
+          abuf  [2 dirs, B, h, tn] f32        products summed over depth chunks of tk
+                                              columns of x (only if tk < K)
     HBM   x, w_i, bias_i (inputs), out_i (outputs); memory_space ANY (w_i kept
           in HBM, `_common.in_hbm`), moved by explicit DMA
     SMEM  tables int32[2 + 2P] (scalar prefetch, see _common.ring_tables)
@@ -72,8 +74,10 @@ row order by a small concatenation. Each call streams the weights P times
 again (C x the weight traffic, hidden under the MXU work at Wan 480x832x81
 by the estimate) and starts with its own barrier.
 The dispatch (difflet_tpu.collective_matmul.ag_kernel_choice) runs
-kernels/all_gather_matmul_stream.py instead by default: one call, the halves
-streamed chunk by chunk through a window of VMEM slots guarded by credits.
+kernels/all_gather_matmul_stream.py instead by default, at every shape: one
+call, its steps a runtime loop (this kernel unrolls its P hops, so its code is
+P times as long), the halves streamed chunk by chunk through a window of VMEM
+slots guarded by credits (one chunk a half when they fit).
 
 Epilogue (per weight, static): each product tile leaves the MXU as float32;
 the bias row's columns are added in float32, then the activation
@@ -90,7 +94,10 @@ tiles, which Mosaic refuses.
 One weight-tile stream runs over every (hop, weight, column tile) step t: tile
 t+1 loads (HBM -> wbuf[(t+1)%2]) while tile t is multiplied with both halves;
 the products go out (obuf[t%2] -> out_i) while step t+1 computes. A column
-tile tn (a multiple of 128 dividing every n_i) is common to all weights. Row
+tile tn (a multiple of 128 dividing every n_i) is common to all weights. The depth K
+goes in chunks of tk (a multiple of 128 dividing K, at most
+`DEFAULT_DEPTH_TILE_LIMIT`) in a `fori_loop`, summed in float32 in abuf, so
+the dots Mosaic unrolls into straight-line code are (tm, tk) x (tk, tn). Row
 tiles: each half is multiplied in a few static row pieces (multiples of the
 dtype's sublane count, at most `max_row_tile` rows) to bound the f32 results.
 
@@ -132,6 +139,7 @@ from . import _common
 RECV_SLOTS = 3
 DEFAULT_COLUMN_TILE_LIMIT = 512
 DEFAULT_ROW_TILE_LIMIT = 512
+DEFAULT_DEPTH_TILE_LIMIT = 1024
 COLLECTIVE_ID = 7
 
 # Epilogue activations, applied to the float32 tile (after the bias).
@@ -182,17 +190,19 @@ def _check(x_shape, widths, dtype, axis_size, biases, activations, sum_squares):
     return B, s, K, unit, dtype, activations, sum_squares, bias_bufs
 
 
-def _vmem_plan(B, h, K, tn, tiles, dtype, slots, activations, sum_squares, bias_bufs):
+def _vmem_plan(B, h, K, tn, tiles, dtype, slots, activations, sum_squares, bias_bufs, tk):
     """The VMEM buffers of h-row halves (resident) or h-row chunks (streaming) in `slots`
-    slots per direction, column tile tn, row pieces `tiles`."""
+    slots per direction, column tile tn, row pieces `tiles`, depth chunks of tk."""
     tm = max(sz for _, sz in tiles)
     return _common.VmemPlan((
         _common.buffer("xbuf", (2, slots, B, h, K), dtype),
         _common.buffer("wbuf", (2, K, tn), dtype),
         _common.buffer("obuf", (2, 2, B, h, tn), dtype),
         # values Mosaic materialises per dot: the x row piece, the weight tile, the f32 result
-        _common.buffer("dot operands", (tm * K + K * tn,), dtype),
+        _common.buffer("dot operands", (tm * tk + tk * tn,), dtype),
         _common.buffer("f32 result", (tm, tn), jnp.float32),
+        # the float32 sums over depth chunks (only if K is cut: tk < K)
+        *([_common.buffer("acc", (2, B, h, tn), jnp.float32)] if tk < K else []),
         # the epilogue's float32 temporaries (bias added, GELU's inner terms;
         # the rounded tile read back and squared for a sum of squares)
         *([_common.buffer("f32 epilogue", (2, tm, tn), jnp.float32)]
@@ -206,7 +216,8 @@ def _vmem_plan(B, h, K, tn, tiles, dtype, slots, activations, sum_squares, bias_
 
 def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
           col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT, row_tile_limit=DEFAULT_ROW_TILE_LIMIT,
-          biases=None, activations=None, sum_squares=None, chunks=None):
+          depth_tile_limit=DEFAULT_DEPTH_TILE_LIMIT, biases=None, activations=None, sum_squares=None,
+          chunks=None):
     """(reason, tn, row_tiles, VmemPlan, row chunks): reason is None if the kernel can run.
 
     biases / activations / sum_squares: per weight, None (no bias) or the
@@ -219,11 +230,13 @@ def _plan(x_shape, widths, dtype, axis_size, *, recv_slots=RECV_SLOTS,
     if isinstance(checked, str):
         return checked, None, None, None, None
     B, s, K, unit, dtype, activations, sum_squares, bias_bufs = checked
+    tk = _common.depth_tile(K, depth_tile_limit)
 
     def candidates(h):
         for tn in _common.column_tile_candidates(widths, col_tile_limit):
             tiles = _common.row_tiles(h, row_tile_limit, unit)
-            yield _vmem_plan(B, h, K, tn, tiles, dtype, recv_slots, activations, sum_squares, bias_bufs), (tn, tiles)
+            yield (_vmem_plan(B, h, K, tn, tiles, dtype, recv_slots, activations, sum_squares, bias_bufs, tk),
+                   (tn, tiles))
 
     reason, extra, plan, pieces = _common.fit_chunks(
         s, unit, chunks, candidates, f"halves resident in {recv_slots} slots per direction")
@@ -267,15 +280,41 @@ def _bias_tile(bias_rows, col, tn: int, stacked: bool, layer):
     return jnp.sum(jnp.where(pick, rows, 0.0), axis=0, keepdims=True)
 
 
-def _multiply_tile(xbuf, slot, w, bias, act, obuf, par, sbuf, sp, col, *, B, tiles, ssq: bool):
-    """Both directions' rows in `slot` of xbuf times the weight tile `w`, the epilogue on
-    the float32 product (bias, activation, cast) written to obuf[par]; with `ssq`, the
-    rounded tile's squares summed over its columns into sbuf[sp] (column tile 0 writes,
-    the others add). Shared by the resident and the streaming kernel."""
+def _multiply_tile(xbuf, slot, wref, bias, act, obuf, par, sbuf, sp, col, *, B, tiles, ssq: bool, tk, acc):
+    """Both directions' rows in `slot` of xbuf times the weight tile `wref` [K, tn], the
+    epilogue on the float32 product (bias, activation, cast) written to obuf[par]; with
+    `ssq`, the rounded tile's squares summed over its columns into sbuf[sp] (column tile
+    0 writes, the others add). Shared by the resident and the streaming kernel.
+
+    With tk < K the depth goes in K / tk chunks, a `fori_loop` summing each chunk's
+    products into the float32 accumulator `acc` [2, B, h, tn]: one loop body of
+    (tm, tk) x (tk, tn) dots is the kernel's code, instead of every (tm, K) x (K, tn)
+    dot unrolled (Mosaic emits straight-line MXU code per dot: a 592 x 5120 x 256 dot
+    is ~0.5 MB of it, a 592 x 1024 x 256 one ~0.1 MB; docs/kernels.md)."""
+    K = wref.shape[0]
+    if tk < K:
+        def depth_chunk(k, carry):
+            k0 = pl.multiple_of(k * tk, tk)
+            w = wref[pl.ds(k0, tk), :]
+            for d in (0, 1):
+                for b in range(B):
+                    for r0, tm in tiles:
+                        p = jnp.dot(xbuf[d, slot, b, pl.ds(r0, tm), pl.ds(k0, tk)], w,
+                                    preferred_element_type=jnp.float32)
+                        prev = acc[d, b, pl.ds(r0, tm), :]
+                        acc[d, b, pl.ds(r0, tm), :] = jnp.where(k == 0, p, prev + p)
+            return carry
+
+        lax.fori_loop(0, K // tk, depth_chunk, 0)
+    else:
+        w = wref[...]
     for d in (0, 1):
         for b in range(B):
             for r0, tm in tiles:
-                y = jnp.dot(xbuf[d, slot, b, pl.ds(r0, tm), :], w, preferred_element_type=jnp.float32)
+                if tk < K:
+                    y = acc[d, b, pl.ds(r0, tm), :]
+                else:
+                    y = jnp.dot(xbuf[d, slot, b, pl.ds(r0, tm), :], w, preferred_element_type=jnp.float32)
                 if bias is not None:
                     y = y + bias
                 if act is not None:
@@ -289,7 +328,7 @@ def _multiply_tile(xbuf, slot, w, bias, act, obuf, par, sbuf, sp, col, *, B, til
                     sbuf[sp, d, b, :, pl.ds(r0, tm)] = jnp.where(col > 0, prev + part, part)
 
 
-def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, row0, K, widths, tn, tiles, slots, unit,
+def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, row0, K, widths, tn, tk, tiles, slots, unit,
             bias_stacked, activations, sum_squares, aliased):
     nw = len(widths)
     has_bias = [st is not None for st in bias_stacked]
@@ -303,6 +342,7 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, row0, K, wid
     xbuf, wbuf, obuf = take(3)
     bbuf = take(nb)
     sbuf = take(1)[0] if ns else None
+    abuf = take(1)[0] if tk < K else None
     x_sem, recv_sem, send_sem, w_sem, o_sem, b_sem, s_sem = refs
     bias_of, k = [], 0  # weight i -> its bias slot (None: no bias)
     for hb in has_bias:
@@ -399,7 +439,6 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, row0, K, wid
                     for d in (0, 1):
                         o_copy(i, j, d, c, par).wait()
 
-                w = wbuf[par]
                 bias = (None if bias_of[i] is None
                         else _bias_tile(bbuf[bias_of[i]], c, tn, bias_stacked[i], layer))
                 act = ACTIVATIONS[activations[i]] if activations[i] is not None else None
@@ -409,7 +448,8 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, row0, K, wid
                     def _():
                         for d in (0, 1):
                             s_copy(0, 0, d, sp).wait()
-                _multiply_tile(xbuf, slot, w, bias, act, obuf, par, sbuf, sp, c, B=B, tiles=tiles, ssq=ssq)
+                _multiply_tile(xbuf, slot, wbuf.at[par], bias, act, obuf, par, sbuf, sp, c, B=B, tiles=tiles,
+                               ssq=ssq, tk=tk, acc=abuf)
                 for d in (0, 1):
                     o_copy(i, j, d, c, par).start()
                 if ssq:
@@ -437,7 +477,8 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, row0, K, wid
 def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, sum_squares=None,
                       axis_name="tp", interpret=False,
                       _recv_slots=RECV_SLOTS, _col_tile_limit=DEFAULT_COLUMN_TILE_LIMIT,
-                      _row_tile_limit=DEFAULT_ROW_TILE_LIMIT, _chunks=None):
+                      _row_tile_limit=DEFAULT_ROW_TILE_LIMIT, _depth_tile_limit=DEFAULT_DEPTH_TILE_LIMIT,
+                      _chunks=None):
     """Gathers `x` over `axis_name` while multiplying it by each weight.
 
     Args:
@@ -488,7 +529,7 @@ def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, 
     P = lax.axis_size(axis_name)
     reason, tn, _, plan, pieces = _plan(x.shape, widths, x.dtype, P, recv_slots=_recv_slots,
                                         col_tile_limit=_col_tile_limit, row_tile_limit=_row_tile_limit,
-                                        biases=[None if b is None else (b.size // b.shape[-1], b.dtype)
+                                        depth_tile_limit=_depth_tile_limit, biases=[None if b is None else (b.size // b.shape[-1], b.dtype)
                                                 for b in biases],
                                         activations=activations, sum_squares=sum_squares, chunks=_chunks)
     if reason:
@@ -499,6 +540,7 @@ def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, 
     B, lead = _common.fold_batch(x.shape)
     s, K = x.shape[-2], x.shape[-1]
     S = s * P
+    tk = _common.depth_tile(K, _depth_tile_limit)
     x3 = x.reshape(B, s, K)
     tables = _common.ring_tables(axis_name, s)
     slabs = _common.ring_tables(axis_name, 2)  # 2q: the first half-slab of each hop's shard
@@ -520,7 +562,7 @@ def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, 
         h = cs // 2
         aliased = ys is not None
         kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, row0=row0, K=K,
-                                   widths=tuple(widths), tn=tn, tiles=_common.row_tiles(h, _row_tile_limit, unit),
+                                   widths=tuple(widths), tn=tn, tk=tk, tiles=_common.row_tiles(h, _row_tile_limit, unit),
                                    slots=_recv_slots, unit=unit, bias_stacked=tuple(bias_stacked),
                                    activations=tuple(activations), sum_squares=tuple(sum_squares),
                                    aliased=aliased)
@@ -545,6 +587,7 @@ def all_gather_matmul(x, weights, *, layer=None, biases=None, activations=None, 
                     pltpu.VMEM((2, 2, B, h, tn), x.dtype),            # obuf
                     *[pltpu.VMEM(b.shape, b.dtype) for b in bias_ops],  # bbuf: biases (all rows)
                     *([pltpu.VMEM((2, 2, B, 1, h), jnp.float32)] if ns else []),  # sbuf: row sums of squares
+                    *([pltpu.VMEM((2, B, h, tn), jnp.float32)] if tk < K else []),  # abuf: depth-chunk sums
                     pltpu.SemaphoreType.DMA((2,)),                    # x_sem: own halves -> slot 0
                     pltpu.SemaphoreType.DMA((2, _recv_slots)),        # recv_sem per direction, slot
                     pltpu.SemaphoreType.DMA((2,)),                    # send_sem per direction

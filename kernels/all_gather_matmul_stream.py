@@ -20,6 +20,7 @@ Layout and tiling (per rank; h = s/2 rows a half, hc rows a chunk, W slots):
           obuf  [2, 2 dirs, B, hc, tn]         product tiles on their way to HBM
           bbuf_i [L_i, n_i]                    weight i's bias rows (only if it has one)
           sbuf  [2, 2 dirs, B, 1, hc] f32      row sums of squares (only with sum_squares)
+          abuf  [2 dirs, B, hc, tn] f32        depth-chunk sums (only if tk < K; as the resident kernel)
     HBM   x, w_i, bias_i (inputs), out_i, ssq_i (outputs); memory_space ANY, explicit DMA
     SMEM  tables int32[2 + 2P]  (scalar prefetch: neighbours, shard rows of hop j; _common.ring_tables)
           layer  int32[1]
@@ -45,8 +46,9 @@ Chunk-major order keeps the ring a pipeline: what a rank receives at step t is
 what its upstream held at step t-1, so a chunk never waits a whole half for
 its next hop, and the window needs no more slots as C grows.
 
-    step t:  wait slot t%W (own load or arrival) ─┬─ [j < P-1] wait credit, send slot -> downstream slot (t+1)%W
-                                                   ├─ [j = P-1] load own chunk c+1 -> slot (t+1)%W
+    step t:  per direction d: wait slot t%W (own load or arrival), then at once
+                              [j < P-1] wait credit, send slot -> downstream slot (t+1)%W
+                                                   ┬─ [j = P-1] load own chunk c+1 -> slot (t+1)%W
                                                    └─ for (weight, column tile): multiply both directions' chunk,
                                                       epilogue, DMA out (the weight stream runs on across steps)
              [j < P-1] wait send; signal a credit upstream if slot t%W is next filled by upstream
@@ -124,11 +126,12 @@ def plan(x_shape, widths, dtype, axis_size, *, blocks: _common.StreamBlocks | No
     B, s, K, unit, dtype, activations, sum_squares, bias_bufs = checked
     if not blocks.row_tile_limit:
         return "row_tile_limit must be positive", None
+    tk = _common.depth_tile(K, blocks.depth_tile_limit)
 
     def candidates(hc):
         for tn in _common.column_tile_candidates(widths, blocks.col_tile_limit):
             tiles = _common.row_tiles(hc, blocks.row_tile_limit, unit)
-            yield (_vmem_plan(B, hc, K, tn, tiles, dtype, blocks.window, activations, sum_squares, bias_bufs),
+            yield (_vmem_plan(B, hc, K, tn, tiles, dtype, blocks.window, activations, sum_squares, bias_bufs, tk),
                    (tn, tiles))
 
     return _common.fit_stream(s // 2, unit, blocks, candidates, f"chunks in {blocks.window} slots per direction")
@@ -145,7 +148,7 @@ def unsupported_reason(x_shape, widths, dtype, axis_size, *, blocks=None, biases
 # Kernel
 # --------------------------------------------------------------------------
 
-def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, widths, tn, tiles, unit,
+def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K, widths, tn, tk, tiles, unit,
             bias_stacked, activations, sum_squares, skip_credit_at):
     nw = len(widths)
     has_bias = [st is not None for st in bias_stacked]
@@ -157,6 +160,7 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, wi
     xbuf, wbuf, obuf = take(3)
     bbuf = take(nb)
     sbuf = take(1)[0] if ns else None
+    abuf = take(1)[0] if tk < K else None
     recv_sem, send_sem, credit, w_sem, o_sem, b_sem, s_sem = refs
     bias_of, ssq_of, kb, ks = [], [], 0, 0  # weight i -> its bias slot / ssq output (None: none)
     for hb, q in zip(has_bias, sum_squares):
@@ -219,19 +223,17 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, wi
         j = t % P
         slot = t % W
 
-        @pl.when(j == 0)
-        def _():
-            for d in (0, 1):
+        for d in (0, 1):  # per direction: wait for the chunk, forward it at once
+            @pl.when(j == 0)
+            def _():
                 load(t, d).wait()
 
-        @pl.when(j > 0)
-        def _():
-            for d in (0, 1):
+            @pl.when(j > 0)
+            def _():
                 send(t - 1, d).wait_recv()
 
-        @pl.when(j < P - 1)
-        def _():
-            for d in (0, 1):
+            @pl.when(j < P - 1)
+            def _():
                 needed = t + 1 - W >= 0  # downstream has freed the slot of its step t + 1 - W
                 if skip_credit_at is not None:  # tests only: one credit too few
                     needed = needed & (t != skip_credit_at)
@@ -271,7 +273,6 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, wi
                     for d in (0, 1):
                         o_copy(i, t, d, col, par).wait()
 
-                w = wbuf[par]
                 bias = (None if bias_of[i] is None
                         else _bias_tile(bbuf[bias_of[i]], col, tn, bias_stacked[i], layer))
                 act = ACTIVATIONS[activations[i]] if activations[i] is not None else None
@@ -281,7 +282,8 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, wi
                     def _():
                         for d in (0, 1):
                             s_copy(0, 0, d, sp).wait()
-                _multiply_tile(xbuf, slot, w, bias, act, obuf, par, sbuf, sp, col, B=B, tiles=tiles, ssq=ssq)
+                _multiply_tile(xbuf, slot, wbuf.at[par], bias, act, obuf, par, sbuf, sp, col, B=B, tiles=tiles,
+                               ssq=ssq, tk=tk, acc=abuf)
                 for d in (0, 1):
                     o_copy(i, t, d, col, par).start()
                 if ssq:
@@ -369,6 +371,7 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
     B, lead = _common.fold_batch(x.shape)
     s, K = x.shape[-2], x.shape[-1]
     S, h, hc, C, W, tn = s * P, s // 2, sp.chunk_rows, sp.chunks, sp.window, sp.col_tile
+    tk = _common.depth_tile(K, (blocks or _common.StreamBlocks()).depth_tile_limit)
     x3 = x.reshape(B, s, K)
     tables = _common.ring_tables(axis_name, s)
     slabs = _common.ring_tables(axis_name, 2 * C)  # (2q) C: the first ssq slab of each hop's shard
@@ -380,8 +383,8 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
     n_total = sum(widths)
     itemsize = jnp.dtype(x.dtype).itemsize
     rows = 2 * C * hc  # rows a rank multiplies per hop (the overlap included)
-    kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, hc=hc, C=C, W=W, widths=tuple(widths),
-                               tn=tn, tiles=sp.row_tiles, unit=_common.sublane_rows(x.dtype),
+    kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, hc=hc, C=C, W=W, K=K,
+                               widths=tuple(widths), tn=tn, tk=tk, tiles=sp.row_tiles, unit=_common.sublane_rows(x.dtype),
                                bias_stacked=tuple(bias_stacked), activations=tuple(activations),
                                sum_squares=tuple(sum_squares),
                                skip_credit_at=_skip_credit_at)
@@ -405,6 +408,7 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
                 pltpu.VMEM((2, 2, B, hc, tn), x.dtype),            # obuf
                 *[pltpu.VMEM(b.shape, b.dtype) for b in bias_ops],  # bbuf
                 *([pltpu.VMEM((2, 2, B, 1, hc), jnp.float32)] if ns else []),  # sbuf
+                *([pltpu.VMEM((2, B, hc, tn), jnp.float32)] if tk < K else []),  # abuf: depth-chunk sums
                 pltpu.SemaphoreType.DMA((2, W)),                   # recv_sem per direction, slot
                 pltpu.SemaphoreType.DMA((2,)),                     # send_sem per direction
                 pltpu.SemaphoreType.REGULAR((2,)),                 # credit: slots freed downstream

@@ -53,8 +53,8 @@ those rows of `out`, the previous call's output buffer passed in and aliased
 (`input_output_aliases`), so no partial output is copied. Each call streams
 the weight P times again (C x the weight traffic; at Wan 480x832x81, C = 3,
 hidden under the MXU work by the estimate) and starts with its own barrier.
-(The dispatch runs long sequences through kernels/matmul_reduce_scatter_stream.py
-in one call instead, unless `collective_matmul.RS_LONG_SEQUENCE = "chunks"`.)
+(The dispatch runs kernels/matmul_reduce_scatter_stream.py at every shape
+instead, unless `collective_matmul.RS_KERNEL = "resident"`.)
 
 Receive slots (R = 3): why a neighbour may run two hops ahead in one direction.
 Upstream U's hop-j' tile c lands in our slot j' % R, tile c; we read it at

@@ -13,6 +13,9 @@ re-raise). The race detector is always on. Spec keys:
   N:       rs: output width
   slots, col_tile, row_tile, chunks: private kernel knobs (optional; chunks:
            row chunks per rank, one kernel call each)
+  depth_tile: the all-gather kernels' depth chunk limit (K summed in chunks of
+           at most this many columns; resident `_depth_tile_limit`, streaming
+           StreamBlocks.depth_tile_limit; optional)
   layers, at: stacked weights [layers, ...] read at each layer index in `at`
            (a runtime argument: one compile), against numpy's x @ w[layer];
            "ag"/"rs" pass the stack and `layer=` to the kernel, the dispatch
@@ -41,7 +44,7 @@ re-raise). The race detector is always on. Spec keys:
            rs_kernel_choice's)
   stream:  true: kinds "ag" / "ag_epi" (and the stacked "ag" case) run the streaming
            kernel (kernels/all_gather_matmul_stream.py) instead, with
-           StreamBlocks(chunk_rows, window, col_tile, row_tile) from the keys
+           StreamBlocks(chunk_rows, window, col_tile, row_tile, depth_tile) from the keys
            chunk_rows, window (default 3), col_tile, row_tile (default 512), and
            skip_credit (a step whose send goes without its credit: the racy
            variant); the result then has "chunks", the plan's chunks a half
@@ -117,6 +120,8 @@ def run(spec):
                      ("chunks", "_chunks")):
         if key in spec:
             knobs[arg] = spec[key]
+    if "depth_tile" in spec and spec.get("kind", "ag").startswith("ag"):
+        knobs["_depth_tile_limit"] = spec["depth_tile"]
     if "vmem_capacity" in spec:
         from difflet_tpu.kernels import _common
 
@@ -293,7 +298,8 @@ def stream_kernel(spec, ring, dt):
     from difflet_tpu.kernels import all_gather_matmul_stream as ags
 
     blocks = _common.StreamBlocks(chunk_rows=spec.get("chunk_rows"), window=spec.get("window", 3),
-                                  col_tile_limit=spec.get("col_tile", 512), row_tile_limit=spec.get("row_tile", 512))
+                                  col_tile_limit=spec.get("col_tile", 512), row_tile_limit=spec.get("row_tile", 512),
+                                  depth_tile_limit=spec.get("depth_tile", 1024))
     S, K = spec["S"], spec["K"]
     reason, plan = ags.plan(tuple(spec.get("batch", [])) + (S // ring, K), spec["widths"], dt, ring, blocks=blocks)
     assert reason is None, reason

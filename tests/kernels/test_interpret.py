@@ -50,6 +50,11 @@ AG_CASES = [
     ("bf16-4w-b2", dict(dtype="bfloat16", batch=[2], S=256, K=128, widths=[128, 256, 384, 128], col_tile=128,
                         row_tile=16), 1e-2),
     ("f32-2w-default-tiles", dict(dtype="float32", batch=[1], S=64, K=128, widths=[256, 512]), 0.0),
+    # K = 384 in three depth chunks of 128 summed in the float32 accumulator
+    ("f32-2w-b2-depth-chunks", dict(dtype="float32", batch=[2], S=128, K=384, widths=[128, 256], col_tile=128,
+                                    row_tile=8, depth_tile=128), 0.0),
+    ("bf16-2w-depth-chunks", dict(dtype="bfloat16", batch=[1], S=256, K=512, widths=[128, 256], col_tile=128,
+                                  row_tile=16, depth_tile=256), 1e-2),
 ]
 
 RS_CASES = [
@@ -292,6 +297,10 @@ STREAM_CASES = [
     ("ring4-2chunks-stacked-L3", dict(kind="ag", ring=4, dtype="float32", batch=[], S=128, K=128,
                                       widths=[128, 256], layers=3, at=[2, 0], chunk_rows=8, col_tile=128,
                                       row_tile=8), 0.0, 2),
+    # K = 256 in two depth chunks of 128, every step of the runtime loop through the accumulator
+    ("ring4-2chunks-depth-chunks", dict(kind="ag", ring=4, dtype="float32", batch=[1], S=128, K=256,
+                                        widths=[128, 256], chunk_rows=8, col_tile=128, row_tile=8,
+                                        depth_tile=128), 0.0, 2),
 ]
 
 
@@ -313,6 +322,11 @@ STREAM_EPILOGUE_CASES = [
     ("bf16-ring2-qkv-2chunks", dict(ring=2, dtype="bfloat16", batch=[], S=128, K=128, widths=[256, 256, 256],
                                     bias=[True, True, True], act=[None, None, None], ssq=[True, True, False],
                                     chunk_rows=16, col_tile=128, row_tile=16), 1e-6, 2 ** -7, 2),
+    # the epilogue on the depth-chunk sums (K = 384: three chunks of 128)
+    ("f32-ring4-2chunks-depth-chunks", dict(ring=4, dtype="float32", batch=[1], S=128, K=384, widths=[128, 256],
+                                            bias=[True, True], act=[None, "gelu_tanh"], ssq=[True, False],
+                                            chunk_rows=8, col_tile=128, row_tile=8, depth_tile=128),
+     1e-6, 1e-6, 2),
 ]
 
 
@@ -397,9 +411,8 @@ def test_race_detector_flags_the_streaming_reduce_scatter_with_one_credit_too_fe
 
 
 # The dispatch (collective_matmul, impl="pallas") with a chip VMEM of 8 MiB + ~0.5 MB:
-# the resident halves (0.56 MB of buffers) do not fit, so it runs the streaming kernel
-# (2 chunks of 16 rows, 0.38 MB); with long_sequence "chunks" (ag_kernel_choice) it would
-# run 2 resident calls instead.
+# whole halves (0.56 MB of buffers) do not fit, so the streaming kernel runs 2 chunks of
+# 16 rows (0.38 MB); with kernel="resident" (ag_kernel_choice) it would be 2 resident calls.
 @pytest.mark.slow
 def test_dispatch_streams_when_the_resident_halves_do_not_fit():
     r = check_ok(dict(kind="ag_dispatch", dtype="float32", batch=[2], S=256, K=128, widths=[128, 256],
@@ -408,10 +421,9 @@ def test_dispatch_streams_when_the_resident_halves_do_not_fit():
     assert r["warnings"] == []
 
 
-# The same for the reduce-scatter, with a chip VMEM of 8 MiB + 0.9 MB: the resident
-# accumulators (1.26 MB of buffers) do not fit one call, so it runs the streaming kernel
-# (2 chunks of 16 rows, 0.70 MB); with long_sequence "chunks" (rs_kernel_choice) it would
-# run 2 resident calls instead.
+# The same for the reduce-scatter, with a chip VMEM of 8 MiB + 0.9 MB: whole-half
+# accumulators (1.26 MB of buffers) do not fit, so the streaming kernel runs 2 chunks of
+# 16 rows (0.70 MB); with kernel="resident" (rs_kernel_choice) it would be 2 resident calls.
 @pytest.mark.slow
 def test_dispatch_streams_the_reduce_scatter_when_its_accumulators_do_not_fit():
     r = check_ok(dict(kind="rs_dispatch", dtype="float32", batch=[2], S=256, N=256, widths=[128],

@@ -112,7 +112,7 @@ def test_all_gather_matmul_sum_squares_plan():
     ((1184, 5120), [1280] * 3, 1),       # Wan 480x832x9 q/k/v: one call
     ((8, 1184, 5120), [1280], 3),        # batch 8 (did not fit in one call)
     ((8192, 5120), [1280] * 3, 3),       # Wan 480x832x81 q/k/v
-    ((18944, 5120), [3456], 6),          # Wan 720x1280x81 FFN up
+    ((18944, 5120), [3456], 5),          # Wan 720x1280x81 FFN up (6 before the depth chunks)
 ])
 def test_all_gather_matmul_row_chunks_fit_vmem(x_shape, widths, want):
     """As the reduce-scatter: the fewest near-equal row chunks whose buffers fit VMEM."""
@@ -127,24 +127,28 @@ def test_all_gather_matmul_row_chunks_fit_vmem(x_shape, widths, want):
 
 
 # Which all-gather kernel the dispatch runs (difflet_tpu.collective_matmul.ag_kernel_choice):
-# resident halves when they fit, else the streaming kernel (one call), or with
-# long_sequence="chunks" the resident kernel once per row chunk.
-@pytest.mark.parametrize("x_shape,widths,kw,choice", [
-    ((1184, 5120), [1280, 1280, 1280], {}, "resident"),                            # Wan 480x832x21 q/k/v
-    ((8192, 5120), [1280, 1280, 1280], {}, "stream"),                              # Wan 480x832x81 q/k/v
-    ((8192, 5120), [1280, 1280, 1280], dict(biases=[(1, BF16)] * 3, sum_squares=[True, True, False]), "stream"),
-    ((8192, 5120), [3456], dict(long_sequence="chunks"), "chunks"),
+# the streaming kernel at every shape (one chunk a half when the halves fit), or with
+# kernel="resident" the resident kernel (once per row chunk when they do not fit).
+@pytest.mark.parametrize("x_shape,widths,kw,choice,chunks", [
+    ((1184, 5120), [1280, 1280, 1280], {}, "stream", (1, 592)),                    # Wan 480x832x9 q/k/v
+    ((1184, 5120), [1280, 1280, 1280], dict(kernel="resident"), "resident", None),
+    ((8192, 5120), [1280, 1280, 1280], {}, "stream", (4, 1024)),                   # Wan 480x832x81 q/k/v
+    ((8192, 5120), [1280, 1280, 1280], dict(biases=[(1, BF16)] * 3, sum_squares=[True, True, False]), "stream",
+     (4, 1024)),
+    ((8192, 5120), [3456], dict(kernel="resident"), "chunks", None),
 ])
-def test_all_gather_kernel_choice(x_shape, widths, kw, choice):
+def test_all_gather_kernel_choice(x_shape, widths, kw, choice, chunks):
     from difflet_tpu import collective_matmul as cm
     from difflet_tpu.kernels import all_gather_matmul_stream as ags
 
     got, reason = cm.ag_kernel_choice(x_shape, widths, BF16, 4, **kw)
     assert (got, reason) == (choice, None)
     if choice == "stream":  # 4096-row halves: 4 chunks of 1024 rows (3 of 1376 would overlap by 32)
-        _, plan = ags.plan(x_shape, widths, BF16, 4, **{k: v for k, v in kw.items() if k != "long_sequence"})
-        assert (plan.chunks, plan.chunk_rows, plan.overlap_rows, plan.window) == (4, 1024, 0, 3)
+        _, plan = ags.plan(x_shape, widths, BF16, 4, **{k: v for k, v in kw.items() if k != "kernel"})
+        assert (plan.chunks, plan.chunk_rows, plan.overlap_rows, plan.window) == chunks + (0, 3)
         assert plan.vmem.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
+    with pytest.raises(ValueError, match="not one of"):
+        cm.ag_kernel_choice(x_shape, widths, BF16, 4, kernel="chunks")
 
 
 def test_stream_blocks_are_validated():
@@ -163,14 +167,14 @@ def test_stream_blocks_are_validated():
 
 
 # Which reduce-scatter kernel the dispatch runs (collective_matmul.rs_kernel_choice): the
-# resident accumulators when they fit one call, else the streaming kernel (one call,
-# kernels/matmul_reduce_scatter_stream.py), or with long_sequence="chunks" the resident
-# kernel once per row chunk.
+# streaming kernel (kernels/matmul_reduce_scatter_stream.py) at every shape, or with
+# kernel="resident" the resident kernel (once per row chunk when its accumulators do not fit).
 @pytest.mark.parametrize("x_shapes,w_shapes,kw,choice,plan_want", [
-    ([(4736, 1280)], [(1280, 5120)], {}, "resident", None),                   # Wan 480x832x9 attention out
+    ([(4736, 1280)], [(1280, 5120)], {}, "stream", (1, 592)),                 # Wan 480x832x9 attention out
+    ([(4736, 1280)], [(1280, 5120)], dict(kernel="resident"), "resident", None),
     ([(32768, 1280)], [(1280, 5120)], {}, "stream", (4, 1024)),               # Wan 480x832x81 attention out
     ([(75776, 3456)], [(3456, 5120)], {}, "stream", (8, 1184)),               # Wan 720x1280x81 FFN down
-    ([(32768, 1280)], [(1280, 5120)], dict(long_sequence="chunks"), "chunks", None),
+    ([(32768, 1280)], [(1280, 5120)], dict(kernel="resident"), "chunks", None),
 ])
 def test_reduce_scatter_kernel_choice(x_shapes, w_shapes, kw, choice, plan_want):
     from difflet_tpu import collective_matmul as cm

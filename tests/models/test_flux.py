@@ -124,8 +124,8 @@ def test_sp_pallas_kernels_run_in_the_model(caplog, monkeypatch):
     image + 24 text tokens (text padded to 32: 8-row halves a rank); SP on 2 devices
     equals one device, every collective matmul ran a kernel and none fell back."""
     from difflet_tpu import collective_matmul as cm
-    from difflet_tpu.kernels import all_gather_matmul as ag_kernel
-    from difflet_tpu.kernels import matmul_reduce_scatter as rs_kernel
+    from difflet_tpu.kernels import all_gather_matmul_stream as ag_kernel
+    from difflet_tpu.kernels import matmul_reduce_scatter_stream as rs_kernel
 
     c = flux.config_from_diffusers(dict(flux.PRESETS["tiny"], num_attention_heads=4, attention_head_dim=64,
                                         axes_dims_rope=[16, 24, 24], num_layers=1, num_single_layers=1))
@@ -143,8 +143,9 @@ def test_sp_pallas_kernels_run_in_the_model(caplog, monkeypatch):
             return fn(*a, **k)
         return wrapped
 
-    monkeypatch.setattr(ag_kernel, "all_gather_matmul", counted("ag", ag_kernel.all_gather_matmul))
-    monkeypatch.setattr(rs_kernel, "matmul_reduce_scatter", counted("rs", rs_kernel.matmul_reduce_scatter))
+    # the dispatch's default kernels (collective_matmul.AG_KERNEL / RS_KERNEL: the streaming ones)
+    monkeypatch.setattr(ag_kernel, "all_gather_matmul_stream", counted("ag", ag_kernel.all_gather_matmul_stream))
+    monkeypatch.setattr(rs_kernel, "matmul_reduce_scatter_stream", counted("rs", rs_kernel.matmul_reduce_scatter_stream))
     cm._NOTICED.clear()
     r = runner(model, make_mesh(2), "sp", Config(sp=True, sp_kernel="pallas", sp_rs_kernel="pallas"))
     assert (r.par.ag_impl, r.par.rs_impl, r.par.interpret) == ("pallas", "pallas", True)
