@@ -191,7 +191,7 @@ _FLOAT_DTYPES = ("bf16", "f32", "f16")
 
 
 _KERNEL_NAME = re.compile(r"(?:^|/)(" + "|".join(COLLECTIVE_MATMUL_KERNELS)
-                          + r")(_stream)?(?:_(\d+)chunks)?(?:_(\d+)rows)?(?:$|/)")
+                          + r")(_stream)?(?:_(\d+)chunks)?(?:_(\d+)rows)?(_wvmem)?(?:$|/)")
 
 
 def collective_matmul_call(o: Op) -> tuple[str, int] | None:
@@ -220,6 +220,18 @@ def collective_matmul_stream_rows(o: Op) -> int | None:
     return None
 
 
+def collective_matmul_weights_held(o: Op) -> bool:
+    """True for a streaming all-gather call that holds its weights in VMEM ("..._wvmem":
+    read from HBM once a call, not once a step; kernels/all_gather_matmul_stream.py)."""
+    if not is_pallas(o):
+        return False
+    for name in (o.name.split(".")[0], o.op_name):
+        m = _KERNEL_NAME.search(name)
+        if m:
+            return bool(m.group(5))
+    return False
+
+
 def collective_matmul_kind(o: Op) -> str | None:
     """"all_gather_matmul" / "matmul_reduce_scatter" for the Pallas kernels of kernels/, else None."""
     call = collective_matmul_call(o)
@@ -246,7 +258,7 @@ class KernelHops:
 
 
 def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int = 1,
-                           stream_rows: int | None = None) -> KernelHops | None:
+                           stream_rows: int | None = None, weights_held: bool = False) -> KernelHops | None:
     """The hops of kernels/all_gather_matmul.py or kernels/matmul_reduce_scatter.py from
     the kernel's operand and result shapes ((dtype, dims) each, as the compiled text
     prints them); None if they do not look like that kernel's.
@@ -275,6 +287,7 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int
       every weight once and writes 2 hc rows of products, sends hc rows each way
       except at a chunk's last hop (j = P-1), which instead loads the next own
       chunk (2 hc rows of x, HBM); the prologue is the first chunk's 2 hc rows.
+      weights_held ("..._wvmem"): the weights are read at step 0 only (held in VMEM).
       A reduce-scatter call of its streaming kernel (kernels/matmul_reduce_scatter_stream.py,
       "matmul_reduce_scatter_stream_<C>chunks_<hc>rows"): P C steps, each multiplying
       2 hc rows by every weight, streaming every weight once and the next step's 2 hc
@@ -307,10 +320,11 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int
             hc, C = stream_rows, chunks
             last = lambda t: t % P == P - 1
             flops = (2 * B * 2 * hc * K * n,) * (P * C)
-            hbm = tuple(isz * (K * n + B * 2 * hc * n + (B * 2 * hc * K if last(t) and t + 1 < P * C else 0))
+            hbm = tuple(isz * ((K * n if t == 0 or not weights_held else 0) + B * 2 * hc * n
+                               + (B * 2 * hc * K if last(t) and t + 1 < P * C else 0))
                         for t in range(P * C))
             ici = tuple(0.0 if last(t) else isz * B * hc * K for t in range(P * C))
-            site = site[:-1] + f", streaming {C} chunks of {hc} rows)"
+            site = site[:-1] + f", streaming {C} chunks of {hc} rows{', weights in VMEM' if weights_held else ''})"
             return KernelHops(kind, site.replace(f", {chunks} row chunks", ""), P * C, flops, hbm, ici,
                               isz * B * 2 * hc * K)
         s = s / chunks  # this call's rows per rank (on average)
@@ -518,7 +532,7 @@ class Simulator:
             shapes = [array_shapes(x.type)[0] for x in (self.m.lookup(comp, n) for n in o.operands)
                       if x is not None and array_shapes(x.type)]
         hops = collective_matmul_hops(kind, shapes, array_shapes(o.type), collective_matmul_call(o)[1],
-                                      collective_matmul_stream_rows(o))
+                                      collective_matmul_stream_rows(o), collective_matmul_weights_held(o))
         name = o.op_name.rsplit("/", 2)[-2] if "/" in o.op_name else kind
         if hops is None:
             self.est.warnings.append(f"{o.name}: {kind} shapes not understood; priced as a whole-kernel roofline")

@@ -236,6 +236,12 @@ def kernel_vmem_from_hlo(text: str) -> list[dict]:
 # --------------------------------------------------------------------------
 
 DEFAULT_STREAM_WINDOW = 3
+# Rows a step below which the streaming all-gather holds its weights in VMEM (read
+# once a call, not once a step): a weight tile's HBM read (K tn 2 bytes) takes longer
+# than its products with the step's rows (2 rows K tn flops) when rows < peak / hbm
+# bandwidth, about 240 on v5e (197 TFLOP/s, 819 GB/s; cloud.google.com/tpu/docs/v5e)
+# and 280 on v6e; 256 rounds it (FLUX's 512 text rows: 128 rows a step at tp=4).
+FEW_ROWS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +256,9 @@ class StreamBlocks:
       128) and matmul row piece.
     depth_tile_limit: the largest depth chunk (all-gather kernel: K goes in
       chunks summed in float32, `depth_tile`).
+    weights_in_vmem: all-gather kernel: hold every weight's column shard in
+      VMEM, read from HBM once a call instead of once a step; None (default):
+      when a step has fewer than `FEW_ROWS` rows and they fit.
     """
 
     chunk_rows: int | None = None
@@ -257,8 +266,11 @@ class StreamBlocks:
     col_tile_limit: int = 512
     row_tile_limit: int = 512
     depth_tile_limit: int = 1024
+    weights_in_vmem: bool | None = None
 
     def __post_init__(self):
+        if self.weights_in_vmem not in (None, True, False):
+            raise ValueError(f"StreamBlocks.weights_in_vmem must be None, True or False, got {self.weights_in_vmem!r}")
         ints = dict(window=self.window, col_tile_limit=self.col_tile_limit, row_tile_limit=self.row_tile_limit,
                     depth_tile_limit=self.depth_tile_limit)
         if self.chunk_rows is not None:
@@ -289,6 +301,7 @@ class StreamPlan:
     col_tile: int
     row_tiles: tuple[tuple[int, int], ...]
     vmem: VmemPlan
+    weights_in_vmem: bool = False  # all-gather: every weight tile held in VMEM, read once a call
 
     def __post_init__(self):
         h, hc, C = self.half_rows, self.chunk_rows, self.chunks
@@ -320,7 +333,7 @@ def fit_stream(half_rows: int, unit: int, blocks: StreamBlocks, candidates, what
     or, if C0's chunks do not tile the half exactly, the fewest of C0 .. 2 C0
     that do (Wan 480x832x81's 4096-row halves: 4 chunks of 1024 rather than 3 of
     1376, the last overlapping by 32 rows). `candidates(chunk_rows)` yields
-    (VmemPlan, (col_tile, row_tiles)) pairs, best first."""
+    (VmemPlan, (col_tile, row_tiles[, weights_in_vmem])) pairs, best first."""
     cap = vmem_capacity_bytes()
     if blocks.chunk_rows is not None:
         if blocks.chunk_rows % unit or blocks.chunk_rows > half_rows:
@@ -335,9 +348,9 @@ def fit_stream(half_rows: int, unit: int, blocks: StreamBlocks, candidates, what
                 sizes.append(hc)
     plan, fits = None, []
     for hc in sizes:
-        for plan, (tn, tiles) in candidates(hc):
+        for plan, (tn, tiles, *rest) in candidates(hc):
             if plan.limit <= cap:
-                fits.append(StreamPlan(half_rows, hc, -(-half_rows // hc), blocks.window, tn, tiles, plan))
+                fits.append(StreamPlan(half_rows, hc, -(-half_rows // hc), blocks.window, tn, tiles, plan, *rest))
                 break
         if fits and blocks.chunk_rows is None:
             # the fewest chunks that fit, unless up to twice as many tile the half exactly

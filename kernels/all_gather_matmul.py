@@ -190,13 +190,14 @@ def _check(x_shape, widths, dtype, axis_size, biases, activations, sum_squares):
     return B, s, K, unit, dtype, activations, sum_squares, bias_bufs
 
 
-def _vmem_plan(B, h, K, tn, tiles, dtype, slots, activations, sum_squares, bias_bufs, tk):
+def _vmem_plan(B, h, K, tn, tiles, dtype, slots, activations, sum_squares, bias_bufs, tk, w_tiles=2):
     """The VMEM buffers of h-row halves (resident) or h-row chunks (streaming) in `slots`
-    slots per direction, column tile tn, row pieces `tiles`, depth chunks of tk."""
+    slots per direction, column tile tn, row pieces `tiles`, depth chunks of tk, and
+    `w_tiles` weight tiles (2: double-buffered; every tile when held in VMEM)."""
     tm = max(sz for _, sz in tiles)
     return _common.VmemPlan((
         _common.buffer("xbuf", (2, slots, B, h, K), dtype),
-        _common.buffer("wbuf", (2, K, tn), dtype),
+        _common.buffer("wbuf", (w_tiles, K, tn), dtype),
         _common.buffer("obuf", (2, 2, B, h, tn), dtype),
         # values Mosaic materialises per dot: the x row piece, the weight tile, the f32 result
         _common.buffer("dot operands", (tm * tk + tk * tn,), dtype),

@@ -16,7 +16,8 @@ Same contract, same ring, same weight-tile stream and epilogues; one call.
 Layout and tiling (per rank; h = s/2 rows a half, hc rows a chunk, W slots):
 
     VMEM  xbuf  [2 dirs, W slots, B, hc, K]   chunks in flight (own, received, forwarded)
-          wbuf  [2, K, tn]                     weight tiles, double-buffered
+          wbuf  [2, K, tn]                     weight tiles, double-buffered; or, with the
+                                               weights held (below), [sum n_i / tn, K, tn]
           obuf  [2, 2 dirs, B, hc, tn]         product tiles on their way to HBM
           bbuf_i [L_i, n_i]                    weight i's bias rows (only if it has one)
           sbuf  [2, 2 dirs, B, 1, hc] f32      row sums of squares (only with sum_squares)
@@ -81,6 +82,14 @@ well, but the detector merges the clocks of every signal a semaphore has
 received by the time of a wait, so whether it sees that overwrite depends on
 the threads' timing.)
 
+Few rows a step (2 B hc < `_common.FEW_ROWS`, e.g. FLUX's text stream): a
+weight tile's HBM read then takes longer than its products, and the stream
+would read every weight P C times a call. The plan then holds every tile in
+VMEM (`StreamPlan.weights_in_vmem`, when they fit; `StreamBlocks.weights_in_vmem`
+forces it either way): step 0 loads them in stream order into a slot each
+(tile u+1 loading while tile u multiplies, as before), later steps read them
+in place, and the call is named `..._wvmem` so the estimate prices one read.
+
 A barrier with both neighbours at entry keeps anyone from writing (a chunk or a
 credit) into a kernel instance that has not started. The weight-tile stream
 (tile u+1 loads while tile u multiplies both chunks of the step), the
@@ -129,10 +138,14 @@ def plan(x_shape, widths, dtype, axis_size, *, blocks: _common.StreamBlocks | No
     tk = _common.depth_tile(K, blocks.depth_tile_limit)
 
     def candidates(hc):
+        hold = blocks.weights_in_vmem
+        holds = [True, False] if hold is None and 2 * B * hc < _common.FEW_ROWS else [bool(hold)]
         for tn in _common.column_tile_candidates(widths, blocks.col_tile_limit):
             tiles = _common.row_tiles(hc, blocks.row_tile_limit, unit)
-            yield (_vmem_plan(B, hc, K, tn, tiles, dtype, blocks.window, activations, sum_squares, bias_bufs, tk),
-                   (tn, tiles))
+            for held in holds:
+                w_tiles = sum(widths) // tn if held else 2
+                yield (_vmem_plan(B, hc, K, tn, tiles, dtype, blocks.window, activations, sum_squares, bias_bufs,
+                                  tk, w_tiles), (tn, tiles, held))
 
     return _common.fit_stream(s // 2, unit, blocks, candidates, f"chunks in {blocks.window} slots per direction")
 
@@ -149,7 +162,7 @@ def unsupported_reason(x_shape, widths, dtype, axis_size, *, blocks=None, biases
 # --------------------------------------------------------------------------
 
 def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K, widths, tn, tk, tiles, unit,
-            bias_stacked, activations, sum_squares, skip_credit_at):
+            bias_stacked, activations, sum_squares, held, skip_credit_at):
     nw = len(widths)
     has_bias = [st is not None for st in bias_stacked]
     nb, ns = sum(has_bias), sum(sum_squares)
@@ -189,9 +202,10 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
         return pltpu.make_async_remote_copy(xbuf.at[d, t % W], xbuf.at[d, (t + 1) % W], send_sem.at[d],
                                             recv_sem.at[d, (t + 1) % W], device_id={axis_name: nbr[d]})
 
-    def w_copy(i, col, par):
+    def w_copy(i, col, par, dst=None):  # weight i's column tile col -> wbuf[dst] (default: par)
         c0 = pl.multiple_of(col * tn, tn)
-        return pltpu.make_async_copy(w_hbm[i].at[layer[0], :, pl.ds(c0, tn)], wbuf.at[par], w_sem.at[par])
+        return pltpu.make_async_copy(w_hbm[i].at[layer[0], :, pl.ds(c0, tn)],
+                                     wbuf.at[par if dst is None else dst], w_sem.at[par])
 
     def o_copy(i, t, d, col, par):
         c0 = pl.multiple_of(col * tn, tn)
@@ -258,15 +272,35 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
             def body(col, carry, i=i, base=base, last_weight=last_weight, kstep=kstep, sp=sp):
                 u = t * per_step + base + col  # the weight stream's global tile index
                 par = u % 2
-                w_copy(i, col, par).wait()
+                if held:  # every tile has its own slot, loaded during step 0 only
+                    tile = base + col
 
-                @pl.when(col + 1 < ncols[i])
-                def _():
-                    w_copy(i, col + 1, 1 - par).start()
+                    @pl.when(t == 0)
+                    def _():
+                        w_copy(i, col, par, tile).wait()
 
-                @pl.when((col + 1 == ncols[i]) & ((t + 1 < T) if last_weight else True))
-                def _():
-                    w_copy(0 if last_weight else i + 1, 0, 1 - par).start()
+                        @pl.when(col + 1 < ncols[i])
+                        def _():
+                            w_copy(i, col + 1, 1 - par, tile + 1).start()
+
+                        if not last_weight:
+                            @pl.when(col + 1 == ncols[i])
+                            def _():
+                                w_copy(i + 1, 0, 1 - par, base + ncols[i]).start()
+
+                    wref = wbuf.at[tile]
+                else:
+                    w_copy(i, col, par).wait()
+
+                    @pl.when(col + 1 < ncols[i])
+                    def _():
+                        w_copy(i, col + 1, 1 - par).start()
+
+                    @pl.when((col + 1 == ncols[i]) & ((t + 1 < T) if last_weight else True))
+                    def _():
+                        w_copy(0 if last_weight else i + 1, 0, 1 - par).start()
+
+                    wref = wbuf.at[par]
 
                 @pl.when(u >= 2)  # obuf[par] was sent out two tiles ago
                 def _():
@@ -282,7 +316,7 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
                     def _():
                         for d in (0, 1):
                             s_copy(0, 0, d, sp).wait()
-                _multiply_tile(xbuf, slot, wbuf.at[par], bias, act, obuf, par, sbuf, sp, col, B=B, tiles=tiles,
+                _multiply_tile(xbuf, slot, wref, bias, act, obuf, par, sbuf, sp, col, B=B, tiles=tiles,
                                ssq=ssq, tk=tk, acc=abuf)
                 for d in (0, 1):
                     o_copy(i, t, d, col, par).start()
@@ -370,7 +404,7 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
                              f"x {x.shape} {x.dtype}")
     B, lead = _common.fold_batch(x.shape)
     s, K = x.shape[-2], x.shape[-1]
-    S, h, hc, C, W, tn = s * P, s // 2, sp.chunk_rows, sp.chunks, sp.window, sp.col_tile
+    S, h, hc, C, W, tn, held = s * P, s // 2, sp.chunk_rows, sp.chunks, sp.window, sp.col_tile, sp.weights_in_vmem
     tk = _common.depth_tile(K, (blocks or _common.StreamBlocks()).depth_tile_limit)
     x3 = x.reshape(B, s, K)
     tables = _common.ring_tables(axis_name, s)
@@ -386,13 +420,13 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
     kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, hc=hc, C=C, W=W, K=K,
                                widths=tuple(widths), tn=tn, tk=tk, tiles=sp.row_tiles, unit=_common.sublane_rows(x.dtype),
                                bias_stacked=tuple(bias_stacked), activations=tuple(activations),
-                               sum_squares=tuple(sum_squares),
+                               sum_squares=tuple(sum_squares), held=held,
                                skip_credit_at=_skip_credit_at)
     cost = pl.CostEstimate(
         flops=2 * B * P * rows * K * n_total,
         transcendentals=B * P * rows * sum(n for n, a in zip(widths, activations) if a is not None),
-        # this rank's rows once, every weight tile once per step, every product once
-        bytes_accessed=itemsize * (B * rows * K + P * C * K * n_total + B * P * rows * n_total),
+        # this rank's rows once, every weight tile once per step (once a call if held), every product once
+        bytes_accessed=itemsize * (B * rows * K + (1 if held else P * C) * K * n_total + B * P * rows * n_total),
     )
     outs = pl.pallas_call(
         kernel,
@@ -404,7 +438,7 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
             out_specs=[any_spec] * (len(ws) + ns),
             scratch_shapes=[
                 pltpu.VMEM((2, W, B, hc, K), x.dtype),             # xbuf: the window of chunks
-                pltpu.VMEM((2, K, tn), x.dtype),                   # wbuf
+                pltpu.VMEM((n_total // tn if held else 2, K, tn), x.dtype),  # wbuf: 2 tiles, or every tile
                 pltpu.VMEM((2, 2, B, hc, tn), x.dtype),            # obuf
                 *[pltpu.VMEM(b.shape, b.dtype) for b in bias_ops],  # bbuf
                 *([pltpu.VMEM((2, 2, B, 1, hc), jnp.float32)] if ns else []),  # sbuf
@@ -421,7 +455,8 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
         compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, vmem_limit_bytes=sp.vmem.limit),
         cost_estimate=cost,
         interpret=_common.interpret_params(interpret),
-        name=f"all_gather_matmul_stream_{C}chunks_{hc}rows",  # difflet_tpu.estimate prices it by steps
+        # difflet_tpu.estimate prices it by steps ("_wvmem": the weights read once a call)
+        name=f"all_gather_matmul_stream_{C}chunks_{hc}rows" + ("_wvmem" if held else ""),
     )(tables, layer, slabs, x3, *ws, *bias_ops)
     ys = [o.reshape(*lead, S, o.shape[-1]) for o in outs[:len(ws)]]
     rem = h - (C - 1) * hc  # rows of the last chunk not in the one before

@@ -533,6 +533,25 @@ def test_streaming_all_gather_kernel_is_priced_by_steps():
     assert stream.prologue_hbm == pytest.approx(whole.prologue_hbm / 4)
 
 
+def test_streaming_all_gather_with_weights_in_vmem_reads_them_once():
+    # "..._wvmem" (kernels/all_gather_matmul_stream.py, few rows a step): the weights are
+    # read at step 0 only. FLUX's text q/k/v at tp=4: 128 rows a rank, one chunk of 64.
+    op = lambda name: E.Op(name=name, op="custom-call", type="bf16[1]",
+                           text='custom_call_target="tpu_custom_call"')
+    o = op("all_gather_matmul_stream_1chunks_64rows_wvmem.2")
+    assert E.collective_matmul_call(o) == ("all_gather_matmul", 1)
+    assert E.collective_matmul_stream_rows(o) == 64 and E.collective_matmul_weights_held(o)
+    assert not E.collective_matmul_weights_held(op("all_gather_matmul_stream_1chunks_64rows.2"))
+    head = [("s32", (10,)), ("s32", (1,)), ("s32", (10,))]
+    x, w, out = ("bf16", (1, 128, 3072)), ("bf16", (19, 3072, 768)), [("bf16", (1, 512, 768))]
+    streamed = E.collective_matmul_hops("all_gather_matmul", head + [x, w], out, stream_rows=64)
+    held = E.collective_matmul_hops("all_gather_matmul", head + [x, w], out, stream_rows=64, weights_held=True)
+    weight = 2 * 3072 * 768
+    assert "weights in VMEM" in held.site and held.flops == streamed.flops and held.ici == streamed.ici
+    assert held.hbm[0] == streamed.hbm[0]
+    assert [a - b for a, b in zip(streamed.hbm[1:], held.hbm[1:])] == [weight] * 3
+
+
 def test_streaming_reduce_scatter_kernel_is_priced_by_steps():
     # kernels/matmul_reduce_scatter_stream.py: one call, P C steps of 2 hc rows each; the
     # name carries C and hc. Wan 480x832x81 attention out: 4096-row halves in 4 chunks of 1024.

@@ -44,7 +44,9 @@ re-raise). The race detector is always on. Spec keys:
            rs_kernel_choice's)
   stream:  true: kinds "ag" / "ag_epi" (and the stacked "ag" case) run the streaming
            kernel (kernels/all_gather_matmul_stream.py) instead, with
-           StreamBlocks(chunk_rows, window, col_tile, row_tile, depth_tile) from the keys
+           StreamBlocks(chunk_rows, window, col_tile, row_tile, depth_tile,
+           weights_in_vmem) from the keys (weights_in_vmem default false: these
+           small cases would hold them by the plan's rule; the plan must agree)
            chunk_rows, window (default 3), col_tile, row_tile (default 512), and
            skip_credit (a step whose send goes without its credit: the racy
            variant); the result then has "chunks", the plan's chunks a half
@@ -299,10 +301,12 @@ def stream_kernel(spec, ring, dt):
 
     blocks = _common.StreamBlocks(chunk_rows=spec.get("chunk_rows"), window=spec.get("window", 3),
                                   col_tile_limit=spec.get("col_tile", 512), row_tile_limit=spec.get("row_tile", 512),
-                                  depth_tile_limit=spec.get("depth_tile", 1024))
+                                  depth_tile_limit=spec.get("depth_tile", 1024),
+                                  weights_in_vmem=spec.get("weights_in_vmem", False))
     S, K = spec["S"], spec["K"]
     reason, plan = ags.plan(tuple(spec.get("batch", [])) + (S // ring, K), spec["widths"], dt, ring, blocks=blocks)
     assert reason is None, reason
+    assert plan.weights_in_vmem == bool(spec.get("weights_in_vmem", False)), plan
     return functools.partial(ags.all_gather_matmul_stream, blocks=blocks,
                              _skip_credit_at=spec.get("skip_credit")), plan.chunks
 

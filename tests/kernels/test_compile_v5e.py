@@ -99,8 +99,11 @@ SHAPES = [
     # self-attention's q and k (not v), of cross-attention's q
     ("wan-attn-qkv-bias-ssq", "ag_ssq", 4736, 5120, [1280, 1280, 1280], 0),
     ("wan-cross-q-bias-ssq", "ag_ssq", 4736, 5120, [1280], 0),
+    # few rows a step (FLUX's 512 text rows: 64-row halves a rank): the weights held in VMEM
+    ("flux-text-qkv-weights-in-vmem", "ag", 512, 3072, [768, 768, 768], 0),
 ]
 CODE_LIMIT = 2 * MIB
+WEIGHTS_IN_VMEM = {"flux-text-qkv-weights-in-vmem"}
 
 
 @pytest.mark.slow
@@ -115,6 +118,7 @@ def test_kernel_compiles_for_v5e_within_its_vmem_limit(name, kind, S, K, widths,
     assert len(kernels) == 1, out["kernels"]
     assert out["choice"] == "stream", out["choice"]
     assert all("_stream_" in k["name"] for k in kernels), kernels
+    assert all(("_wvmem" in k["name"]) == (name in WEIGHTS_IN_VMEM) for k in kernels), kernels
     assert 0 < out["code_bytes"] <= CODE_LIMIT, out["code_bytes"]
     for k in kernels:
         assert k["requested"] == out["plan_limit"], (k, out["plan_limit"])

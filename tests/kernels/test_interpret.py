@@ -301,6 +301,14 @@ STREAM_CASES = [
     ("ring4-2chunks-depth-chunks", dict(kind="ag", ring=4, dtype="float32", batch=[1], S=128, K=256,
                                         widths=[128, 256], chunk_rows=8, col_tile=128, row_tile=8,
                                         depth_tile=128), 0.0, 2),
+    # every weight tile held in VMEM (loaded at step 0, read in place by the 7 later steps),
+    # stacked weights read at each layer index, ragged chunks with a batch of 2
+    ("ring4-2chunks-stacked-L3-weights-in-vmem", dict(kind="ag", ring=4, dtype="float32", batch=[], S=128, K=128,
+                                                      widths=[128, 256], layers=3, at=[2, 0], chunk_rows=8,
+                                                      col_tile=128, row_tile=8, weights_in_vmem=True), 0.0, 2),
+    ("ring4-3chunks-ragged-b2-2w-weights-in-vmem", dict(kind="ag", ring=4, dtype="float32", batch=[2], S=320,
+                                                        K=256, widths=[128, 384], chunk_rows=16, col_tile=128,
+                                                        row_tile=8, weights_in_vmem=True), 0.0, 3),
 ]
 
 
@@ -322,6 +330,11 @@ STREAM_EPILOGUE_CASES = [
     ("bf16-ring2-qkv-2chunks", dict(ring=2, dtype="bfloat16", batch=[], S=128, K=128, widths=[256, 256, 256],
                                     bias=[True, True, True], act=[None, None, None], ssq=[True, True, False],
                                     chunk_rows=16, col_tile=128, row_tile=16), 1e-6, 2 ** -7, 2),
+    # bias, GELU and sums of squares with the weights (and the depth chunks) held in VMEM
+    ("f32-ring4-1chunk-weights-in-vmem", dict(ring=4, dtype="float32", batch=[1], S=128, K=256, widths=[128, 256],
+                                              bias=[True, True], act=[None, "gelu_tanh"], ssq=[True, False],
+                                              col_tile=128, row_tile=8, depth_tile=128, weights_in_vmem=True),
+     1e-6, 1e-6, 1),
     # the epilogue on the depth-chunk sums (K = 384: three chunks of 128)
     ("f32-ring4-2chunks-depth-chunks", dict(ring=4, dtype="float32", batch=[1], S=128, K=384, widths=[128, 256],
                                             bias=[True, True], act=[None, "gelu_tanh"], ssq=[True, False],

@@ -154,7 +154,8 @@ def test_all_gather_kernel_choice(x_shape, widths, kw, choice, chunks):
 def test_stream_blocks_are_validated():
     from difflet_tpu.kernels import all_gather_matmul_stream as ags
 
-    for bad in (dict(window=1), dict(chunk_rows=0), dict(col_tile_limit=64), dict(window=2.0)):
+    for bad in (dict(window=1), dict(chunk_rows=0), dict(col_tile_limit=64), dict(window=2.0),
+                dict(depth_tile_limit=64), dict(weights_in_vmem="yes")):
         with pytest.raises(ValueError):
             _common.StreamBlocks(**bad)
     reason = ags.unsupported_reason((8192, 5120), [1280], BF16, 4, blocks=_common.StreamBlocks(chunk_rows=1000))
@@ -164,6 +165,21 @@ def test_stream_blocks_are_validated():
     # a chunk size asked for is kept; the last chunk shifted back to end at the half
     _, plan = ags.plan((8192, 5120), [1280], BF16, 4, blocks=_common.StreamBlocks(chunk_rows=1024, window=2))
     assert (plan.chunks, plan.window, [plan.chunk_offset(c) for c in range(4)]) == (4, 2, [0, 1024, 2048, 3072])
+
+
+@pytest.mark.parametrize("x_shape,widths,blocks,held", [
+    ((128, 3072), [768] * 3, {}, True),                          # FLUX text q/k/v: 128 rows a step
+    ((1184, 5120), [1280] * 3, {}, False),                       # Wan q/k/v: 1184 rows a step
+    ((128, 3072), [768] * 3, dict(weights_in_vmem=False), False),
+    ((1184, 5120), [1280] * 3, dict(weights_in_vmem=True), True),
+])
+def test_streaming_all_gather_holds_the_weights_in_vmem_when_rows_are_few(x_shape, widths, blocks, held):
+    from difflet_tpu.kernels import all_gather_matmul_stream as ags
+
+    reason, plan = ags.plan(x_shape, widths, BF16, 4, blocks=_common.StreamBlocks(**blocks))
+    assert reason is None and plan.weights_in_vmem == held
+    wbuf = {name: shape for name, shape, *_ in plan.vmem.buffers}["wbuf"]
+    assert wbuf[0] == (sum(widths) // plan.col_tile if held else 2)
 
 
 # Which reduce-scatter kernel the dispatch runs (collective_matmul.rs_kernel_choice): the
