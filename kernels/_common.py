@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 # Chip VMEM when no TPU is attached (deviceless compiles, CPU interpret mode):
@@ -284,6 +285,31 @@ class StreamBlocks:
         for k in ("col_tile_limit", "depth_tile_limit"):
             if getattr(self, k) < LANES:
                 raise ValueError(f"StreamBlocks.{k} must be >= {LANES}, got {getattr(self, k)}")
+
+
+def credit_needed(t, W: int, skip_credit_at=None):
+    """Whether a streaming kernel's send at step t waits one credit first: its
+    downstream must have freed the slot of its step t + 1 - W (the credit protocol
+    of kernels/all_gather_matmul_stream.py). `skip_credit_at` (tests only): the
+    step whose send goes without its credit."""
+    needed = t + 1 - W >= 0
+    return needed if skip_credit_at is None else needed & (t != skip_credit_at)
+
+
+def signal_credit(t, W: int, T: int, P: int, credit, upstream, axis_name, skip_credit_at=None):
+    """After step t of T (P a chunk) has freed slot t % W: one credit per direction to
+    the upstream neighbour if upstream fills that slot next (step t + W is in range and
+    not an own-chunk step). `skip_credit_at` as `credit_needed` (the signal it would
+    meet is left out, so the counts balance)."""
+    nxt = t + W
+    owed = (nxt < T) & (nxt % P != 0)
+    if skip_credit_at is not None:
+        owed = owed & (t != skip_credit_at + 1 - W)
+
+    @pl.when(owed)
+    def _():
+        for d in (0, 1):
+            pl.semaphore_signal(credit.at[d], 1, device_id={axis_name: upstream[d]})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -248,11 +248,7 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
 
             @pl.when(j < P - 1)
             def _():
-                needed = t + 1 - W >= 0  # downstream has freed the slot of its step t + 1 - W
-                if skip_credit_at is not None:  # tests only: one credit too few
-                    needed = needed & (t != skip_credit_at)
-
-                @pl.when(needed)
+                @pl.when(_common.credit_needed(t, W, skip_credit_at))
                 def _():
                     pl.semaphore_wait(credit.at[d], 1)
 
@@ -335,16 +331,7 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
                 send(t, d).wait_send()
 
         # Slot t % W is free (multiplied, forwarded): a credit upstream if upstream fills it next.
-        nxt = t + W
-        owed = (nxt < T) & (nxt % P != 0)
-        if skip_credit_at is not None:
-            owed = owed & (t != skip_credit_at + 1 - W)
-
-        @pl.when(owed)
-        def _():
-            for d in (0, 1):
-                pl.semaphore_signal(credit.at[d], 1, device_id={axis_name: upstream[d]})
-
+        _common.signal_credit(t, W, T, P, credit, upstream, axis_name, skip_credit_at)
         return carry
 
     lax.fori_loop(0, T, step, 0)

@@ -246,11 +246,7 @@ def _kernel(tables, layer, *refs, axis_name, P, B, h, hc, C, W, npairs, nt, tn, 
                 for d in (0, 1):
                     x_copy(i, t + 1, d).start()
 
-        needed = (j < P - 1) & (t + 1 - W >= 0)  # downstream has freed the slot of its step t + 1 - W
-        if skip_credit_at is not None:  # tests only: one credit too few
-            needed = needed & (t != skip_credit_at)
-
-        @pl.when(needed)
+        @pl.when((j < P - 1) & _common.credit_needed(t, W, skip_credit_at))
         def _():
             for d in (0, 1):
                 pl.semaphore_wait(credit.at[d], 1)
@@ -323,16 +319,7 @@ def _kernel(tables, layer, *refs, axis_name, P, B, h, hc, C, W, npairs, nt, tn, 
             lax.fori_loop(0, nt, wait_out, 0)
 
         # Slot t % W is free (read, rewritten, sent): a credit upstream if upstream fills it next.
-        nxt = t + W
-        owed = (nxt < T) & (nxt % P != 0)
-        if skip_credit_at is not None:
-            owed = owed & (t != skip_credit_at + 1 - W)
-
-        @pl.when(owed)
-        def _():
-            for d in (0, 1):
-                pl.semaphore_signal(credit.at[d], 1, device_id={axis_name: upstream[d]})
-
+        _common.signal_credit(t, W, T, P, credit, upstream, axis_name, skip_credit_at)
         return carry
 
     lax.fori_loop(0, T, step, 0)
