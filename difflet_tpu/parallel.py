@@ -266,31 +266,29 @@ def ring_seconds(kind: str, rows: int, k: int, n: int, itemsize: int, P: int, ch
     sum of k_i and N); `itemsize` b. The Pallas kernel (`impl` "pallas") multiplies m
     rows by the whole local weight at each of its P hops, streaming the weight from HBM
     again every hop (as `estimate.collective_matmul_hops` prices it):
-    c = max(2 m k n / peak, b k n / HBM bandwidth), except that the all-gather kernel
-    holds its weights in VMEM when m < `kernels._common.FEW_ROWS` (the streaming
-    kernel's rule at one chunk a half), so only its first hop reads them:
-    c_0 = max(2 m k n / peak, b k n / HBM bandwidth), c_j = 2 m k n / peak after;
-    the JAX ring ("jax") multiplies the
+    c = max(2 m k n / peak, b k n / HBM bandwidth); the JAX ring ("jax") multiplies the
     two halves as separate dots, c = 2 max(m k n / peak, b k n / HBM bandwidth). Each of
     the first P-1 hops sends one half each way, t = b (m/2) w / link + latency (w = k:
     rows of x for the all-gather; w = n: accumulators for the reduce-scatter), exposed
     where it exceeds c. Ring = P c + (P-1) max(0, t - c), plus, for the JAX ring (which
     slices the layer out of its stack like the plain path), `weight_relayout_seconds`
     where `relayout`.
-    """
-    from difflet_tpu.kernels import _common
 
+    Below `kernels._common.FEW_ROWS` rows the streaming all-gather kernel holds its
+    weights in VMEM and reads them once, not P times; this model still charges P reads
+    on purpose. Charging one flipped FLUX.1-dev's text MLP input from the plain path to
+    the kernel, and the compiled step got slower (127.7 -> 129.0 ms estimated on
+    v5e:2x2: the text `to_add_out` kernel's first sends then queue behind transfers
+    still in flight); docs/benchmarks.md, row 3c.
+    """
     w = k if kind == "all_gather" else n
     if impl == "jax":
         c = 2 * max(rows * k * n / chip.bf16_flops, itemsize * k * n / chip.hbm_bw)
     else:
         c = max(2 * rows * k * n / chip.bf16_flops, itemsize * k * n / chip.hbm_bw)
-    hops = [c] * P
-    if impl != "jax" and kind == "all_gather" and rows < _common.FEW_ROWS:
-        hops[1:] = [2 * rows * k * n / chip.bf16_flops] * (P - 1)  # the weights held in VMEM
     t = itemsize * (rows / 2) * w / chip.ici_link_bw + chip.ici_latency
     copy = weight_relayout_seconds(k, n, itemsize, chip) if relayout and impl == "jax" else 0.0
-    return sum(hops) + sum(max(0.0, t - h) for h in hops[:-1]) + copy
+    return P * c + (P - 1) * max(0.0, t - c) + copy
 
 
 def plain_seconds(kind: str, rows: int, k: int, n: int, itemsize: int, P: int, chip,
@@ -321,21 +319,19 @@ def plain_collective_pays(kind: str, rows: int, k: int, n: int, itemsize: int, P
     Few rows per rank make every ring hop bound by re-reading the weight from HBM
     (below peak / HBM bandwidth = 197e12 / 819e9 = 240 rows on v5e, 560 on v6e), so
     the ring pays P weight reads (the JAX ring 2P) where the plain path pays one and an
-    exposed collective of the rows (the all-gather kernel, which holds its weights in
-    VMEM below `_common.FEW_ROWS` rows, pays one: `ring_seconds`). For a ring that reads
-    the weight every hop (the reduce-scatter kernel), weight-bound hops, no ring transfer
+    exposed collective of the rows. For the kernel, weight-bound hops, no ring transfer
     exposed, the plain matmul compute-bound and no relayout, the inequality is
         P b k n / HBM bw > 2 P m k n / peak + b (P-1) m w / (2 link) + (P-1) latency,
     i.e. m < m* = (P b k n / HBM bw - (P-1) latency) / (2 P k n / peak + b (P-1) w / (2 link)):
     v5e (CHIPS: 197 TFLOP/s bf16, 819 GB/s HBM, 45 GB/s per link, 1 us per hop), P = 4,
     bf16, k = n = 3072 (FLUX.1-dev's ff_context.net.0.proj / .2 at P = 4): m* = 151
     rows (v6e: 233). So FLUX's text stream (512 tokens, 128 rows a rank) takes the
-    plain reduce-scatter for ff_context.net.2, whose compute-bound hops would run
-    the JAX ring (78 us against 184 us); it keeps the all-gather kernel for
-    ff_context.net.0.proj (its weights held in VMEM: 60 us against the plain path's
-    78 us; 92 us when it read them every hop) and add_q/k/v_proj, and the
-    reduce-scatter kernel for to_add_out (k = 768, ICI-bound hops that send the sums
-    hop by hop: 42 us against 35 us); its image stream (1024 rows) keeps every ring.
+    plain all-gather for ff_context.net.0.proj (78 us against the kernel's 92 us) and
+    the plain reduce-scatter for ff_context.net.2, whose compute-bound hops would run
+    the JAX ring (78 us against 184 us); it keeps the kernels for add_q/k/v_proj
+    (heads: 135 us against 69 us) and to_add_out (k = 768, ICI-bound hops that send
+    the sums hop by hop: 42 us against 35 us); its image stream (1024 rows) keeps
+    every ring.
     """
     return (plain_seconds(kind, rows, k, n, itemsize, P, chip, relayout)
             < ring_seconds(kind, rows, k, n, itemsize, P, chip, ring, relayout))
