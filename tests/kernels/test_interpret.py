@@ -79,15 +79,12 @@ def test_matmul_reduce_scatter_interpret(name, spec, tol):
     check_ok(dict(kind="rs", **spec), tol)
 
 
-# Row-chunked calls (long sequences: each call holds one chunk of every rank's rows in
-# VMEM, writing its rows of the outputs, aliased from call to call).
+# Row-chunked calls of the resident kernels (`AG_KERNEL` / `RS_KERNEL = "resident"` at
+# long sequences: each call holds one chunk of every rank's rows in VMEM, writing its
+# rows of the outputs, aliased from call to call).
 CHUNK_CASES = [
-    ("ag-f32-1w-2chunks", dict(kind="ag", dtype="float32", batch=[], S=256, K=128, widths=[256], col_tile=128,
-                               row_tile=8, chunks=2), 0.0),
     ("ag-f32-3w-b2-3chunks-uneven", dict(kind="ag", dtype="float32", batch=[2], S=320, K=256,
                                          widths=[128, 384, 128], col_tile=128, row_tile=8, chunks=3), 0.0),
-    ("rs-f32-1p-2chunks", dict(kind="rs", dtype="float32", batch=[], S=256, N=256, widths=[128], col_tile=128,
-                               row_tile=8, chunks=2), 0.0),
     ("rs-f32-2p-b2-3chunks-uneven", dict(kind="rs", dtype="float32", batch=[2], S=320, N=256, widths=[128, 256],
                                          col_tile=128, row_tile=8, chunks=3), 0.0),  # 80 rows: 32+32+16
     ("rs-bf16-1p-2chunks-L3", dict(kind="rs", dtype="bfloat16", batch=[1], S=512, N=256, widths=[256],
@@ -128,9 +125,6 @@ def test_stacked_weights_read_at_the_layer_index(name, spec):
 @pytest.mark.parametrize("kind,spec", [
     ("ag", dict(dtype="float32", batch=[], S=128, K=128, widths=[256], col_tile=128, row_tile=8)),
     ("rs", dict(dtype="float32", batch=[], S=128, N=256, widths=[128], col_tile=128, row_tile=8)),
-    # the same in row-chunked calls
-    ("ag", dict(dtype="float32", batch=[], S=256, K=128, widths=[256], col_tile=128, row_tile=8, chunks=2)),
-    ("rs", dict(dtype="float32", batch=[], S=256, N=256, widths=[128], col_tile=128, row_tile=8, chunks=2)),
 ])
 def test_race_detector_flags_one_receive_slot_too_few(kind, spec):
     # The same case passes with the default 3 slots (above); with 2, a neighbour
