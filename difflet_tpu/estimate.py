@@ -194,42 +194,39 @@ _KERNEL_NAME = re.compile(r"(?:^|/)(" + "|".join(COLLECTIVE_MATMUL_KERNELS)
                           + r")(_stream)?(?:_(\d+)chunks)?(?:_(\d+)rows)?(_wvmem)?(?:$|/)")
 
 
-def collective_matmul_call(o: Op) -> tuple[str, int] | None:
-    """(kind, row chunks) for a call of a Pallas kernel of kernels/, named by its
-    `pallas_call(name=...)`: "all_gather_matmul" / "matmul_reduce_scatter", with
-    "_<C>chunks" when a long sequence runs in C row-chunk calls; else None."""
+def _kernel_name(o: Op):
+    """The `_KERNEL_NAME` match of a collective-matmul kernel call (its instruction
+    name or op_name, from `pallas_call(name=...)`), else None."""
     if not is_pallas(o):
         return None
     for name in (o.name.split(".")[0], o.op_name):
         m = _KERNEL_NAME.search(name)
         if m:
-            return m.group(1), int(m.group(3) or 1)
+            return m
     return None
+
+
+def collective_matmul_call(o: Op) -> tuple[str, int] | None:
+    """(kind, row chunks) for a call of a Pallas kernel of kernels/, named by its
+    `pallas_call(name=...)`: "all_gather_matmul" / "matmul_reduce_scatter", with
+    "_<C>chunks" when a long sequence runs in C row-chunk calls; else None."""
+    m = _kernel_name(o)
+    return None if m is None else (m.group(1), int(m.group(3) or 1))
 
 
 def collective_matmul_stream_rows(o: Op) -> int | None:
     """The chunk rows of a streaming kernel's call (kernels/all_gather_matmul_stream.py,
     named "all_gather_matmul_stream_<C>chunks_<rows>rows", or
     kernels/matmul_reduce_scatter_stream.py, "matmul_reduce_scatter_stream_..."), else None."""
-    if not is_pallas(o):
-        return None
-    for name in (o.name.split(".")[0], o.op_name):
-        m = _KERNEL_NAME.search(name)
-        if m:
-            return int(m.group(4)) if m.group(2) and m.group(4) else None
-    return None
+    m = _kernel_name(o)
+    return int(m.group(4)) if m is not None and m.group(2) and m.group(4) else None
 
 
 def collective_matmul_weights_held(o: Op) -> bool:
     """True for a streaming all-gather call that holds its weights in VMEM ("..._wvmem":
     read from HBM once a call, not once a step; kernels/all_gather_matmul_stream.py)."""
-    if not is_pallas(o):
-        return False
-    for name in (o.name.split(".")[0], o.op_name):
-        m = _KERNEL_NAME.search(name)
-        if m:
-            return bool(m.group(5))
-    return False
+    m = _kernel_name(o)
+    return m is not None and bool(m.group(5))
 
 
 def collective_matmul_kind(o: Op) -> str | None:
