@@ -268,35 +268,25 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
             def body(col, carry, i=i, base=base, last_weight=last_weight, kstep=kstep, sp=sp):
                 u = t * per_step + base + col  # the weight stream's global tile index
                 par = u % 2
-                if held:  # every tile has its own slot, loaded during step 0 only
-                    tile = base + col
+                # held: every tile has a slot of its own (its index in the step), loaded
+                # during step 0 only; else two slots by parity, loaded every step
+                tile = base + col
+                slot_of = (lambda k: k) if held else (lambda k: None)
 
-                    @pl.when(t == 0)
-                    def _():
-                        w_copy(i, col, par, tile).wait()
-
-                        @pl.when(col + 1 < ncols[i])
-                        def _():
-                            w_copy(i, col + 1, 1 - par, tile + 1).start()
-
-                        if not last_weight:
-                            @pl.when(col + 1 == ncols[i])
-                            def _():
-                                w_copy(i + 1, 0, 1 - par, base + ncols[i]).start()
-
-                    wref = wbuf.at[tile]
-                else:
-                    w_copy(i, col, par).wait()
+                @pl.when((t == 0) if held else True)
+                def _():
+                    w_copy(i, col, par, slot_of(tile)).wait()
 
                     @pl.when(col + 1 < ncols[i])
                     def _():
-                        w_copy(i, col + 1, 1 - par).start()
+                        w_copy(i, col + 1, 1 - par, slot_of(tile + 1)).start()
 
-                    @pl.when((col + 1 == ncols[i]) & ((t + 1 < T) if last_weight else True))
-                    def _():
-                        w_copy(0 if last_weight else i + 1, 0, 1 - par).start()
+                    if not (held and last_weight):  # the next weight's first tile (next step's if last)
+                        @pl.when((col + 1 == ncols[i]) & ((t + 1 < T) if last_weight else True))
+                        def _():
+                            w_copy(0 if last_weight else i + 1, 0, 1 - par, slot_of(base + ncols[i])).start()
 
-                    wref = wbuf.at[par]
+                wref = wbuf.at[tile if held else par]
 
                 @pl.when(u >= 2)  # obuf[par] was sent out two tiles ago
                 def _():
@@ -380,6 +370,7 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
         else:
             raise ValueError(f"all_gather_matmul_stream kernel: bias {b.shape} for a weight of width {n}")
     P = lax.axis_size(axis_name)
+    blocks = blocks or _common.StreamBlocks()
     reason, sp = plan(x.shape, widths, x.dtype, P, blocks=blocks,
                       biases=[None if b is None else (b.size // b.shape[-1], b.dtype) for b in biases],
                       activations=activations, sum_squares=sum_squares)
@@ -392,7 +383,7 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
     B, lead = _common.fold_batch(x.shape)
     s, K = x.shape[-2], x.shape[-1]
     S, h, hc, C, W, tn, held = s * P, s // 2, sp.chunk_rows, sp.chunks, sp.window, sp.col_tile, sp.weights_in_vmem
-    tk = _common.depth_tile(K, (blocks or _common.StreamBlocks()).depth_tile_limit)
+    tk = _common.depth_tile(K, blocks.depth_tile_limit)
     x3 = x.reshape(B, s, K)
     tables = _common.ring_tables(axis_name, s)
     slabs = _common.ring_tables(axis_name, 2 * C)  # (2q) C: the first ssq slab of each hop's shard
