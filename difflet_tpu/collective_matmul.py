@@ -71,12 +71,14 @@ RMSNorm then needs one psum of it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from difflet_tpu import kernel_tiles
 from difflet_tpu.mesh import TP
 
 log = logging.getLogger(__name__)
@@ -238,7 +240,7 @@ def _check_shard(fn, rows, P):
 # --------------------------------------------------------------------------
 
 def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat",
-                      epilogues=None, interpret=False):
+                      epilogues=None, interpret=False, tiles=None):
     """Gathers the sequence shards of `x` while multiplying them by `weights`.
 
     Args:
@@ -253,6 +255,8 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
         the Pallas kernel applies `Epilogue`s itself (on its float32 tile)
         and any other function after the kernel.
       interpret: run a Pallas kernel in TPU interpret mode (off TPU).
+      tiles: a `kernel_tiles.KernelTiles` table: the kernel's column tile at
+        this site, where the table has one (a tile sweep measured it).
 
     Returns:
       A list with one `[..., S, N_i/P]` array per weight, rows in global order;
@@ -286,17 +290,20 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
         biases = [_kernel_bias(e.bias, layer) if f else None for e, f in zip(epilogues, fused)]
         acts = [e.activation if f else None for e, f in zip(epilogues, fused)]
         ssq = [e.sum_squares if f else False for e, f in zip(epilogues, fused)]
-        choice, reason = ag_kernel_choice(x.shape, [w.shape[1] for w in weights], x.dtype, P,
-                                          biases=[None if b is None else (b.size // b.shape[-1], b.dtype)
-                                                  for b in biases],
-                                          activations=acts, sum_squares=ssq)
+        bias_specs = [None if b is None else (b.size // b.shape[-1], b.dtype) for b in biases]
+        site = kernel_tiles.Site("ag", [x.shape], [w.shape for w in weights], str(x.dtype), P,
+                                 bias_specs, acts, ssq)
+        blocks = tiles.blocks(site) if tiles is not None else None
+        choice, reason = ag_kernel_choice(x.shape, [w.shape[1] for w in weights], x.dtype, P, biases=bias_specs,
+                                          activations=acts, sum_squares=ssq, blocks=blocks)
         if reason is None:
             if choice == "stream":
                 from difflet_tpu.kernels import all_gather_matmul_stream as stream
 
-                call = stream.all_gather_matmul_stream
+                call = functools.partial(stream.all_gather_matmul_stream, blocks=blocks)
             else:
                 call = kernel.all_gather_matmul
+            kernel_tiles.record(site, blocks if choice == "stream" else None)
             ys = call(x, stacks, layer=layer, biases=biases, activations=acts, sum_squares=ssq,
                       axis_name=axis_name, interpret=interpret)
             return [y if f or e is None else e(y) for y, e, f in zip(ys, epilogues, fused)]
@@ -320,17 +327,19 @@ def _kernel_choice(which, default, stream_reason, resident_plan):
 
 
 def ag_kernel_choice(x_shape, widths, dtype, P, *, biases=None, activations=None, sum_squares=None,
-                     kernel=None):
+                     kernel=None, blocks=None):
     """(choice, reason) for the all-gather kernel at these per-rank shapes: choice
     "stream" (one call of the streaming kernel), "resident" (one call, halves
     resident) or "chunks" (the resident kernel once per row chunk), reason None;
     or (None, why no kernel runs). `kernel` ("stream" or "resident", default
-    `AG_KERNEL`) says which of the two runs where both can."""
+    `AG_KERNEL`) says which of the two runs where both can; `blocks` the
+    streaming kernel's block sizes (default `StreamBlocks()`)."""
     from difflet_tpu.kernels import all_gather_matmul as resident
     from difflet_tpu.kernels import all_gather_matmul_stream as stream
 
     kw = dict(biases=biases, activations=activations, sum_squares=sum_squares)
-    return _kernel_choice(kernel, AG_KERNEL, lambda: stream.unsupported_reason(x_shape, widths, dtype, P, **kw),
+    return _kernel_choice(kernel, AG_KERNEL,
+                          lambda: stream.unsupported_reason(x_shape, widths, dtype, P, blocks=blocks, **kw),
                           lambda: resident._plan(x_shape, list(widths), dtype, P, **kw))
 
 
@@ -404,7 +413,7 @@ def _assemble_dus(yf, yb, idx, P, s):
 # Matmul + reduce-scatter
 # --------------------------------------------------------------------------
 
-def matmul_reduce_scatter(pairs, *, axis_name=TP, impl="jax", interpret=False):
+def matmul_reduce_scatter(pairs, *, axis_name=TP, impl="jax", interpret=False, tiles=None):
     """This rank's rows of `sum_i x_i @ w_i`, reduced over the `tp` axis.
 
     Args:
@@ -414,6 +423,7 @@ def matmul_reduce_scatter(pairs, *, axis_name=TP, impl="jax", interpret=False):
         `proj_out` (attention and MLP halves), summed without concatenating
         their inputs.
       impl: "jax" (this ring), "pallas" (the kernel, ring fallback) or "xla".
+      tiles: a `kernel_tiles.KernelTiles` table, as `all_gather_matmul`'s.
 
     Returns:
       `[..., S/P, N]`: rows `[r*S/P, (r+1)*S/P)` of the sum for rank r.
@@ -437,16 +447,20 @@ def matmul_reduce_scatter(pairs, *, axis_name=TP, impl="jax", interpret=False):
     if impl == "pallas":
         from difflet_tpu.kernels import matmul_reduce_scatter as kernel
 
+        site = kernel_tiles.Site("rs", [x.shape for x, _ in pairs], [w.shape for _, w in pairs],
+                                 str(pairs[0][0].dtype), P)
+        blocks = tiles.blocks(site) if tiles is not None else None
         choice, reason = rs_kernel_choice([x.shape for x, _ in pairs], [w.shape for _, w in pairs],
-                                          pairs[0][0].dtype, P)
+                                          pairs[0][0].dtype, P, blocks=blocks)
         if reason is None:
             stacks, layer = _stacked([w for _, w in pairs])
             if choice == "stream":
                 from difflet_tpu.kernels import matmul_reduce_scatter_stream as stream
 
-                call = stream.matmul_reduce_scatter_stream
+                call = functools.partial(stream.matmul_reduce_scatter_stream, blocks=blocks)
             else:
                 call = kernel.matmul_reduce_scatter
+            kernel_tiles.record(site, blocks if choice == "stream" else None)
             return call([(x, w) for (x, _), w in zip(pairs, stacks)], layer=layer, axis_name=axis_name,
                         interpret=interpret)
         _notice_fallback("matmul_reduce_scatter",
@@ -454,17 +468,18 @@ def matmul_reduce_scatter(pairs, *, axis_name=TP, impl="jax", interpret=False):
     return _rs_ring([(x, as_array(w)) for x, w in pairs], axis_name, P)
 
 
-def rs_kernel_choice(x_shapes, w_shapes, dtype, P, *, kernel=None):
+def rs_kernel_choice(x_shapes, w_shapes, dtype, P, *, kernel=None, blocks=None):
     """(choice, reason) for the reduce-scatter kernel at these per-rank shapes
     (x_i [..., S, k_i], w_i [k_i, N]): choice "stream" (one call of
     kernels/matmul_reduce_scatter_stream.py), "resident" (one call, full-width
     accumulators resident) or "chunks" (the resident kernel once per row chunk),
     reason None; or (None, why no kernel runs). `kernel` (default `RS_KERNEL`)
-    as `ag_kernel_choice`'s."""
+    and `blocks` as `ag_kernel_choice`'s."""
     from difflet_tpu.kernels import matmul_reduce_scatter as resident
     from difflet_tpu.kernels import matmul_reduce_scatter_stream as stream
 
-    return _kernel_choice(kernel, RS_KERNEL, lambda: stream.unsupported_reason(x_shapes, w_shapes, dtype, P),
+    return _kernel_choice(kernel, RS_KERNEL,
+                          lambda: stream.unsupported_reason(x_shapes, w_shapes, dtype, P, blocks=blocks),
                           lambda: resident._plan(x_shapes, w_shapes, dtype, P))
 
 

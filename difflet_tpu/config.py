@@ -86,6 +86,13 @@ class Config:
         swap. Off TPU no limit is known and "auto" keeps both on the devices.
         "on" where the devices have no host memory kind is an error before any
         work; a one-expert model has nothing to offload (every value is a no-op).
+    kernel_tiles: a column-tile table (JSON) written by `python -m
+        difflet_tpu.sweep_tiles` on the same chip: the collective-matmul kernels
+        then multiply in the tile measured fastest at each site it lists
+        (`difflet_tpu.kernel_tiles`); None (default) or an unlisted site: the
+        largest tile up to 512 columns that fits VMEM (`DIFFLET_TPU_KERNEL_TILES`).
+        Checked when set (format, sites, tiles) and again against the mesh's
+        device kind (a table measured on another chip is an error).
     """
 
     sp: bool = False
@@ -100,6 +107,7 @@ class Config:
     mesh: str | None = None
     compile_cache: str | None = None
     expert_offload: str = "auto"
+    kernel_tiles: str | None = None
 
     def __post_init__(self):
         for name in ("sp", "sp_single", "sp_cross_local", "sp_pad", "check_vma", "split_rope"):
@@ -117,6 +125,8 @@ class Config:
             _check_cache_path("Config.compile_cache", self.compile_cache)
         if self.mesh is not None:
             object.__setattr__(self, "mesh", _normal_mesh("Config.mesh", self.mesh))
+        if self.kernel_tiles is not None:
+            _check_tile_table("Config.kernel_tiles", self.kernel_tiles)
 
     def mesh_axes(self) -> dict | None:
         """{"cfg": 2, "tp": 4} from `mesh`, or None when unset."""
@@ -186,6 +196,23 @@ def _check_cache_path(name: str, value) -> None:
                           f"(remote caches are not supported)")
 
 
+def _check_tile_table(name: str, value) -> None:
+    from difflet_tpu import kernel_tiles
+
+    use = "use one of: a table written by python -m difflet_tpu.sweep_tiles, or unset it"
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{name}={value!r} is not allowed; {use}")
+    try:
+        kernel_tiles.load(value.strip())
+    except ValueError as e:
+        raise ConfigError(f"{name}={value!r} is not allowed; {use} ({e})") from None
+
+
+def _parse_tile_table(var: str, value: str) -> str:
+    _check_tile_table(var, value)
+    return value.strip()
+
+
 def _normal_mesh(name: str, value) -> str:
     from difflet_tpu.mesh import AXES, format_mesh, parse_mesh
 
@@ -219,4 +246,5 @@ ENV_VARS = {
     "DIFFLET_TPU_MESH": ("mesh", _parse_mesh),
     "DIFFLET_TPU_COMPILE_CACHE": ("compile_cache", _parse_path),
     "DIFFLET_TPU_EXPERT_OFFLOAD": ("expert_offload", _parse_choice(OFFLOAD_VALUES)),
+    "DIFFLET_TPU_KERNEL_TILES": ("kernel_tiles", _parse_tile_table),
 }

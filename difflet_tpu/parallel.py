@@ -38,7 +38,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from difflet_tpu import collective_matmul as cm
-from difflet_tpu import estimate
+from difflet_tpu import estimate, kernel_tiles
 from difflet_tpu.config import Config
 from difflet_tpu.mesh import TP
 
@@ -66,6 +66,7 @@ class Parallel:
     interpret: bool = False  # Pallas kernels interpreted (off TPU)
     cross_local: bool = False  # SP: cross-attention on this rank's rows, all heads (Config.sp_cross_local);
     # set by `for_mesh` for the SP modes only, read where `seq_sharded`
+    tiles: kernel_tiles.KernelTiles | None = None  # the kernels' column tile per site (Config.kernel_tiles)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -91,13 +92,15 @@ class Parallel:
         platform = device.platform
         chip = estimate.chip_for_device(device)
         mode = mode or ("sp" if config.sp else "tp")
+        tiles = None if config.kernel_tiles is None else kernel_tiles.load(config.kernel_tiles).for_devices(
+            device.device_kind)
         return cls(mode=mode, size=mesh.shape[TP],
                    ag_impl=config.ag_kernel(ag_default, platform),
                    rs_impl=config.rs_kernel(platform, chip), chip=None if chip is None else chip.name,
                    assemble=config.sp_ag_assemble,
                    attn_impl="splash" if platform == "tpu" else "xla",
                    interpret=platform != "tpu",
-                   cross_local=config.sp_cross_local and mode in ("sp", "sp-xla"))
+                   cross_local=config.sp_cross_local and mode in ("sp", "sp-xla"), tiles=tiles)
 
     @property
     def sharded(self) -> bool:
@@ -131,7 +134,7 @@ class Parallel:
             impl = "xla" if self.mode == "sp-xla" else self.ag_site_impl(x, weights, heads)
             return cm.all_gather_matmul(x, weights, axis_name=self.axis, impl=impl,
                                         assemble=self.assemble, epilogues=epilogues,
-                                        interpret=self.interpret)
+                                        interpret=self.interpret, tiles=self.tiles)
         epilogues = epilogues or [None] * len(weights)
         return [y if e is None else e(y) for y, e in zip((x @ cm.as_array(w) for w in weights), epilogues)]
 
@@ -149,7 +152,7 @@ class Parallel:
         else:
             impl = "xla" if self.mode == "sp-xla" else self.rs_site_impl(pairs)
             y = cm.matmul_reduce_scatter(pairs, axis_name=self.axis, impl=impl,
-                                         interpret=self.interpret)
+                                         interpret=self.interpret, tiles=self.tiles)
         return y if bias is None else y + bias
 
     def ag_site_impl(self, x, weights, heads=False) -> str:

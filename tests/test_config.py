@@ -1,10 +1,12 @@
 import dataclasses
+import os
 
 import pytest
 
 from difflet_tpu import estimate
 from difflet_tpu.config import ENV_VARS, Config, ConfigError
 
+TILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "kernel_tiles_cpu.json")
 GOOD = {
     "DIFFLET_TPU_SP": [("0", False), ("1", True)],
     "DIFFLET_TPU_SP_KERNEL": [("jax", "jax"), ("pallas", "pallas"), ("PALLAS", "pallas")],
@@ -19,6 +21,7 @@ GOOD = {
     "DIFFLET_TPU_MESH": [("cfg=2,tp=4", "cfg=2,tp=4"), ("tp=4, cfg=2", "cfg=2,tp=4"), ("tp=8", "tp=8"),
                          ("cfg=2,data=2,tp=4", "cfg=2,data=2,tp=4")],
     "DIFFLET_TPU_EXPERT_OFFLOAD": [("auto", "auto"), ("on", "on"), ("off", "off"), ("ON", "on")],
+    "DIFFLET_TPU_KERNEL_TILES": [(TILES, TILES), (f" {TILES} ", TILES)],
 }
 BAD = {
     "DIFFLET_TPU_SP": ["2", "yes", "true", ""],
@@ -33,6 +36,7 @@ BAD = {
     "DIFFLET_TPU_COMPILE_CACHE": ["", " ", "gs://bucket/cache"],
     "DIFFLET_TPU_MESH": ["", "cfg=2,tp=0", "dp=2,tp=2", "tp=4,tp=2", "cfg:2,tp:4", "tp=x"],
     "DIFFLET_TPU_EXPERT_OFFLOAD": ["1", "", "host", "cpu"],
+    "DIFFLET_TPU_KERNEL_TILES": ["", "/nonexistent/tiles.json", os.path.dirname(TILES)],
 }
 
 
