@@ -325,7 +325,7 @@ class StreamPlan:
     chunks: int
     window: int
     col_tile: int
-    row_tiles: tuple[tuple[int, int], ...]
+    row_tiles: tuple[tuple[int, int], ...]  # matmul row pieces of one chunk, or of a kernel's stacked chunks
     vmem: VmemPlan
     weights_in_vmem: bool = False  # all-gather: every weight tile held in VMEM, read once a call
 
@@ -335,8 +335,9 @@ class StreamPlan:
             raise ValueError(f"StreamPlan: {C} chunks of {hc} rows do not cover a {h}-row half")
         if self.window < 2 or self.col_tile % LANES:
             raise ValueError(f"StreamPlan: window {self.window} < 2 or column tile {self.col_tile}")
-        if sum(sz for _, sz in self.row_tiles) != hc:
-            raise ValueError(f"StreamPlan: row pieces {self.row_tiles} do not cover {hc} rows")
+        covered = sum(sz for _, sz in self.row_tiles)
+        if covered < hc or covered % hc:  # a chunk, or several as one M operand (reduce-scatter: 2 B chunks)
+            raise ValueError(f"StreamPlan: row pieces {self.row_tiles} do not cover a whole number of {hc}-row chunks")
 
     def chunk_offset(self, c: int) -> int:
         return min(c * self.chunk_rows, self.half_rows - self.chunk_rows)

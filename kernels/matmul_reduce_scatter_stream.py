@@ -15,17 +15,27 @@ once per row chunk, C calls).
 Layout and tiling (per rank; s = S/P, h = s/2 rows a half, hc rows a chunk,
 W slots, NT = N / tn column tiles):
 
-    VMEM  xbuf_i [2 dirs, 2, B, hc, k_i]      this step's and the next step's rows of x_i
+    VMEM  xbuf_i [2 parities, 2 B hc, k_i]    this step's and the next step's rows of x_i, flat:
+                                               segment g = d B + b (direction d, batch b) holds
+                                               rows [g hc, (g+1) hc), one DMA each
           wbuf_i [2, k_i, tn]                  weight tiles, double-buffered
           acc    [2 dirs, W slots, NT, B, hc, tn]  partial sums in flight: received from
                                                upstream, accumulated in place, sent on
+          prod   [2 B hc, tn] f32              one column tile's products, summed over the pairs
           bbuf   [L_b, N]                      the bias rows (only with a bias)
     HBM   x_i, w_i, bias (inputs), out (output); memory_space ANY, explicit DMA
     SMEM  tables int32[2 + 2P]  (scalar prefetch: neighbours, shard rows; _common.ring_tables)
           layer  int32[1]
-          sems   x DMA [pairs, 2, 2], w DMA [pairs, 2], recv DMA [2, W, NT] (per direction,
-                 slot, tile), send DMA [2], out DMA [2], credit REGULAR [2] (free slots
-                 downstream), bias DMA [1]
+          sems   x DMA [pairs, 2 dirs, 2 parities] (B descriptors each, each waited), w DMA
+                 [pairs, 2], recv DMA [2, W, NT] (per direction, slot, tile), send DMA [2],
+                 out DMA [2], credit REGULAR [2] (free slots downstream), bias DMA [1]
+
+The products take both directions' rows of every batch as ONE M operand: row
+tiles (`_common.row_tiles(2 B hc, row_tile_limit, unit)`, in the plan's
+`row_tiles`) run over the flat 2 B hc rows, one dot per (pair, row tile) per
+column tile, so a tile may straddle a segment boundary (hc is a multiple of
+the sublane rows, so every boundary is tile-aligned). The flat rows are split
+at the segment boundaries only where the sums are added and stored into `acc`.
 
 Ring (as the resident kernel): at hop j rank r adds its partial product for
 the forward half of rank r-1-j and the backward half of rank r+1+j to the
@@ -43,15 +53,29 @@ each direction:
     step t:  wait x rows of step t; load step t+1's
              [j < P-1, t+1-W >= 0] wait one credit per direction
              for column tile col (the weight stream runs on across steps):
+               prod = sum_i xbuf_i (all 2 B hc rows) @ w_i tile, f32, one dot per (pair, row tile)
                per direction: [j > 0] wait tile col of slot t%W (sent by upstream at its step t-1)
-                              acc[slot, col] = sum_i x_i rows @ w_i tile (+ acc[slot, col] if j > 0)
+                              acc[slot, col] = prod rows of d (+ acc[slot, col] if j > 0)
                                                (+ bias at j = P-1), f32, rounded once
                               [j < P-1] send acc[slot, col] -> downstream's acc[(t+1)%W, col]
                               [j = P-1] DMA acc[slot, col] -> out rows of chunk c
              wait this step's sends / out writes; signal a credit upstream if upstream fills slot t%W next
 
+Why the products come first: they need only this rank's rows and the weight
+tile, not the upstream sums, so they run while upstream's tile col is still
+arriving, and the wait comes after them; only the adds, the rounding and the
+send wait on it. What it changes: the forward direction's send of tile col
+now starts after BOTH directions' dots (before, it started after the forward
+dots only, and the backward dots overlapped it); the backward send starts
+where it did. In exchange each column tile is one M operand of 2 B hc rows
+per pair (fewer, taller dots, not split per direction and batch) and the
+receive waits move behind the MXU work (not measured on a TPU).
+
 Sums are formed in f32 and rounded to the dtype once per hop, as the resident
-kernel and the JAX ring do (the float32 tests, on small integers, are exact).
+kernel and the JAX ring do: the pairs' products are summed in f32 into
+`prod`, then the received value (j > 0) and the bias (j = P-1) are added in
+f32 and the result is rounded once (the float32 tests, on small integers, are
+exact).
 
 Credits (why a sender never overwrites a slot in use), as
 kernels/all_gather_matmul_stream.py: slot t % W is read and rewritten by step
@@ -76,7 +100,8 @@ has not started.
 
 The weights stream once per step, i.e. P C times a call (as C resident calls
 would); x rows load once per step (each rank reads 2 hc rows of every other
-rank's rows, as the resident kernel reads h-row halves).
+rank's rows, as the resident kernel reads h-row halves), one DMA per
+(pair, direction, batch).
 """
 
 from __future__ import annotations
@@ -146,11 +171,13 @@ def plan(x_shapes, w_shapes, dtype, axis_size, *, blocks: _common.StreamBlocks |
 
     def candidates(hc):
         for tn in _common.column_tile_candidates([N], blocks.col_tile_limit):
-            tiles = _common.row_tiles(hc, blocks.row_tile_limit, unit)
+            # both directions' rows of every batch as one M operand: 2 B segments of hc rows
+            tiles = _common.row_tiles(2 * B * hc, blocks.row_tile_limit, unit)
             tm = max(sz for _, sz in tiles)
-            bufs = [_common.buffer(f"xbuf_{i}", (2, 2, B, hc, k), dtype) for i, k in enumerate(ks)]
+            bufs = [_common.buffer(f"xbuf_{i}", (2, 2 * B * hc, k), dtype) for i, k in enumerate(ks)]
             bufs += [_common.buffer(f"wbuf_{i}", (2, k, tn), dtype) for i, k in enumerate(ks)]
             bufs.append(_common.buffer("acc", (2, blocks.window, N // tn, B, hc, tn), dtype))
+            bufs.append(_common.buffer("prod", (2 * B * hc, tn), jnp.float32))
             if bias is not None:
                 bufs.append(_common.buffer("bbuf", (bias[0], N), bias[1]))
             bufs += [
@@ -181,7 +208,7 @@ def _kernel(tables, layer, *refs, axis_name, P, B, h, hc, C, W, npairs, nt, tn, 
     x_hbm, w_hbm, b_hbm = take(npairs), take(npairs), take(int(has_bias))
     (out_hbm,) = take(1)
     xbuf, wbuf = take(npairs), take(npairs)
-    (acc,) = take(1)
+    acc, prod = take(2)
     bbuf = take(int(has_bias))
     x_sem, w_sem, recv_sem, send_sem, o_sem, credit, b_sem = refs
     T = P * C
@@ -197,9 +224,20 @@ def _kernel(tables, layer, *refs, axis_name, P, B, h, hc, C, W, npairs, nt, tn, 
             return pl.multiple_of(tables[2 + (j + 1) % P] + chunk0(c), unit)
         return pl.multiple_of(tables[2 + P + (j + 1) % P] + h + chunk0(c), unit)  # backward: rank r+1+j's [h, s)
 
-    def x_copy(i, t, d):
-        return pltpu.make_async_copy(x_hbm[i].at[:, pl.ds(src_row(t, d), hc)], xbuf[i].at[d, t % 2],
-                                     x_sem.at[i, d, t % 2])
+    def x_copies(i, t, d):  # step t's rows of x_i in direction d: one DMA per batch b, into segment d B + b
+        row = src_row(t, d)
+        return [pltpu.make_async_copy(x_hbm[i].at[b, pl.ds(row, hc)],
+                                      xbuf[i].at[t % 2, pl.ds((d * B + b) * hc, hc)], x_sem.at[i, d, t % 2])
+                for b in range(B)]
+
+    # The flat row tiles cut at the segment boundaries, per direction: (b, first row in the
+    # segment, first flat row, rows), static; each piece lies in one segment.
+    pieces = [[], []]
+    for r0, tm in tiles:
+        for g in range(2 * B):
+            lo, hi = max(r0, g * hc), min(r0 + tm, (g + 1) * hc)
+            if lo < hi:
+                pieces[g // B].append((g % B, lo - g * hc, lo, hi - lo))
 
     def w_copy(i, col, par):
         c0 = pl.multiple_of(col * tn, tn)
@@ -219,7 +257,8 @@ def _kernel(tables, layer, *refs, axis_name, P, B, h, hc, C, W, npairs, nt, tn, 
     bias_rows = [pltpu.make_async_copy(b_hbm[0], bbuf[0], b_sem.at[0])] if has_bias else []
     for i in range(npairs):
         for d in (0, 1):
-            x_copy(i, 0, d).start()
+            for cp in x_copies(i, 0, d):
+                cp.start()
         w_copy(i, 0, 0).start()
     for cp in bias_rows:
         cp.start()
@@ -238,13 +277,15 @@ def _kernel(tables, layer, *refs, axis_name, P, B, h, hc, C, W, npairs, nt, tn, 
         xpar = t % 2
         for i in range(npairs):
             for d in (0, 1):
-                x_copy(i, t, d).wait()
+                for cp in x_copies(i, t, d):
+                    cp.wait()
 
         @pl.when(t + 1 < T)  # the next step's rows load during this one (their buffer's user, t-1, is done)
         def _():
             for i in range(npairs):
                 for d in (0, 1):
-                    x_copy(i, t + 1, d).start()
+                    for cp in x_copies(i, t + 1, d):
+                        cp.start()
 
         @pl.when((j < P - 1) & _common.credit_needed(t, W, skip_credit_at))
         def _():
@@ -262,6 +303,16 @@ def _kernel(tables, layer, *refs, axis_name, P, B, h, hc, C, W, npairs, nt, tn, 
                 for i in range(npairs):
                     w_copy(i, (col + 1) % nt, 1 - par).start()
 
+            # This rank's products first, both directions' rows and every batch as one M
+            # operand (they need only local rows, so they overlap the upstream tile's
+            # arrival), summed over the pairs in f32 and kept in f32 until the hop's sum.
+            for r0, tm in tiles:
+                y = None
+                for i in range(npairs):
+                    p = jnp.dot(xbuf[i][xpar, pl.ds(r0, tm), :], wbuf[i][par], preferred_element_type=jnp.float32)
+                    y = p if y is None else y + p
+                prod[pl.ds(r0, tm), :] = y
+
             bias = None
             if has_bias:  # this column tile of the bias row, float32 [1, tn], at the last hop only
                 c0 = pl.multiple_of(col * tn, tn)
@@ -275,18 +326,13 @@ def _kernel(tables, layer, *refs, axis_name, P, B, h, hc, C, W, npairs, nt, tn, 
                 def _():
                     send(t - 1, d, col).wait_recv()
 
-                for b in range(B):
-                    for r0, tm in tiles:
-                        y = None
-                        for i in range(npairs):
-                            p = jnp.dot(xbuf[i][d, xpar, b, pl.ds(r0, tm), :], wbuf[i][par],
-                                        preferred_element_type=jnp.float32)
-                            y = p if y is None else y + p
-                        prev = acc[d, slot, col, b, pl.ds(r0, tm), :].astype(jnp.float32)
-                        y = y + jnp.where(j > 0, prev, 0.0)  # j = 0: the slot holds an old chunk
-                        if bias is not None:
-                            y = y + bias
-                        acc[d, slot, col, b, pl.ds(r0, tm), :] = y.astype(acc.dtype)
+                for b, lo, f0, n in pieces[d]:
+                    y = prod[pl.ds(f0, n), :]
+                    prev = acc[d, slot, col, b, pl.ds(lo, n), :].astype(jnp.float32)
+                    y = y + jnp.where(j > 0, prev, 0.0)  # j = 0: the slot holds an old chunk
+                    if bias is not None:
+                        y = y + bias
+                    acc[d, slot, col, b, pl.ds(lo, n), :] = y.astype(acc.dtype)  # rounded once a hop
 
                 @pl.when(j < P - 1)
                 def _():
@@ -393,9 +439,10 @@ def matmul_reduce_scatter_stream(pairs, *, layer=None, bias=None, axis_name="tp"
             in_specs=[any_spec] * (2 * npairs + len(bias_ops)),
             out_specs=any_spec,
             scratch_shapes=[
-                *[pltpu.VMEM((2, 2, B, hc, k), dtype) for k in ks],       # xbuf_i
+                *[pltpu.VMEM((2, 2 * B * hc, k), dtype) for k in ks],    # xbuf_i: parity, segment d B + b
                 *[pltpu.VMEM((2, k, tn), dtype) for k in ks],             # wbuf_i
                 pltpu.VMEM((2, W, nt, B, hc, tn), dtype),                 # acc: the window of partial sums
+                pltpu.VMEM((2 * B * hc, tn), jnp.float32),                # prod: a column tile's products
                 *[pltpu.VMEM(b.shape, b.dtype) for b in bias_ops],        # bbuf
                 pltpu.SemaphoreType.DMA((npairs, 2, 2)),                  # x_sem: pair, dir, parity
                 pltpu.SemaphoreType.DMA((npairs, 2)),                     # w_sem: pair, buffer

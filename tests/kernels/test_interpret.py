@@ -395,6 +395,11 @@ RS_STREAM_CASES = [
                                        widths=[128, 128], chunk_rows=16, col_tile=128, row_tile=16), 2e-2, 2),
     ("ring4-2chunks-stacked-L3", dict(kind="rs", ring=4, dtype="float32", batch=[], S=128, N=256, widths=[128],
                                       layers=3, at=[2, 0], chunk_rows=8, col_tile=128, row_tile=8), 0.0, 2),
+    # the products' one M operand (2 directions x 2 batches of 16 rows) in row tiles of 24, 24, 16
+    # that straddle the segment boundaries (16, and 32 between the directions)
+    ("ring4-2chunks-b2-2pairs-bias-tiles-straddle", dict(kind="rs", ring=4, dtype="float32", batch=[2], S=256,
+                                                         N=256, widths=[128, 256], bias=True, chunk_rows=16,
+                                                         col_tile=128, row_tile=24), 0.0, 2),
 ]
 
 
@@ -433,8 +438,8 @@ def test_dispatch_streams_when_the_resident_halves_do_not_fit():
 
 
 # The same for the reduce-scatter, with a chip VMEM of 8 MiB + 0.9 MB: whole-half
-# accumulators (1.26 MB of buffers) do not fit, so the streaming kernel runs 2 chunks of
-# 16 rows (0.70 MB); with kernel="resident" (rs_kernel_choice) it would be 2 resident calls.
+# accumulators (1.38 MB of buffers) do not fit, so the streaming kernel runs 2 chunks of
+# 16 rows (0.88 MB); with kernel="resident" (rs_kernel_choice) it would be 2 resident calls.
 @pytest.mark.slow
 def test_dispatch_streams_the_reduce_scatter_when_its_accumulators_do_not_fit():
     r = check_ok(dict(kind="rs_dispatch", dtype="float32", batch=[2], S=256, N=256, widths=[128],
