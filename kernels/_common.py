@@ -325,7 +325,8 @@ class StreamPlan:
     chunks: int
     window: int
     col_tile: int
-    row_tiles: tuple[tuple[int, int], ...]
+    row_tiles: tuple[tuple[int, int], ...]  # a step's row tiles: over its chunk's hc rows (reduce-scatter),
+    # or over the 2 B hc rows the all-gather multiplies as one M operand (both directions, every batch)
     vmem: VmemPlan
     weights_in_vmem: bool = False  # all-gather: every weight tile held in VMEM, read once a call
 
@@ -335,8 +336,9 @@ class StreamPlan:
             raise ValueError(f"StreamPlan: {C} chunks of {hc} rows do not cover a {h}-row half")
         if self.window < 2 or self.col_tile % LANES:
             raise ValueError(f"StreamPlan: window {self.window} < 2 or column tile {self.col_tile}")
-        if sum(sz for _, sz in self.row_tiles) != hc:
-            raise ValueError(f"StreamPlan: row pieces {self.row_tiles} do not cover {hc} rows")
+        covered = sum(sz for _, sz in self.row_tiles)
+        if not covered or covered % hc:
+            raise ValueError(f"StreamPlan: row pieces {self.row_tiles} do not cover whole chunks of {hc} rows")
 
     def chunk_offset(self, c: int) -> int:
         return min(c * self.chunk_rows, self.half_rows - self.chunk_rows)
