@@ -44,7 +44,11 @@ as ONE M operand in static row tiles over the flat rows
 (`_common.row_tiles(2 B hc, row_tile_limit)`): a dot is (tm, tk) x (tk, tn)
 whatever segments its rows span. Why: fewer, larger dots than one per
 (direction, batch, row tile), so each weight block pushed into the MXU is
-used for more rows, and fewer dots are unrolled into the kernel's code. The
+used for more rows (not measured on a TPU), and fewer dots are unrolled. The
+generated code is about the same size: Mosaic's code grows with the rows
+times depth times columns the dots cover, hardly with their number (v5e,
+Wan q/k/v: 4 dots of 304/288 rows or 3 of 400/384 or 2 of 592, 1.03 MiB
+each; one of 1184, 0.95 MiB; docs/kernels.md). The
 sums of squares keep their per-(direction, batch) slabs: a row tile that
 straddles segments is cut at their static boundaries, each piece's row sums
 laid out lane-major at its segment's offset in sbuf. The VMEM plan is this
@@ -218,7 +222,8 @@ def _multiply_rows(xbuf, slot, wref, bias, act, obuf, par, sbuf, sp, col, *, B, 
     (tm, tk) x (tk, tn) dot whatever segments it spans; the epilogue on the float32
     product (bias, activation, cast) written to obuf[par] [2 B hc, tn]. Fewer, larger
     dots than one per (direction, batch, row tile): the MXU's weight pushes are
-    amortised over more rows, and fewer dots unrolled means less code.
+    amortised over more rows, and fewer dots are unrolled (the code size stays about
+    the same: it follows the rows the dots cover, not their number; module docstring).
 
     With tk < K the depth goes in K / tk chunks, a `fori_loop` summing each chunk's
     products into the float32 accumulator `acc` [2 B hc, tn] (one loop body of dots
