@@ -325,7 +325,8 @@ class StreamPlan:
     chunks: int
     window: int
     col_tile: int
-    row_tiles: tuple[tuple[int, int], ...]  # matmul row pieces of one chunk, or of a kernel's stacked chunks
+    row_tiles: tuple[tuple[int, int], ...]  # a step's row tiles, over the 2 B hc rows both kernels
+    # multiply as one M operand (both directions, every batch)
     vmem: VmemPlan
     weights_in_vmem: bool = False  # all-gather: every weight tile held in VMEM, read once a call
 
@@ -336,8 +337,8 @@ class StreamPlan:
         if self.window < 2 or self.col_tile % LANES:
             raise ValueError(f"StreamPlan: window {self.window} < 2 or column tile {self.col_tile}")
         covered = sum(sz for _, sz in self.row_tiles)
-        if covered < hc or covered % hc:  # a chunk, or several as one M operand (reduce-scatter: 2 B chunks)
-            raise ValueError(f"StreamPlan: row pieces {self.row_tiles} do not cover a whole number of {hc}-row chunks")
+        if not covered or covered % hc:
+            raise ValueError(f"StreamPlan: row pieces {self.row_tiles} do not cover whole chunks of {hc} rows")
 
     def chunk_offset(self, c: int) -> int:
         return min(c * self.chunk_rows, self.half_rows - self.chunk_rows)

@@ -15,13 +15,13 @@ Same contract, same ring, same weight-tile stream and epilogues; one call.
 
 Layout and tiling (per rank; h = s/2 rows a half, hc rows a chunk, W slots):
 
-    VMEM  xbuf  [2 dirs, W slots, B, hc, K]   chunks in flight (own, received, forwarded)
+    VMEM  xbuf  [W slots, 2 B hc, K]          a step's rows in flight (own, received, forwarded)
           wbuf  [2, K, tn]                     weight tiles, double-buffered; or, with the
                                                weights held (below), [sum n_i / tn, K, tn]
-          obuf  [2, 2 dirs, B, hc, tn]         product tiles on their way to HBM
+          obuf  [2, 2 B hc, tn]                product tiles on their way to HBM
           bbuf_i [L_i, n_i]                    weight i's bias rows (only if it has one)
           sbuf  [2, 2 dirs, B, 1, hc] f32      row sums of squares (only with sum_squares)
-          abuf  [2 dirs, B, hc, tn] f32        depth-chunk sums (only if tk < K; as the resident kernel)
+          abuf  [2 B hc, tn] f32               depth-chunk sums (only if tk < K)
     HBM   x, w_i, bias_i (inputs), out_i, ssq_i (outputs); memory_space ANY, explicit DMA
     SMEM  tables int32[2 + 2P]  (scalar prefetch: neighbours, shard rows of hop j; _common.ring_tables)
           layer  int32[1]
@@ -29,6 +29,31 @@ Layout and tiling (per rank; h = s/2 rows a half, hc rows a chunk, W slots):
           sems   recv DMA [2, W] (per direction, slot: own chunk loaded or neighbour's arrived),
                  send DMA [2], credit REGULAR [2] (free slots downstream), w [2], o [2, 2],
                  b [#bias], s [2, 2]
+
+A step's rows are flat: segment g = d B + b of xbuf[slot] (and of obuf[par],
+abuf) holds direction d's chunk of batch b, hc rows at [g hc, (g+1) hc); hc
+is a multiple of the dtype's sublane rows, so every segment boundary is
+sublane-aligned. An own chunk loads as B DMAs (one per batch, into its
+segments, on the direction's receive semaphore, each waited); direction d's
+B segments are contiguous, so its forward send is one remote DMA of
+xbuf[slot, d B hc : (d+1) B hc] to the same rows of the neighbour's next
+slot; a product tile goes out as B DMAs per direction (one per segment, to
+out_i[b, its rows, its columns], each waited). The multiply
+(`_multiply_rows`) takes all 2 B hc rows, both directions and every batch,
+as ONE M operand in static row tiles over the flat rows
+(`_common.row_tiles(2 B hc, row_tile_limit)`): a dot is (tm, tk) x (tk, tn)
+whatever segments its rows span. Why: fewer, larger dots than one per
+(direction, batch, row tile), so each weight block pushed into the MXU is
+used for more rows (not measured on a TPU), and fewer dots are unrolled. The
+generated code is about the same size: Mosaic's code grows with the rows
+times depth times columns the dots cover, hardly with their number (v5e,
+Wan q/k/v: 4 dots of 304/288 rows or 3 of 400/384 or 2 of 592, 1.03 MiB
+each; one of 1184, 0.95 MiB; docs/kernels.md). The
+sums of squares keep their per-(direction, batch) slabs: a row tile that
+straddles segments is cut at their static boundaries, each piece's row sums
+laid out lane-major at its segment's offset in sbuf. The VMEM plan is this
+module's own `_vmem_plan` (the buffers above, and what Mosaic materialises
+per dot).
 
 Chunks: the plan (`_common.StreamPlan`, from a validated `_common.StreamBlocks`)
 cuts each half into C chunks of hc rows (a multiple of the dtype's sublane
@@ -50,8 +75,9 @@ its next hop, and the window needs no more slots as C grows.
     step t:  per direction d: wait slot t%W (own load or arrival), then at once
                               [j < P-1] wait credit, send slot -> downstream slot (t+1)%W
                                                    ┬─ [j = P-1] load own chunk c+1 -> slot (t+1)%W
-                                                   └─ for (weight, column tile): multiply both directions' chunk,
-                                                      epilogue, DMA out (the weight stream runs on across steps)
+                                                   └─ for (weight, column tile): multiply the step's rows (both
+                                                      directions, one M operand), epilogue, DMA out (the weight
+                                                      stream runs on across steps)
              [j < P-1] wait send; signal a credit upstream if slot t%W is next filled by upstream
 
 Credits (why a sender never overwrites a slot in use). Slot t % W is read by
@@ -95,9 +121,10 @@ credit) into a kernel instance that has not started. The weight-tile stream
 (tile u+1 loads while tile u multiplies both chunks of the step), the
 epilogue (bias, activation, cast, sum of squares of the rounded tile) and the
 output DMAs (each tile written once at its final rows, waited two tiles later)
-are those of kernels/all_gather_matmul.py; the weights stream once per step,
-i.e. P C times a call (as C resident calls would; hidden under the MXU work
-at Wan's shapes by the estimate).
+are those of kernels/all_gather_matmul.py (whose dots take one direction's
+rows of one batch each; this kernel's take the flat rows above); the weights
+stream once per step, i.e. P C times a call (as C resident calls would;
+hidden under the MXU work at Wan's shapes by the estimate).
 """
 
 from __future__ import annotations
@@ -111,7 +138,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _common
-from .all_gather_matmul import ACTIVATIONS, _bias_tile, _check, _multiply_tile, _vmem_plan
+from .all_gather_matmul import ACTIVATIONS, _bias_tile, _check
 
 COLLECTIVE_ID = 9  # each kernel its own barrier semaphore id (all_gather_matmul 7, matmul_reduce_scatter 8)
 
@@ -119,6 +146,33 @@ COLLECTIVE_ID = 9  # each kernel its own barrier semaphore id (all_gather_matmul
 # --------------------------------------------------------------------------
 # Plan
 # --------------------------------------------------------------------------
+
+def _vmem_plan(B, hc, K, tn, tiles, dtype, W, activations, sum_squares, bias_bufs, tk, w_tiles=2):
+    """The VMEM this kernel allocates (its scratch buffers, flat: one step's 2 B hc rows)
+    and what Mosaic materialises per dot, for chunks of hc rows in W slots per direction,
+    column tile tn, row tiles `tiles` over the 2 B hc rows, depth chunks of tk, and
+    `w_tiles` weight tiles (2: double-buffered; every tile when held in VMEM)."""
+    rows = 2 * B * hc
+    tm = max(sz for _, sz in tiles)
+    return _common.VmemPlan((
+        _common.buffer("xbuf", (W, rows, K), dtype),
+        _common.buffer("wbuf", (w_tiles, K, tn), dtype),
+        _common.buffer("obuf", (2, rows, tn), dtype),
+        # values Mosaic materialises per dot: the x row tile, the weight tile, the f32 result
+        _common.buffer("dot operands", (tm * tk + tk * tn,), dtype),
+        _common.buffer("f32 result", (tm, tn), jnp.float32),
+        # the float32 sums over depth chunks (only if K is cut: tk < K)
+        *([_common.buffer("acc", (rows, tn), jnp.float32)] if tk < K else []),
+        # the epilogue's float32 temporaries (bias added, GELU's inner terms;
+        # the rounded tile read back and squared for a sum of squares)
+        *([_common.buffer("f32 epilogue", (2, tm, tn), jnp.float32)]
+          if any(a is not None for a in activations) or any(sum_squares) else []),
+        *bias_bufs,
+        # row sums of squares: [2, 2, B, 1, hc] f32, (1, hc) padded to (8, 128k)
+        *([_common.buffer("ssq", (2, 2, B, 8, -(-hc // _common.LANES) * _common.LANES), jnp.float32)]
+          if any(sum_squares) else []),
+    ))
+
 
 def plan(x_shape, widths, dtype, axis_size, *, blocks: _common.StreamBlocks | None = None, biases=None,
          activations=None, sum_squares=None):
@@ -141,7 +195,7 @@ def plan(x_shape, widths, dtype, axis_size, *, blocks: _common.StreamBlocks | No
         hold = blocks.weights_in_vmem
         holds = [True, False] if hold is None and 2 * B * hc < _common.FEW_ROWS else [bool(hold)]
         for tn in _common.column_tile_candidates(widths, blocks.col_tile_limit):
-            tiles = _common.row_tiles(hc, blocks.row_tile_limit, unit)
+            tiles = _common.row_tiles(2 * B * hc, blocks.row_tile_limit, unit)  # over a step's flat rows
             for held in holds:
                 w_tiles = sum(widths) // tn if held else 2
                 yield (_vmem_plan(B, hc, K, tn, tiles, dtype, blocks.window, activations, sum_squares, bias_bufs,
@@ -160,6 +214,63 @@ def unsupported_reason(x_shape, widths, dtype, axis_size, *, blocks=None, biases
 # --------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------
+
+def _multiply_rows(xbuf, slot, wref, bias, act, obuf, par, sbuf, sp, col, *, B, hc, tiles, ssq: bool, tk, acc):
+    """A step's rows, both directions and every batch as ONE M operand, times the weight
+    tile `wref` [K, tn]: xbuf[slot] [2 B hc, K] (segment g = d B + b: direction d's chunk
+    of batch b, hc rows) in the static row tiles `tiles` over all 2 B hc rows, each a
+    (tm, tk) x (tk, tn) dot whatever segments it spans; the epilogue on the float32
+    product (bias, activation, cast) written to obuf[par] [2 B hc, tn]. Fewer, larger
+    dots than one per (direction, batch, row tile): the MXU's weight pushes are
+    amortised over more rows, and fewer dots are unrolled (the code size stays about
+    the same: it follows the rows the dots cover, not their number; module docstring).
+
+    With tk < K the depth goes in K / tk chunks, a `fori_loop` summing each chunk's
+    products into the float32 accumulator `acc` [2 B hc, tn] (one loop body of dots
+    is the kernel's code, not every (tm, K) x (K, tn) dot unrolled).
+
+    With `ssq`, the rounded tile's squares summed over its columns into sbuf[sp]
+    [2 dirs, B, 1, hc] (column tile 0 writes, the others add): a row tile that
+    straddles segments is cut at their (static, sublane-aligned) boundaries, and
+    each piece's (rows,) sums relaid out to a lane-major (1, rows) row at its
+    segment's static lane offset, as kernels/all_gather_matmul.py's `_multiply_tile`
+    does per tile."""
+    K = wref.shape[0]
+    if tk < K:
+        def depth_chunk(k, carry):
+            k0 = pl.multiple_of(k * tk, tk)
+            w = wref[pl.ds(k0, tk), :]
+            for r0, tm in tiles:
+                p = jnp.dot(xbuf[slot, pl.ds(r0, tm), pl.ds(k0, tk)], w, preferred_element_type=jnp.float32)
+                prev = acc[pl.ds(r0, tm), :]
+                acc[pl.ds(r0, tm), :] = jnp.where(k == 0, p, prev + p)
+            return carry
+
+        lax.fori_loop(0, K // tk, depth_chunk, 0)
+    else:
+        w = wref[...]
+    for r0, tm in tiles:
+        if tk < K:
+            y = acc[pl.ds(r0, tm), :]
+        else:
+            y = jnp.dot(xbuf[slot, pl.ds(r0, tm), :], w, preferred_element_type=jnp.float32)
+        if bias is not None:
+            y = y + bias
+        if act is not None:
+            y = act(y)
+        y = y.astype(obuf.dtype)
+        obuf[par, pl.ds(r0, tm), :] = y
+        if ssq:  # the rounded output's squares, summed over this tile's columns, per segment piece
+            yf = y.astype(jnp.float32)
+            for g in range(r0 // hc, (r0 + tm - 1) // hc + 1):
+                a, e = max(r0, g * hc), min(r0 + tm, (g + 1) * hc)
+                piece = yf[a - r0:e - r0] if (a, e) != (r0, r0 + tm) else yf
+                part = jnp.sum(piece * piece, axis=-1).reshape(1, e - a)
+                d, b = divmod(g, B)
+                rows = pl.ds(a - g * hc, e - a)
+                prev = sbuf[sp, d, b, :, rows]
+                sbuf[sp, d, b, :, rows] = jnp.where(col > 0, prev + part, part)
+
 
 def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K, widths, tn, tk, tiles, unit,
             bias_stacked, activations, sum_squares, held, skip_credit_at):
@@ -194,12 +305,17 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
         base = tables[2 + j] if d == 0 else tables[2 + P + j] + h
         return pl.multiple_of(base + chunk0(c), unit)
 
-    def load(t, d):  # own chunk t // P of half d, HBM -> slot t % W
-        return pltpu.make_async_copy(x_hbm.at[:, pl.ds(d * h + chunk0(t // P), hc)], xbuf.at[d, t % W],
-                                     recv_sem.at[d, t % W])
+    def seg(d, b):  # the rows of segment d B + b (direction d's chunk of batch b) in a flat step buffer
+        return pl.ds((d * B + b) * hc, hc)
 
-    def send(t, d):  # slot t % W -> the downstream neighbour's slot (t + 1) % W (its step t + 1)
-        return pltpu.make_async_remote_copy(xbuf.at[d, t % W], xbuf.at[d, (t + 1) % W], send_sem.at[d],
+    def load(t, d):  # own chunk t // P of half d, HBM -> slot t % W: one DMA per batch, one semaphore
+        return [pltpu.make_async_copy(x_hbm.at[b, pl.ds(d * h + chunk0(t // P), hc)], xbuf.at[t % W, seg(d, b)],
+                                      recv_sem.at[d, t % W]) for b in range(B)]
+
+    def send(t, d):  # direction d's B segments (contiguous) of slot t % W -> the same rows of the
+        # downstream neighbour's slot (t + 1) % W (its step t + 1)
+        rows = pl.ds(d * B * hc, B * hc)
+        return pltpu.make_async_remote_copy(xbuf.at[t % W, rows], xbuf.at[(t + 1) % W, rows], send_sem.at[d],
                                             recv_sem.at[d, (t + 1) % W], device_id={axis_name: nbr[d]})
 
     def w_copy(i, col, par, dst=None):  # weight i's column tile col -> wbuf[dst] (default: par)
@@ -207,10 +323,11 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
         return pltpu.make_async_copy(w_hbm[i].at[layer[0], :, pl.ds(c0, tn)],
                                      wbuf.at[par if dst is None else dst], w_sem.at[par])
 
-    def o_copy(i, t, d, col, par):
+    def o_copy(i, t, d, col, par):  # direction d's B segments of obuf[par] -> their rows: B DMAs, one semaphore
         c0 = pl.multiple_of(col * tn, tn)
-        return pltpu.make_async_copy(obuf.at[par, d], out_hbm[i].at[:, pl.ds(out_row(t, d), hc), pl.ds(c0, tn)],
-                                     o_sem.at[par, d])
+        return [pltpu.make_async_copy(obuf.at[par, seg(d, b)],
+                                      out_hbm[i].at[b, pl.ds(out_row(t, d), hc), pl.ds(c0, tn)], o_sem.at[par, d])
+                for b in range(B)]
 
     def s_copy(k, t, d, sp):  # ssq output k, step t, direction d: sbuf[sp, d] -> its slab
         j, c = t % P, t // P
@@ -220,7 +337,8 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
     # Own chunk 0 of both halves into slot 0, the bias rows and the first weight tile, at once.
     bias_rows = [pltpu.make_async_copy(b_hbm[k], bbuf[k], b_sem.at[k]) for k in range(nb)]
     for d in (0, 1):
-        load(0, d).start()
+        for cp in load(0, d):
+            cp.start()
     for cp in bias_rows:
         cp.start()
     w_copy(0, 0, 0).start()
@@ -240,7 +358,8 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
         for d in (0, 1):  # per direction: wait for the chunk, forward it at once
             @pl.when(j == 0)
             def _():
-                load(t, d).wait()
+                for cp in load(t, d):
+                    cp.wait()
 
             @pl.when(j > 0)
             def _():
@@ -257,7 +376,8 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
         @pl.when((j == P - 1) & (t + 1 < T))  # the next step is this rank's next own chunk
         def _():
             for d in (0, 1):
-                load(t + 1, d).start()
+                for cp in load(t + 1, d):
+                    cp.start()
 
         for i in range(nw):
             base = sum(ncols[:i])
@@ -291,7 +411,8 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
                 @pl.when(u >= 2)  # obuf[par] was sent out two tiles ago
                 def _():
                     for d in (0, 1):
-                        o_copy(i, t, d, col, par).wait()
+                        for cp in o_copy(i, t, d, col, par):
+                            cp.wait()
 
                 bias = (None if bias_of[i] is None
                         else _bias_tile(bbuf[bias_of[i]], col, tn, bias_stacked[i], layer))
@@ -302,10 +423,11 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
                     def _():
                         for d in (0, 1):
                             s_copy(0, 0, d, sp).wait()
-                _multiply_tile(xbuf, slot, wref, bias, act, obuf, par, sbuf, sp, col, B=B, tiles=tiles,
+                _multiply_rows(xbuf, slot, wref, bias, act, obuf, par, sbuf, sp, col, B=B, hc=hc, tiles=tiles,
                                ssq=ssq, tk=tk, acc=abuf)
                 for d in (0, 1):
-                    o_copy(i, t, d, col, par).start()
+                    for cp in o_copy(i, t, d, col, par):
+                        cp.start()
                 if ssq:
                     @pl.when(col + 1 == ncols[i])  # this step's row sums are complete
                     def _():
@@ -329,7 +451,8 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
     # Drain the last two tiles' output DMAs and the last two ssq steps' (waits count bytes only).
     for u in range(max(0, T * per_step - 2), T * per_step):
         for d in (0, 1):
-            o_copy(0, 0, d, 0, u % 2).wait()
+            for cp in o_copy(0, 0, d, 0, u % 2):
+                cp.wait()
     for k in range(max(0, T * ns - 2), T * ns):
         for d in (0, 1):
             s_copy(0, 0, d, k % 2).wait()
@@ -415,12 +538,12 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
             in_specs=[any_spec] * (1 + len(ws) + len(bias_ops)),
             out_specs=[any_spec] * (len(ws) + ns),
             scratch_shapes=[
-                pltpu.VMEM((2, W, B, hc, K), x.dtype),             # xbuf: the window of chunks
+                pltpu.VMEM((W, 2 * B * hc, K), x.dtype),           # xbuf: the window of steps' rows
                 pltpu.VMEM((n_total // tn if held else 2, K, tn), x.dtype),  # wbuf: 2 tiles, or every tile
-                pltpu.VMEM((2, 2, B, hc, tn), x.dtype),            # obuf
+                pltpu.VMEM((2, 2 * B * hc, tn), x.dtype),          # obuf
                 *[pltpu.VMEM(b.shape, b.dtype) for b in bias_ops],  # bbuf
                 *([pltpu.VMEM((2, 2, B, 1, hc), jnp.float32)] if ns else []),  # sbuf
-                *([pltpu.VMEM((2, B, hc, tn), jnp.float32)] if tk < K else []),  # abuf: depth-chunk sums
+                *([pltpu.VMEM((2 * B * hc, tn), jnp.float32)] if tk < K else []),  # abuf: depth-chunk sums
                 pltpu.SemaphoreType.DMA((2, W)),                   # recv_sem per direction, slot
                 pltpu.SemaphoreType.DMA((2,)),                     # send_sem per direction
                 pltpu.SemaphoreType.REGULAR((2,)),                 # credit: slots freed downstream

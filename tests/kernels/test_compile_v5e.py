@@ -28,26 +28,28 @@ kind, S, K, widths, N = {kind!r}, {S}, {K}, {widths!r}, {N}
 bf = jnp.bfloat16
 sd = lambda shape, spec: jax.ShapeDtypeStruct(shape, bf, sharding=NamedSharding(mesh, spec))
 n = len(widths)
+lead = (2,) if kind.endswith("_b2") else ()  # a batch of 2 (Wan's CFG step: one batch-2 call)
+nl = (None,) * len(lead)
+xs = lead + (S // 4, K)  # a rank's x
 if kind == "ag":
     reason = agk.unsupported_reason((S // 4, K), widths, bf, 4)
     plan = agk.vmem_plan((S // 4, K), widths, bf, 4)
     f = jax.shard_map(lambda x, *w: cm.all_gather_matmul(x, list(w), impl="pallas"), mesh=mesh,
                       in_specs=(P("tp", None),) + (P(None, "tp"),) * n, out_specs=[P(None, "tp")] * n)
     args = [sd((S, K), P("tp", None))] + [sd((K, 4 * w), P(None, "tp")) for w in widths]
-elif kind in ("ag_epi", "ag_ssq"):
+elif kind in ("ag_epi", "ag_ssq", "ag_ssq_b2"):
     if kind == "ag_epi":  # every weight with a bias; GELU (tanh) on the last one, as the ports' MLP inputs
         acts, ssq = [None] * (n - 1) + ["gelu_tanh"], [False] * n
     else:  # every weight with a bias; row sums of squares of the first two (Wan's q, k; not v)
         acts, ssq = [None] * n, [True] * min(n, 2) + [False] * (n - 2)
-    reason = agk.unsupported_reason((S // 4, K), widths, bf, 4, biases=[(1, bf)] * n, activations=acts,
-                                    sum_squares=ssq)
-    plan = agk.vmem_plan((S // 4, K), widths, bf, 4, biases=[(1, bf)] * n, activations=acts, sum_squares=ssq)
+    reason = agk.unsupported_reason(xs, widths, bf, 4, biases=[(1, bf)] * n, activations=acts, sum_squares=ssq)
+    plan = agk.vmem_plan(xs, widths, bf, 4, biases=[(1, bf)] * n, activations=acts, sum_squares=ssq)
     f = jax.shard_map(lambda x, *a: cm.all_gather_matmul(x, list(a[:n]), impl="pallas",
                                                          epilogues=[cm.Epilogue(b, ac, q)
                                                                     for b, ac, q in zip(a[n:], acts, ssq)]),
-                      mesh=mesh, in_specs=(P("tp", None),) + (P(None, "tp"),) * n + (P("tp"),) * n,
-                      out_specs=[(P(None, "tp"), P(None, "tp")) if q else P(None, "tp") for q in ssq])
-    args = ([sd((S, K), P("tp", None))] + [sd((K, 4 * w), P(None, "tp")) for w in widths]
+                      mesh=mesh, in_specs=(P(*nl, "tp", None),) + (P(None, "tp"),) * n + (P("tp"),) * n,
+                      out_specs=[(P(*nl, None, "tp"),) * 2 if q else P(*nl, None, "tp") for q in ssq])
+    args = ([sd(lead + (S, K), P(*nl, "tp", None))] + [sd((K, 4 * w), P(None, "tp")) for w in widths]
             + [sd((4 * w,), P("tp")) for w in widths])
 else:
     reason = rsk.unsupported_reason([(S, k) for k in widths], [(k, N) for k in widths], bf, 4)
@@ -58,9 +60,9 @@ else:
 choice = None
 if kind.startswith("ag"):  # the dispatch's kernel: the streaming one (one chunk a half when the halves fit)
     epi = {{}} if kind == "ag" else dict(biases=[(1, bf)] * n, activations=acts, sum_squares=ssq)
-    choice = cm.ag_kernel_choice((S // 4, K), widths, bf, 4, **epi)[0]
+    choice = cm.ag_kernel_choice(xs, widths, bf, 4, **epi)[0]
     if choice == "stream":
-        plan = ags.plan((S // 4, K), widths, bf, 4, **epi)[1].vmem
+        plan = ags.plan(xs, widths, bf, 4, **epi)[1].vmem
 else:  # the streaming kernel (kernels/matmul_reduce_scatter_stream.py)
     choice = cm.rs_kernel_choice([(S, k) for k in widths], [(k, N) for k in widths], bf, 4)[0]
     if choice == "stream":
@@ -99,6 +101,9 @@ SHAPES = [
     # self-attention's q and k (not v), of cross-attention's q
     ("wan-attn-qkv-bias-ssq", "ag_ssq", 4736, 5120, [1280, 1280, 1280], 0),
     ("wan-cross-q-bias-ssq", "ag_ssq", 4736, 5120, [1280], 0),
+    # ... at a batch of 2 (Wan's CFG step): one M operand of 2 B hc = 2368 rows, row tiles
+    # that straddle the (direction, batch) segments, B output DMAs per direction
+    ("wan-cfg-attn-qkv-bias-ssq-b2", "ag_ssq_b2", 4736, 5120, [1280, 1280, 1280], 0),
     # few rows a step (FLUX's 512 text rows: 64-row halves a rank): the weights held in VMEM
     ("flux-text-qkv-weights-in-vmem", "ag", 512, 3072, [768, 768, 768], 0),
 ]

@@ -329,6 +329,13 @@ STREAM_EPILOGUE_CASES = [
                                               bias=[True, True], act=[None, "gelu_tanh"], ssq=[True, False],
                                               col_tile=128, row_tile=8, depth_tile=128, weights_in_vmem=True),
      1e-6, 1e-6, 1),
+    # one M operand of 2 B hc = 64 rows (both directions, a batch of 2, 16-row ragged chunks) in
+    # row tiles of 24, 24, 16 that straddle the 16-row segments: the sums of squares cut at them
+    ("f32-ring4-3chunks-ragged-b2-straddling-tiles", dict(ring=4, dtype="float32", batch=[2], S=320, K=256,
+                                                          widths=[128, 256], bias=[True, False],
+                                                          act=[None, "gelu_tanh"], ssq=[True, True], chunk_rows=16,
+                                                          col_tile=128, row_tile=24, depth_tile=128),
+     1e-6, 1e-6, 3),
     # the epilogue on the depth-chunk sums (K = 384: three chunks of 128)
     ("f32-ring4-2chunks-depth-chunks", dict(ring=4, dtype="float32", batch=[1], S=128, K=384, widths=[128, 256],
                                             bias=[True, True], act=[None, "gelu_tanh"], ssq=[True, False],
