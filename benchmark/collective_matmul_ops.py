@@ -190,15 +190,15 @@ def cycle_report(text):
 def kernel_plan(name):
     import jax.numpy as jnp
 
-    from difflet_tpu.kernels import all_gather_matmul as agk
-    from difflet_tpu.kernels import matmul_reduce_scatter as rsk
+    from difflet_tpu.kernels import all_gather_matmul_stream as agk
+    from difflet_tpu.kernels import matmul_reduce_scatter_stream as rsk
 
     kind, S, K, widths, N = SHAPES[name]
     if kind == "ag":
-        x = (S // P_RING, K)
-        return agk.unsupported_reason(x, widths, jnp.bfloat16, P_RING), agk.vmem_plan(x, widths, jnp.bfloat16, P_RING)
-    xs, ws = [(S, k) for k in widths], [(k, N) for k in widths]
-    return rsk.unsupported_reason(xs, ws, jnp.bfloat16, P_RING), rsk.vmem_plan(xs, ws, jnp.bfloat16, P_RING)
+        reason, plan = agk.plan((S // P_RING, K), widths, jnp.bfloat16, P_RING)
+    else:
+        reason, plan = rsk.plan([(S, k) for k in widths], [(k, N) for k in widths], jnp.bfloat16, P_RING)
+    return reason, None if plan is None else plan.vmem
 
 
 def compile_only(args):

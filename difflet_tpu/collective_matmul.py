@@ -32,19 +32,14 @@ Rules:
   differ by rank assign different receive offsets to their collective
   permutes, and a peer then writes into the wrong buffer: wrong values, inf or
   a hang. See the reference PR's root-cause analysis.)
-* `impl="pallas"` runs the VMEM-resident Pallas kernels of
-  `difflet_tpu.kernels` when they support the shape, and falls back to the
-  JAX ring with one notice per shape otherwise; `impl="xla"` is the plain
-  collective + dot (the `sp-xla` baseline, which XLA may decompose itself).
-* Which kernel: by default (`AG_KERNEL = "stream"`) the streaming kernel at
-  every shape (`kernels/all_gather_matmul_stream.py`: one call, its steps a
-  runtime loop, so its code is one step's; each half in row chunks through a
-  window of VMEM slots guarded by credit semaphores, one chunk a half when the
-  halves fit VMEM); `"resident"` runs `kernels/all_gather_matmul.py` (the hop
-  loop unrolled; once per row chunk, C calls each with its own barrier, when
-  the halves do not fit). `ag_kernel_choice` says which runs for a shape. The
-  reduce-scatter likewise (`RS_KERNEL`: `kernels/matmul_reduce_scatter_stream.py`
-  or `kernels/matmul_reduce_scatter.py`; `rs_kernel_choice`).
+* `impl="pallas"` runs the Pallas kernels of `difflet_tpu.kernels`
+  (kernels/all_gather_matmul_stream.py, kernels/matmul_reduce_scatter_stream.py:
+  one call each, its ring steps a runtime loop, the halves streamed in row
+  chunks through a window of VMEM slots, one chunk a half where they fit)
+  when they support the shape, and falls back to the JAX ring with one notice
+  per shape otherwise; `impl="xla"` is the plain collective + dot (the
+  `sp-xla` baseline, which XLA may decompose itself). A `kernel_tiles` table
+  sets the kernels' column tile per site.
 
 Weights are arrays, or `LayerWeight`s: one layer of a stacked `[L, K, N]`
 array, as `difflet_tpu.nn.scan_blocks` hands a scanned block its linears.
@@ -71,7 +66,6 @@ RMSNorm then needs one psum of it
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 
 import jax
@@ -85,15 +79,6 @@ log = logging.getLogger(__name__)
 
 IMPLS = ("jax", "pallas", "xla")
 ASSEMBLE = ("concat", "dus")
-# The all-gather kernel: "stream" (kernels/all_gather_matmul_stream.py at every shape,
-# one call with a runtime step loop) or "resident" (kernels/all_gather_matmul.py, its
-# hop loop unrolled; once per row chunk where the halves do not fit VMEM). Both exact;
-# docs/benchmarks.md compares their estimates (rows L0-L2, 3a).
-AG_KERNEL = "stream"
-# The same choice for the reduce-scatter kernel (kernels/matmul_reduce_scatter_stream.py
-# or kernels/matmul_reduce_scatter.py).
-RS_KERNEL = "stream"
-KERNELS = ("stream", "resident")
 
 
 # --------------------------------------------------------------------------
@@ -283,7 +268,7 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
     if impl == "xla":
         return finish(all_gather_matmul_reference(x, weights, axis_name=axis_name))
     if impl == "pallas":
-        from difflet_tpu.kernels import all_gather_matmul as kernel
+        from difflet_tpu.kernels import all_gather_matmul_stream as kernel
 
         stacks, layer = _stacked(weights)
         fused = [isinstance(e, Epilogue) for e in epilogues]
@@ -294,53 +279,16 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
         site = kernel_tiles.Site("ag", [x.shape], [w.shape for w in weights], str(x.dtype), P,
                                  bias_specs, acts, ssq)
         blocks = tiles.blocks(site) if tiles is not None else None
-        choice, reason = ag_kernel_choice(x.shape, [w.shape[1] for w in weights], x.dtype, P, biases=bias_specs,
-                                          activations=acts, sum_squares=ssq, blocks=blocks)
+        reason = kernel.unsupported_reason(x.shape, [w.shape[1] for w in weights], x.dtype, P, blocks=blocks,
+                                           biases=bias_specs, activations=acts, sum_squares=ssq)
         if reason is None:
-            if choice == "stream":
-                from difflet_tpu.kernels import all_gather_matmul_stream as stream
-
-                call = functools.partial(stream.all_gather_matmul_stream, blocks=blocks)
-            else:
-                call = kernel.all_gather_matmul
-            kernel_tiles.record(site, blocks if choice == "stream" else None)
-            ys = call(x, stacks, layer=layer, biases=biases, activations=acts, sum_squares=ssq,
-                      axis_name=axis_name, interpret=interpret)
+            kernel_tiles.record(site, blocks)
+            ys = kernel.all_gather_matmul_stream(x, stacks, layer=layer, biases=biases, activations=acts,
+                                                 sum_squares=ssq, axis_name=axis_name, blocks=blocks,
+                                                 interpret=interpret)
             return [y if f or e is None else e(y) for y, e, f in zip(ys, epilogues, fused)]
         _notice_fallback("all_gather_matmul", (x.shape, tuple(w.shape for w in weights), str(x.dtype)), reason)
     return _ag_ring(x, [as_array(w) for w in weights], epilogues, axis_name, P, assemble)
-
-
-def _kernel_choice(which, default, stream_reason, resident_plan):
-    """The dispatch rule of both kernels: the streaming kernel where `which` (default
-    `default`) is "stream" and it runs; else the resident one, "chunks" where its
-    plan takes more than one call."""
-    which = which or default
-    if which not in KERNELS:
-        raise ValueError(f"kernel {which!r} is not one of {KERNELS}")
-    reason, _, _, _, pieces = resident_plan()
-    if reason is not None:
-        return None, reason
-    if which == "stream" and stream_reason() is None:
-        return "stream", None
-    return ("resident" if len(pieces) == 1 else "chunks"), None
-
-
-def ag_kernel_choice(x_shape, widths, dtype, P, *, biases=None, activations=None, sum_squares=None,
-                     kernel=None, blocks=None):
-    """(choice, reason) for the all-gather kernel at these per-rank shapes: choice
-    "stream" (one call of the streaming kernel), "resident" (one call, halves
-    resident) or "chunks" (the resident kernel once per row chunk), reason None;
-    or (None, why no kernel runs). `kernel` ("stream" or "resident", default
-    `AG_KERNEL`) says which of the two runs where both can; `blocks` the
-    streaming kernel's block sizes (default `StreamBlocks()`)."""
-    from difflet_tpu.kernels import all_gather_matmul as resident
-    from difflet_tpu.kernels import all_gather_matmul_stream as stream
-
-    kw = dict(biases=biases, activations=activations, sum_squares=sum_squares)
-    return _kernel_choice(kernel, AG_KERNEL,
-                          lambda: stream.unsupported_reason(x_shape, widths, dtype, P, blocks=blocks, **kw),
-                          lambda: resident._plan(x_shape, list(widths), dtype, P, **kw))
 
 
 def _kernel_bias(bias, layer):
@@ -445,42 +393,21 @@ def matmul_reduce_scatter(pairs, *, axis_name=TP, impl="jax", interpret=False, t
     if impl == "xla":
         return matmul_reduce_scatter_reference(pairs, axis_name=axis_name)
     if impl == "pallas":
-        from difflet_tpu.kernels import matmul_reduce_scatter as kernel
+        from difflet_tpu.kernels import matmul_reduce_scatter_stream as kernel
 
         site = kernel_tiles.Site("rs", [x.shape for x, _ in pairs], [w.shape for _, w in pairs],
                                  str(pairs[0][0].dtype), P)
         blocks = tiles.blocks(site) if tiles is not None else None
-        choice, reason = rs_kernel_choice([x.shape for x, _ in pairs], [w.shape for _, w in pairs],
-                                          pairs[0][0].dtype, P, blocks=blocks)
+        reason = kernel.unsupported_reason([x.shape for x, _ in pairs], [w.shape for _, w in pairs],
+                                           pairs[0][0].dtype, P, blocks=blocks)
         if reason is None:
             stacks, layer = _stacked([w for _, w in pairs])
-            if choice == "stream":
-                from difflet_tpu.kernels import matmul_reduce_scatter_stream as stream
-
-                call = functools.partial(stream.matmul_reduce_scatter_stream, blocks=blocks)
-            else:
-                call = kernel.matmul_reduce_scatter
-            kernel_tiles.record(site, blocks if choice == "stream" else None)
-            return call([(x, w) for (x, _), w in zip(pairs, stacks)], layer=layer, axis_name=axis_name,
-                        interpret=interpret)
+            kernel_tiles.record(site, blocks)
+            return kernel.matmul_reduce_scatter_stream([(x, w) for (x, _), w in zip(pairs, stacks)], layer=layer,
+                                                       axis_name=axis_name, blocks=blocks, interpret=interpret)
         _notice_fallback("matmul_reduce_scatter",
                          (tuple(x.shape for x, _ in pairs), tuple(w.shape for _, w in pairs)), reason)
     return _rs_ring([(x, as_array(w)) for x, w in pairs], axis_name, P)
-
-
-def rs_kernel_choice(x_shapes, w_shapes, dtype, P, *, kernel=None, blocks=None):
-    """(choice, reason) for the reduce-scatter kernel at these per-rank shapes
-    (x_i [..., S, k_i], w_i [k_i, N]): choice "stream" (one call of
-    kernels/matmul_reduce_scatter_stream.py), "resident" (one call, full-width
-    accumulators resident) or "chunks" (the resident kernel once per row chunk),
-    reason None; or (None, why no kernel runs). `kernel` (default `RS_KERNEL`)
-    and `blocks` as `ag_kernel_choice`'s."""
-    from difflet_tpu.kernels import matmul_reduce_scatter as resident
-    from difflet_tpu.kernels import matmul_reduce_scatter_stream as stream
-
-    return _kernel_choice(kernel, RS_KERNEL,
-                          lambda: stream.unsupported_reason(x_shapes, w_shapes, dtype, P, blocks=blocks),
-                          lambda: resident._plan(x_shapes, w_shapes, dtype, P))
 
 
 def _rs_ring(pairs, axis_name, P):

@@ -33,14 +33,14 @@ class Config:
     sp: Megatron-style sequence parallelism between layers (`DIFFLET_TPU_SP`);
         False runs plain tensor parallelism (all-reduce after row-parallel linears).
     sp_kernel: all-gather-matmul implementation under SP, "jax" (the ring) or
-        "pallas" (the VMEM-resident kernel); None takes the model's default on
+        "pallas" (the Pallas kernel, kernels/all_gather_matmul_stream.py); None takes the model's default on
         TPU and the JAX ring elsewhere (`DIFFLET_TPU_SP_KERNEL`). On a TPU with
         chip constants, a site with too few rows per rank for the ring to pay
         takes the plain all-gather instead (`parallel.plain_collective_pays`).
     sp_rs_kernel: matmul-reduce-scatter implementation under SP: "jax" (the
         ring), "pallas" (the kernel) or "auto": on a TPU whose chip constants are
         known (`estimate.CHIPS`), the kernel at each site whose ring hops are
-        ICI-bound (`kernels.matmul_reduce_scatter.ici_bound`) and the ring
+        ICI-bound (`kernels.matmul_reduce_scatter_stream.ici_bound`) and the ring
         elsewhere; the ring off TPU (`DIFFLET_TPU_SP_RS_KERNEL`). On a TPU with
         chip constants, a site with too few rows per rank for the ring it would run
         to pay takes the plain reduce-scatter instead (`parallel.plain_collective_pays`).

@@ -191,12 +191,13 @@ _FLOAT_DTYPES = ("bf16", "f32", "f16")
 
 
 _KERNEL_NAME = re.compile(r"(?:^|/)(" + "|".join(COLLECTIVE_MATMUL_KERNELS)
-                          + r")(_stream)?(?:_(\d+)chunks)?(?:_(\d+)rows)?(_wvmem)?(?:$|/)")
+                          + r")_stream_(\d+)chunks_(\d+)rows(_wvmem)?(?:$|/)")
 
 
 def _kernel_name(o: Op):
     """The `_KERNEL_NAME` match of a collective-matmul kernel call (its instruction
-    name or op_name, from `pallas_call(name=...)`), else None."""
+    name or op_name, from `pallas_call(name=...)`: "<kind>_stream_<C>chunks_<hc>rows",
+    "_wvmem" when an all-gather holds its weights in VMEM), else None."""
     if not is_pallas(o):
         return None
     for name in (o.name.split(".")[0], o.op_name):
@@ -207,26 +208,23 @@ def _kernel_name(o: Op):
 
 
 def collective_matmul_call(o: Op) -> tuple[str, int] | None:
-    """(kind, row chunks) for a call of a Pallas kernel of kernels/, named by its
-    `pallas_call(name=...)`: "all_gather_matmul" / "matmul_reduce_scatter", with
-    "_<C>chunks" when a long sequence runs in C row-chunk calls; else None."""
+    """(kind, chunks C) for a call of a collective-matmul kernel of kernels/
+    ("all_gather_matmul" / "matmul_reduce_scatter"), else None."""
     m = _kernel_name(o)
-    return None if m is None else (m.group(1), int(m.group(3) or 1))
+    return None if m is None else (m.group(1), int(m.group(2)))
 
 
 def collective_matmul_stream_rows(o: Op) -> int | None:
-    """The chunk rows of a streaming kernel's call (kernels/all_gather_matmul_stream.py,
-    named "all_gather_matmul_stream_<C>chunks_<rows>rows", or
-    kernels/matmul_reduce_scatter_stream.py, "matmul_reduce_scatter_stream_..."), else None."""
+    """The chunk rows hc of a collective-matmul kernel call, else None."""
     m = _kernel_name(o)
-    return int(m.group(4)) if m is not None and m.group(2) and m.group(4) else None
+    return None if m is None else int(m.group(3))
 
 
 def collective_matmul_weights_held(o: Op) -> bool:
-    """True for a streaming all-gather call that holds its weights in VMEM ("..._wvmem":
-    read from HBM once a call, not once a step; kernels/all_gather_matmul_stream.py)."""
+    """True for an all-gather call that holds its weights in VMEM ("..._wvmem": read
+    from HBM once a call, not once a step; kernels/all_gather_matmul_stream.py)."""
     m = _kernel_name(o)
-    return m is not None and bool(m.group(5))
+    return m is not None and bool(m.group(4))
 
 
 def collective_matmul_kind(o: Op) -> str | None:
@@ -256,40 +254,29 @@ class KernelHops:
 
 def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int = 1,
                            stream_rows: int | None = None, weights_held: bool = False) -> KernelHops | None:
-    """The hops of kernels/all_gather_matmul.py or kernels/matmul_reduce_scatter.py from
-    the kernel's operand and result shapes ((dtype, dims) each, as the compiled text
-    prints them); None if they do not look like that kernel's.
+    """The steps ("hops") of kernels/all_gather_matmul_stream.py or
+    kernels/matmul_reduce_scatter_stream.py from the call's operand and result
+    shapes ((dtype, dims) each, as the compiled text prints them) and its name's
+    C = `chunks` chunks of hc = `stream_rows` rows a half (None: one chunk a half,
+    hc = s/2); None if they do not look like that kernel's. The P C steps are the
+    "hops" (P of the result counts them); the FLOPs and HBM bytes over all of them
+    are the kernels' own `pl.CostEstimate`.
 
     all-gather + matmul: x [B, s, K], w_i [K, n_i] (, bias_i) -> out_i [B, S, n_i], P = S / s.
-      Bias operands (the fused epilogue's, after the weights) are read once per
-      call, a few KiB, and not priced; nor is the epilogue's VPU/EUP work.
-      Hop j multiplies the two halves it holds (s rows) by every weight, streams every
-      weight once and writes s rows of products; meanwhile it sends both halves on
-      (h = s/2 rows each way) for hop j+1. Before hop 0 the kernel waits for its own
-      rows in VMEM.
-    matmul + reduce-scatter: x_i [B, S, k_i], w_i [k_i, N] -> out [B, s, N], P = S / s.
-      Hop j multiplies s rows (two halves of other ranks' rows) by every weight, adds
-      the accumulators that arrived, streams every weight once and the next hop's rows
-      (the last hop writes out instead), and sends its two accumulator halves
-      (h rows x N each way) on, tile by tile; before hop 0 it waits for hop 0's rows.
-    The FLOPs and HBM bytes over all hops are the kernels' own `pl.CostEstimate`.
-    chunks: a long sequence's C row-chunk calls (near-equal; the text does not show
-      which rows a call takes): each call priced with 1/C of the rows; after the
-      first, a call also takes the output buffer (aliased) as its last operand.
+      Each step multiplies 2 hc rows by every weight, streams every weight once
+      (at step 0 only when `weights_held`, "..._wvmem") and writes 2 hc rows of
+      products; it sends hc rows each way, except at a chunk's last hop (j = P-1),
+      which instead loads the next own chunk (2 hc rows of x). The prologue is the
+      first chunk's 2 hc rows. Bias operands (after the weights) are read once per
+      call, a few KiB, and not priced; nor is the epilogue's VPU/EUP work, nor the
+      rows' sums of squares (small f32 results).
+    matmul + reduce-scatter: x_i [B, S, k_i], w_i [k_i, N] (, bias) -> out [B, s, N], P = S / s.
+      Each step multiplies 2 hc rows by every weight, adds the sums that arrived,
+      streams every weight once and the next step's 2 hc rows of x, and sends hc
+      rows x N of sums each way, except at a chunk's last hop, which writes its
+      2 hc rows of out instead; the prologue is step 0's rows.
     A weight may come stacked, [L, K, n_i] / [L, k_i, N] (a block scan's layers,
     the layer index a scalar operand): the kernel reads one layer, priced as above.
-    stream_rows: an all-gather call of the streaming kernel, C = chunks chunks of
-      stream_rows (hc) rows a half, in one call: its P C steps are the "hops" (P of
-      the result counts them): each multiplies 2 hc rows by every weight, streams
-      every weight once and writes 2 hc rows of products, sends hc rows each way
-      except at a chunk's last hop (j = P-1), which instead loads the next own
-      chunk (2 hc rows of x, HBM); the prologue is the first chunk's 2 hc rows.
-      weights_held ("..._wvmem"): the weights are read at step 0 only (held in VMEM).
-      A reduce-scatter call of its streaming kernel (kernels/matmul_reduce_scatter_stream.py,
-      "matmul_reduce_scatter_stream_<C>chunks_<hc>rows"): P C steps, each multiplying
-      2 hc rows by every weight, streaming every weight once and the next step's 2 hc
-      rows of x, and sending hc rows x N of sums each way, except at a chunk's last hop
-      (j = P-1), which writes its 2 hc rows of out instead; the prologue is step 0's rows.
     """
     floats = [(dt, d) for dt, d in operands if dt in _FLOAT_DTYPES]
     layer = lambda w: w[1:] if len(w) == 3 else w  # a stacked weight's one layer
@@ -298,10 +285,10 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int
         return None
     dt = floats[0][0]
     isz = array_bytes(dt, (1,))
+    C = chunks
+    last = lambda t: t % P == P - 1
     if kind == "all_gather_matmul":
-        # operands x, w_1..w_m, then the epilogue's biases ([n_i] or [L, n_i]): one weight per
-        # product output [B, S, n_i]; the rows' sums of squares ([B, 2P, 1, h] f32, `sum_squares`)
-        # are a few KiB and not priced
+        # operands x, w_1..w_m, then the epilogue's biases: one weight per product output [B, S, n_i]
         outs = [o for o in outs if len(o[1]) == 3]
         (_, x), ws = floats[0], [layer(d) for _, d in floats[1:1 + len(outs)]]
         if len(x) != 3 or not ws or any(len(w) != 2 or w[0] != x[2] for w in ws):
@@ -311,29 +298,19 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int
         if s <= 0 or S % s:
             return None
         P, n = S // s, sum(w[1] for w in ws)
+        hc = stream_rows or s // 2
+        T = P * C
+        flops = (2 * B * 2 * hc * K * n,) * T
+        hbm = tuple(isz * ((K * n if t == 0 or not weights_held else 0) + B * 2 * hc * n
+                           + (B * 2 * hc * K if last(t) and t + 1 < T else 0)) for t in range(T))
+        ici = tuple(0.0 if last(t) else isz * B * hc * K for t in range(T))
         site = (f"all_gather_matmul x[{B},{s},{K}] -> n={'+'.join(str(w[1]) for w in ws)} (P={P}"
-                f"{f', {chunks} row chunks' if chunks > 1 else ''})")
-        if stream_rows:
-            hc, C = stream_rows, chunks
-            last = lambda t: t % P == P - 1
-            flops = (2 * B * 2 * hc * K * n,) * (P * C)
-            hbm = tuple(isz * ((K * n if t == 0 or not weights_held else 0) + B * 2 * hc * n
-                               + (B * 2 * hc * K if last(t) and t + 1 < P * C else 0))
-                        for t in range(P * C))
-            ici = tuple(0.0 if last(t) else isz * B * hc * K for t in range(P * C))
-            site = site[:-1] + f", streaming {C} chunks of {hc} rows{', weights in VMEM' if weights_held else ''})"
-            return KernelHops(kind, site.replace(f", {chunks} row chunks", ""), P * C, flops, hbm, ici,
-                              isz * B * 2 * hc * K)
-        s = s / chunks  # this call's rows per rank (on average)
-        flops = (2 * B * s * K * n,) * P
-        hbm = (isz * (K * n + B * s * n),) * P
-        ici = tuple(isz * B * (s / 2) * K if j < P - 1 else 0.0 for j in range(P))
-        return KernelHops(kind, site, P, flops, hbm, ici, isz * B * s * K)
+                + (f", streaming {C} chunks of {hc} rows" if C > 1 else "")
+                + (", weights in VMEM" if weights_held else "") + ")")
+        return KernelHops(kind, site, T, flops, hbm, ici, isz * B * 2 * hc * K)
     if kind == "matmul_reduce_scatter":
-        if len(floats) % 2 and chunks > 1 and floats[-1][1] == outs[0][1]:
-            floats = floats[:-1]  # the aliased output buffer
-        if len(floats) % 2 and stream_rows and len(floats[-1][1]) in (1, 2) and floats[-1][1][-1] == outs[0][1][-1]:
-            floats = floats[:-1]  # the streaming kernel's bias ([N] or [L, N]): a few KiB, not priced
+        if len(floats) % 2 and len(floats[-1][1]) in (1, 2) and floats[-1][1][-1] == outs[0][1][-1]:
+            floats = floats[:-1]  # a bias ([N] or [L, N]): a few KiB, not priced
         if len(floats) % 2:
             return None
         npairs = len(floats) // 2
@@ -345,24 +322,16 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int
         if s <= 0 or S % s:
             return None
         P, k = S // s, sum(x[2] for x in xs)
+        hc = stream_rows or s // 2
+        T = P * C
+        flops = tuple(2 * B * 2 * hc * k * N + B * 2 * hc * N * (npairs - 1) + (B * 2 * hc * N if t % P else 0)
+                      for t in range(T))
+        hbm = tuple(isz * (k * N + (B * 2 * hc * k if t + 1 < T else 0) + (B * 2 * hc * N if last(t) else 0))
+                    for t in range(T))
+        ici = tuple(0.0 if last(t) else isz * B * hc * N for t in range(T))
         site = (f"matmul_reduce_scatter x[{B},{S},{'+'.join(str(x[2]) for x in xs)}] -> N={N} (P={P}"
-                f"{f', {chunks} row chunks' if chunks > 1 else ''})")
-        if stream_rows:
-            hc, C = stream_rows, chunks
-            T = P * C
-            last = lambda t: t % P == P - 1
-            flops = tuple(2 * B * 2 * hc * k * N + B * 2 * hc * N * (npairs - 1) + (B * 2 * hc * N if t % P else 0)
-                          for t in range(T))
-            hbm = tuple(isz * (k * N + (B * 2 * hc * k if t + 1 < T else 0) + (B * 2 * hc * N if last(t) else 0))
-                        for t in range(T))
-            ici = tuple(0.0 if last(t) else isz * B * hc * N for t in range(T))
-            site = site.replace(f", {chunks} row chunks", "")[:-1] + f", streaming {C} chunks of {hc} rows)"
-            return KernelHops(kind, site, T, flops, hbm, ici, isz * B * 2 * hc * k)
-        s = s / chunks  # this call's rows per rank (on average)
-        flops = tuple(2 * B * s * k * N + B * s * N * (npairs - 1) + (B * s * N if j else 0) for j in range(P))
-        hbm = tuple(isz * (k * N + (B * s * k if j < P - 1 else B * s * N)) for j in range(P))
-        ici = tuple(isz * B * (s / 2) * N if j < P - 1 else 0.0 for j in range(P))
-        return KernelHops(kind, site, P, flops, hbm, ici, isz * B * s * k)
+                + (f", streaming {C} chunks of {hc} rows" if C > 1 else "") + ")")
+        return KernelHops(kind, site, T, flops, hbm, ici, isz * B * 2 * hc * k)
     return None
 
 

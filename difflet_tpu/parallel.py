@@ -171,7 +171,7 @@ class Parallel:
 
     def rs_site_impl(self, pairs) -> str:
         """`rs_impl` for this row site, "auto" decided here: the Pallas kernel where its
-        ring hops are ICI-bound on this chip (`kernels.matmul_reduce_scatter.ici_bound`),
+        ring hops are ICI-bound on this chip (`kernels.matmul_reduce_scatter_stream.ici_bound`),
         the JAX ring where they are compute-bound; then, with chip constants, "xla" (one
         matmul + plain reduce-scatter) where `plain_collective_pays` against that ring
         for this rank's rows."""
@@ -181,7 +181,7 @@ class Parallel:
         itemsize = jnp.dtype(pairs[0][0].dtype).itemsize
         impl = self.rs_impl
         if impl == "auto":
-            from difflet_tpu.kernels import matmul_reduce_scatter as rs_kernel
+            from difflet_tpu.kernels import matmul_reduce_scatter_stream as rs_kernel
 
             impl = "pallas" if rs_kernel.ici_bound(k, itemsize, estimate.CHIPS[self.chip]) else "jax"
         rows = math.prod(pairs[0][0].shape[:-1]) // self.size

@@ -72,40 +72,7 @@ def depth_tile(K: int, limit: int) -> int:
     return column_tile_candidates([K], max(int(limit), LANES))[0]
 
 
-MAX_CHUNKS = 64
-
-
-def row_chunks(shard_rows: int, n: int, unit: int) -> tuple[tuple[int, int], ...]:
-    """A rank's `shard_rows` rows as `n` near-equal static (offset, rows) chunks (one
-    kernel call each, long sequences), each two halves of whole `unit`-row tiles."""
-    return tuple((2 * off, 2 * size) for off, size in row_tiles(shard_rows // 2, -(-shard_rows // (2 * n)), unit))
-
-
-def fit_chunks(shard_rows: int, unit: int, chunks: int | None, candidates, what: str):
-    """The VMEM plan of the fewest row chunks that fit (both kernels' planning loop).
-
-    Tries C = `chunks`, or else C = 1, 2, ... up to `MAX_CHUNKS`, splitting a rank's
-    `shard_rows` rows by `row_chunks`; for each C, `candidates(h)` yields
-    (VmemPlan, extra) pairs, best first, for chunks of at most h half-rows. Returns
-    (reason, extra, plan, pieces): reason None for the first plan within this chip's
-    VMEM; else one sentence why not (`what` names the resident buffers) and the
-    last plan tried."""
-    cap = vmem_capacity_bytes()
-    plan, n = None, chunks
-    counts = [chunks] if chunks is not None else range(1, min(shard_rows // (2 * unit), MAX_CHUNKS) + 1)
-    for n in counts:
-        pieces = row_chunks(shard_rows, n, unit)
-        if len(pieces) != n:
-            if chunks is None:
-                continue
-            return (f"a rank's {shard_rows} rows do not split into {n} chunks of whole {unit}-row halves",
-                    None, None, None)
-        for plan, extra in candidates(max(size for _, size in pieces) // 2):
-            if plan.limit <= cap:
-                return None, extra, plan, pieces
-    need = "no plan" if plan is None else f"{plan.limit / 2**20:.1f} MiB needed"
-    return (f"VMEM budget exceeded: {need} ({what}, {n} row chunks) > {cap / 2**20:.0f} MiB on this chip",
-            None, plan, None)
+MAX_CHUNKS = 64  # the most row chunks a streaming plan cuts a half into
 
 
 def row_tiles(rows: int, max_rows: int, unit: int) -> tuple[tuple[int, int], ...]:
@@ -285,6 +252,16 @@ class StreamBlocks:
         for k in ("col_tile_limit", "depth_tile_limit"):
             if getattr(self, k) < LANES:
                 raise ValueError(f"StreamBlocks.{k} must be >= {LANES}, got {getattr(self, k)}")
+
+
+def neighbour_barrier(axis_name, neighbours) -> None:
+    """Waits until both ring neighbours have entered this kernel instance (the
+    `collective_id`'s barrier semaphore): nobody may write a chunk, a tile or a credit
+    into a neighbour's kernel before it runs."""
+    barrier = pltpu.get_barrier_semaphore()
+    for nbr in neighbours:
+        pl.semaphore_signal(barrier, 1, device_id={axis_name: nbr})
+    pl.semaphore_wait(barrier, len(neighbours))
 
 
 def credit_needed(t, W: int, skip_credit_at=None):

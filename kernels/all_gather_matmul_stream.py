@@ -1,8 +1,17 @@
-"""All-gather + matmul, streaming: each half moves in row chunks through a window of VMEM slots.
+"""All-gather + matmul as one Pallas TPU kernel: a bidirectional ring, each half streamed in row chunks.
 
-The variant of kernels/all_gather_matmul.py for shards whose halves do not fit
-VMEM (long sequences: Wan 480x832x81 is 32,768 rows, 8192 a rank at tp=4).
-Same contract, same ring, same weight-tile stream and epilogues; one call.
+Called inside `jax.shard_map` over a ring axis of size P (`tp`). Every rank
+holds `x`, its s = S/P rows of the sequence, and column shards of one or more
+weights; it returns, per weight, every row of the sequence times its columns.
+The ring is `difflet_tpu.collective_matmul._ag_ring`'s: the shard splits into
+a forward half (rows [0, h), h = s/2) and a backward half (rows [h, s)); at
+hop j rank r holds the forward half of rank r-j and the backward half of rank
+r+j, multiplies both by every weight, and meanwhile forwards them one more
+hop, VMEM to VMEM by remote DMA. Here each half moves in C chunks through a
+window of W VMEM slots (one chunk a half wherever the halves fit, which is
+every released shape but the long videos), and the steps are one runtime
+loop, so the kernel's code is one step's. Only the products touch HBM, each
+product tile written once at its final rows.
 
     x        [B, s, K]      this rank's rows (leading dims folded into B)
     w_i      [L, K, n_i]    column shards (read at layer `layer`), n_i multiples of 128
@@ -92,8 +101,8 @@ receiver's step s + 1, whose slot's previous user was step s + 1 - W). The two
 conditions pair up one to one (u = s + 1 - W) and both sides go in step order,
 so every wait meets the signal of exactly the step it needs, and every
 semaphore is zero at exit. Within one chunk the bidirectional coupling alone
-would bound the skew (the resident kernel's R = 3 argument), but at a chunk
-boundary it does not: step (c+1, 0) waits for nobody, so upstream can start
+would bound the skew (with one chunk a half, three slots would do), but at a
+chunk boundary it does not: step (c+1, 0) waits for nobody, so upstream can start
 sending chunk c+1 while this rank still reads chunk c's last slots. A window of
 W >= 2 cannot deadlock: the credit a sender waits for is the receiver's step
 s + 1 - W <= s - 1, earlier than its own. Own chunks load into the same slots
@@ -117,14 +126,48 @@ forces it either way): step 0 loads them in stream order into a slot each
 in place, and the call is named `..._wvmem` so the estimate prices one read.
 
 A barrier with both neighbours at entry keeps anyone from writing (a chunk or a
-credit) into a kernel instance that has not started. The weight-tile stream
-(tile u+1 loads while tile u multiplies both chunks of the step), the
-epilogue (bias, activation, cast, sum of squares of the rounded tile) and the
-output DMAs (each tile written once at its final rows, waited two tiles later)
-are those of kernels/all_gather_matmul.py (whose dots take one direction's
-rows of one batch each; this kernel's take the flat rows above); the weights
-stream once per step, i.e. P C times a call (as C resident calls would;
-hidden under the MXU work at Wan's shapes by the estimate).
+credit) into a kernel instance that has not started.
+
+Weights. Tiles are DMA'd from `w_i.at[layer, :, cols]` (the layer index is a
+scalar-prefetch value): a block scan passes the whole stack, so no
+weight-sized copy of the layer is made before the call. One weight-tile
+stream runs over every (step, weight, column tile): tile u+1 loads (HBM ->
+wbuf[(u+1) % 2]) while tile u multiplies the step's rows; the products go out
+(obuf[u % 2] -> out_i) while tile u+1 computes, each waited two tiles later.
+A column tile tn (a multiple of 128 dividing every n_i) is common to all
+weights (`StreamBlocks.col_tile_limit`, or per site from a measured table:
+difflet_tpu/kernel_tiles.py). The depth K goes in chunks of tk (a multiple of
+128 dividing K, at most `StreamBlocks.depth_tile_limit`) in a `fori_loop`,
+summed in float32 in abuf, so the dots Mosaic unrolls into straight-line code
+are (tm, tk) x (tk, tn). The weights stream once per step, i.e. P C times a
+call (hidden under the MXU work at Wan's shapes by the estimate), unless held.
+
+Epilogue (per weight, static): each product tile leaves the MXU as float32;
+the bias row's columns are added in float32, then the activation (None or
+"gelu_tanh": `jax.nn.gelu(approximate=True)`) is applied in float32, and only
+then is the tile cast to x's dtype and written out. So a bias/GELU costs no
+pass over the output in HBM; for float32 x the result is the unfused
+`act(x @ w + bias)` computed in the same order. The bias is small (a stacked
+[L, n_i] of bf16 is L n_i 2 bytes, ~0.3 MiB for Wan's FFN), so the whole array
+is DMA'd into bbuf_i once at entry and the row `layer` picked in registers
+per column tile (a masked sum over the L_i rows, exact): a DMA of one row at
+a traced index would not be aligned to HBM's (sublane, lane) tiles, which
+Mosaic refuses.
+
+Sum of squares (per weight, static, `sum_squares`): after the cast, the tile
+is read back as float32 (the output AS ROUNDED, so the sum equals the unfused
+`sum(y.astype(f32) ** 2)` up to summation order), squared and summed over its
+columns; the (tm, 1) column of row sums is relaid out to a lane-major (1, tm)
+row and accumulated over the weight's column tiles in sbuf (the first tile
+writes, the others add); after the last column tile the step's sums go to
+HBM, each (direction, chunk) to its slab. Why slabs: the rows of an arriving
+chunk start at a multiple of 8 or 16 rows, not of 128, so a lane-major [B, S]
+output could not be written at its rows by an aligned DMA, and a
+sublane-major [B, S, 1] one is padded to 128 lanes in VMEM and HBM (512 bytes
+a row); a (1, hc) slab row is one DMA at a dynamic leading index, padded to 8
+sublanes (32 bytes a row). sbuf is double-buffered over successive (step, ssq
+weight) pairs. The ssq is this rank's columns only: the caller sums it over
+ranks (one psum) for a norm across all columns (Wan's / LTX-2's q, k).
 """
 
 from __future__ import annotations
@@ -138,14 +181,55 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _common
-from .all_gather_matmul import ACTIVATIONS, _bias_tile, _check
 
-COLLECTIVE_ID = 9  # each kernel its own barrier semaphore id (all_gather_matmul 7, matmul_reduce_scatter 8)
+COLLECTIVE_ID = 9  # each kernel its own barrier semaphore id (matmul_reduce_scatter_stream: 10)
+
+# Epilogue activations, applied to the float32 tile (after the bias).
+ACTIVATIONS = {"gelu_tanh": lambda y: jax.nn.gelu(y, approximate=True)}
 
 
 # --------------------------------------------------------------------------
 # Plan
 # --------------------------------------------------------------------------
+
+def _check(x_shape, widths, dtype, axis_size, biases, activations, sum_squares):
+    """The shape / dtype / epilogue rules: one sentence why not, or
+    (B, s, K, unit, dtype, activations, sum_squares, bias VMEM buffers)."""
+    dtype = jnp.dtype(dtype)
+    reason = _common.dtype_reason(dtype)
+    if reason:
+        return reason
+    if len(x_shape) < 2:
+        return f"x must be [..., rows, K], got {tuple(x_shape)}"
+    if axis_size < 2:
+        return "the ring needs at least 2 ranks"
+    B, _ = _common.fold_batch(x_shape)
+    s, K = int(x_shape[-2]), int(x_shape[-1])
+    unit = _common.sublane_rows(dtype)
+    if s % 2 or (s // 2) % unit:
+        return (f"each half of this rank's {s} rows must be a multiple of {unit} rows for {dtype.name} "
+                f"(pad the sequence to a multiple of {2 * unit * axis_size})")
+    if K % _common.LANES:
+        return f"K = {K} is not a multiple of 128"
+    if not widths or any(int(n) % _common.LANES or int(n) <= 0 for n in widths):
+        return f"weight widths {list(widths)} are not all positive multiples of 128"
+    biases = list(biases) if biases is not None else [None] * len(widths)
+    activations = list(activations) if activations is not None else [None] * len(widths)
+    sum_squares = [bool(q) for q in sum_squares] if sum_squares is not None else [False] * len(widths)
+    if len(biases) != len(widths) or len(activations) != len(widths) or len(sum_squares) != len(widths):
+        return "one bias, one activation (or None) and one sum_squares flag per weight"
+    bad = [a for a in activations if a is not None and a not in ACTIVATIONS]
+    if bad:
+        return f"activations {bad} are not among {sorted(ACTIVATIONS)}"
+    for b in biases:
+        if b is not None and _common.dtype_reason(b[1]):
+            return "bias: " + _common.dtype_reason(b[1])
+    # biases in VMEM: all rows, padded by Mosaic to whole sublane tiles of their dtype
+    pad = lambda rows, bd: -(-int(rows) // _common.sublane_rows(bd)) * _common.sublane_rows(bd)
+    bias_bufs = [_common.buffer(f"bias {i}", (pad(*b), n), b[1])
+                 for i, (b, n) in enumerate(zip(biases, widths)) if b is not None]
+    return B, s, K, unit, dtype, activations, sum_squares, bias_bufs
+
 
 def _vmem_plan(B, hc, K, tn, tiles, dtype, W, activations, sum_squares, bias_bufs, tk, w_tiles=2):
     """The VMEM this kernel allocates (its scratch buffers, flat: one step's 2 B hc rows)
@@ -178,9 +262,11 @@ def plan(x_shape, widths, dtype, axis_size, *, blocks: _common.StreamBlocks | No
          activations=None, sum_squares=None):
     """(reason, StreamPlan): reason None if the streaming kernel runs for these shapes.
 
-    biases / activations / sum_squares as kernels/all_gather_matmul.py's `_plan`
-    takes them; blocks: the block sizes asked (default `StreamBlocks()`: the
-    largest chunk that fits, a window of 3)."""
+    biases / activations / sum_squares: per weight, None (no bias) or the bias's
+    (rows, dtype), rows 1 for [n_i] and L for a stacked [L, n_i]; the activation
+    name or None; a bool, as `all_gather_matmul_stream` takes them. blocks: the
+    block sizes asked (default `StreamBlocks()`: the largest chunk that fits, a
+    window of 3)."""
     blocks = blocks or _common.StreamBlocks()
     widths = list(widths)
     checked = _check(x_shape, widths, dtype, axis_size, biases, activations, sum_squares)
@@ -215,6 +301,17 @@ def unsupported_reason(x_shape, widths, dtype, axis_size, *, blocks=None, biases
 # Kernel
 # --------------------------------------------------------------------------
 
+def _bias_tile(bias_rows, col, tn: int, stacked: bool, layer):
+    """Column tile `col` of a bias held in VMEM (`bias_rows` [L, n]), float32 [1, tn]; a
+    stacked bias's row `layer` as a masked sum (exact: one term is non-zero)."""
+    c0 = pl.multiple_of(col * tn, tn)
+    rows = bias_rows[:, pl.ds(c0, tn)].astype(jnp.float32)
+    if not stacked:
+        return rows
+    pick = lax.broadcasted_iota(jnp.int32, rows.shape, 0) == layer[0]
+    return jnp.sum(jnp.where(pick, rows, 0.0), axis=0, keepdims=True)
+
+
 def _multiply_rows(xbuf, slot, wref, bias, act, obuf, par, sbuf, sp, col, *, B, hc, tiles, ssq: bool, tk, acc):
     """A step's rows, both directions and every batch as ONE M operand, times the weight
     tile `wref` [K, tn]: xbuf[slot] [2 B hc, K] (segment g = d B + b: direction d's chunk
@@ -233,8 +330,7 @@ def _multiply_rows(xbuf, slot, wref, bias, act, obuf, par, sbuf, sp, col, *, B, 
     [2 dirs, B, 1, hc] (column tile 0 writes, the others add): a row tile that
     straddles segments is cut at their (static, sublane-aligned) boundaries, and
     each piece's (rows,) sums relaid out to a lane-major (1, rows) row at its
-    segment's static lane offset, as kernels/all_gather_matmul.py's `_multiply_tile`
-    does per tile."""
+    segment's static lane offset."""
     K = wref.shape[0]
     if tk < K:
         def depth_chunk(k, carry):
@@ -343,11 +439,7 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
         cp.start()
     w_copy(0, 0, 0).start()
 
-    # Nobody may write (a chunk or a credit) into a neighbour's kernel before it runs.
-    barrier = pltpu.get_barrier_semaphore()
-    for d in (0, 1):
-        pl.semaphore_signal(barrier, 1, device_id={axis_name: nbr[d]})
-    pl.semaphore_wait(barrier, 2)
+    _common.neighbour_barrier(axis_name, nbr)
     for cp in bias_rows:
         cp.wait()
 
@@ -461,12 +553,31 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
 def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations=None, sum_squares=None,
                              axis_name="tp", blocks: _common.StreamBlocks | None = None, interpret=False,
                              _skip_credit_at=None):
-    """`kernels.all_gather_matmul.all_gather_matmul`, streaming the halves in row chunks.
+    """Gathers `x` over `axis_name` while multiplying it by each weight.
 
-    Same arguments and results; `blocks` asks for block sizes (chunk rows,
-    window, tile limits), validated and fitted to VMEM (`plan`).
-    `_skip_credit_at` (tests only): a step whose send goes without its credit
-    (the deliberately racy variant; see the module docstring).
+    Args:
+      x: this rank's rows `[..., S/P, K]`.
+      weights: column shards `[K, N_i/P]`; with `layer`, stacked `[L, K, N_i/P]`.
+      layer: the layer to read from stacked weights (an int32 scalar, may be
+        traced, e.g. a block scan's index); None for `[K, N_i/P]` weights.
+      biases: optional, per weight None, `[N_i/P]` or (with `layer`) a stacked
+        `[L, N_i/P]` read at `layer`; added to the float32 product.
+      activations: optional, per weight None or a name in `ACTIVATIONS`
+        ("gelu_tanh"), applied after the bias, before the cast.
+      sum_squares: optional, per weight a bool: also return the float32 sum
+        over this rank's columns of the output's squares (as rounded to x's
+        dtype), per row. No sum over ranks.
+      blocks: the block sizes asked (chunk rows, window, tile limits),
+        validated and fitted to VMEM (`plan`); default `StreamBlocks()`.
+      interpret: False (Mosaic), True (TPU interpret mode) or a
+        `pltpu.InterpretParams` (e.g. with detect_races=True).
+      _skip_credit_at: tests only: a step whose send goes without its credit
+        (the deliberately racy variant; see the module docstring).
+
+    Returns:
+      One `[..., S, N_i/P]` array per weight, rows in global order:
+      `act_i(x_all @ w_i + bias_i)`; for a weight with `sum_squares`, the
+      pair `(y_i, ssq_i)` with ssq_i `[..., S, 1]` float32.
     """
     weights = list(weights)
     biases = list(biases) if biases is not None else [None] * len(weights)

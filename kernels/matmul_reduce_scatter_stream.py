@@ -1,15 +1,21 @@
-"""Matmul + reduce-scatter, streaming: each direction's partial sums move in row chunks through a window of VMEM slots.
+"""Matmul + reduce-scatter as one Pallas TPU kernel: a bidirectional ring, partial sums streamed in row chunks.
 
-The variant of kernels/matmul_reduce_scatter.py for shards whose full-width
-accumulators do not fit VMEM (long sequences: Wan 480x832x81's attention out
-is 32,768 rows, 8192 a rank at tp=4, N = 5120). Same contract, same ring,
-same weight-tile stream; one call (the resident kernel's fallback runs it
-once per row chunk, C calls).
+Called inside `jax.shard_map` over a ring axis of size P (`tp`). Every rank
+holds one or two pairs whose products are partial sums over the ring (two:
+FLUX's and HunyuanVideo's single-block `proj_out`, attention and MLP halves,
+summed without concatenating their inputs); it returns its own rows of the
+total. Each direction's partial sums move tile by tile, VMEM to VMEM by
+remote DMA, in row chunks through a window of W slots (one chunk a half
+wherever the accumulators fit: every released shape but the long videos);
+the steps are one runtime loop. No partial product or concatenation reaches
+HBM; `out` is written once. Weight tiles are DMA'd from `w_i.at[layer, :,
+cols]` (a block scan passes the whole stack and its layer index, so no
+weight-sized copy of the layer is made before the call).
 
     x_i      [B, S, k_i]    every row, this rank's k_i columns (leading dims folded into B)
     w_i      [L, k_i, N]    row shards (read at layer `layer`), N a multiple of 128
-    bias     [N] or [L, N]  optional: added once, to the finished sums (this kernel only;
-                            the dispatch passes none, as the resident kernel takes none)
+    bias     [N] or [L, N]  optional: added once, to the finished sums (the dispatch
+                            passes none: a row-parallel bias is added after the call)
     out      [B, s, N]      rows [r s, (r+1) s) of sum_i x_i @ w_i (+ bias), summed over ranks
 
 Layout and tiling (per rank; s = S/P, h = s/2 rows a half, hc rows a chunk,
@@ -37,7 +43,7 @@ column tile, so a tile may straddle a segment boundary (hc is a multiple of
 the sublane rows, so every boundary is tile-aligned). The flat rows are split
 at the segment boundaries only where the sums are added and stored into `acc`.
 
-Ring (as the resident kernel): at hop j rank r adds its partial product for
+Ring (as `difflet_tpu.collective_matmul._rs_ring`): at hop j rank r adds its partial product for
 the forward half of rank r-1-j and the backward half of rank r+1+j to the
 sums that arrived from upstream and sends them on; at hop P-1 both are its
 own rows and go to `out`. Here every half is cut into C chunks of hc rows
@@ -71,8 +77,8 @@ where it did. In exchange each column tile is one M operand of 2 B hc rows
 per pair (fewer, taller dots, not split per direction and batch) and the
 receive waits move behind the MXU work (not measured on a TPU).
 
-Sums are formed in f32 and rounded to the dtype once per hop, as the resident
-kernel and the JAX ring do: the pairs' products are summed in f32 into
+Sums are formed in f32 and rounded to the dtype once per hop, as the JAX
+ring does: the pairs' products are summed in f32 into
 `prod`, then the received value (j > 0) and the bias (j = P-1) are added in
 f32 and the result is rounded once (the float32 tests, on small integers, are
 exact).
@@ -98,9 +104,8 @@ detector flags the overwrite (tests/kernels/test_interpret.py). A barrier with b
 keeps anyone from writing (a tile or a credit) into a kernel instance that
 has not started.
 
-The weights stream once per step, i.e. P C times a call (as C resident calls
-would); x rows load once per step (each rank reads 2 hc rows of every other
-rank's rows, as the resident kernel reads h-row halves), one DMA per
+The weights stream once per step, i.e. P C times a call; x rows load once per
+step (each rank reads 2 hc rows of every other rank's rows), one DMA per
 (pair, direction, batch).
 """
 
@@ -115,7 +120,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import _common
 
-COLLECTIVE_ID = 10  # each kernel its own barrier semaphore id (all_gather_matmul 7, matmul_reduce_scatter 8)
+COLLECTIVE_ID = 10  # each kernel its own barrier semaphore id (all_gather_matmul_stream: 9)
 
 
 # --------------------------------------------------------------------------
@@ -159,8 +164,7 @@ def _check(x_shapes, w_shapes, dtype, axis_size, bias):
 def plan(x_shapes, w_shapes, dtype, axis_size, *, blocks: _common.StreamBlocks | None = None, bias=None):
     """(reason, StreamPlan): reason None if the streaming kernel runs for these shapes.
 
-    x_shapes [..., S, k_i] and w_shapes [k_i, N] per pair, as
-    kernels/matmul_reduce_scatter.py's `_plan` takes them; bias: None or (rows,
+    x_shapes [..., S, k_i] and w_shapes [k_i, N] per pair; bias: None or (rows,
     dtype) of the bias operand ([N]: 1 row; [L, N]: L); blocks: the block sizes
     asked (default `StreamBlocks()`: the largest chunk that fits, a window of 3)."""
     blocks = blocks or _common.StreamBlocks()
@@ -189,6 +193,22 @@ def plan(x_shapes, w_shapes, dtype, axis_size, *, blocks: _common.StreamBlocks |
 
     return _common.fit_stream(s // 2, unit, blocks, candidates,
                               f"full-width partial sums in {blocks.window} slots per direction")
+
+
+def ici_bound(k: int, itemsize: int, chip) -> bool:
+    """Whether a ring hop of this kernel waits on ICI rather than on the MXU on `chip`
+    (a `difflet_tpu.estimate.Chip`), for pairs of total width `k` (sum of k_i).
+
+    Per hop the kernel multiplies both halves, 2 * B * s * k * N flops, while each
+    direction sends one half's sums, B * h * N * itemsize bytes over one link
+    (h = s/2): the hop is ICI-bound when 4 k / peak < itemsize / link bandwidth,
+    i.e. bf16 k < 2189 on v5e (Wan's attention outputs, k = 1280 per chip at P = 4;
+    not its FFN down, k = 3456). The reference PR measured its kernel on a v5e-4
+    faster than the JAX ring there (Wan attention out 0.518 -> 0.504 ms) and slower
+    where compute-bound (Wan FFN down 0.928 -> 1.040 ms), so `Config.sp_rs_kernel`
+    "auto" takes the kernel exactly where this is True.
+    """
+    return 4 * k / chip.bf16_flops < itemsize / chip.ici_link_bw
 
 
 def unsupported_reason(x_shapes, w_shapes, dtype, axis_size, *, blocks=None, bias=None) -> str | None:
@@ -263,11 +283,7 @@ def _kernel(tables, layer, *refs, axis_name, P, B, h, hc, C, W, npairs, nt, tn, 
     for cp in bias_rows:
         cp.start()
 
-    # Nobody may write (a tile or a credit) into a neighbour's kernel before it runs.
-    barrier = pltpu.get_barrier_semaphore()
-    for d in (0, 1):
-        pl.semaphore_signal(barrier, 1, device_id={axis_name: nbr[d]})
-    pl.semaphore_wait(barrier, 2)
+    _common.neighbour_barrier(axis_name, nbr)
     for cp in bias_rows:
         cp.wait()
 
@@ -374,13 +390,24 @@ def _kernel(tables, layer, *refs, axis_name, P, B, h, hc, C, W, npairs, nt, tn, 
 def matmul_reduce_scatter_stream(pairs, *, layer=None, bias=None, axis_name="tp",
                                  blocks: _common.StreamBlocks | None = None, interpret=False,
                                  _skip_credit_at=None):
-    """`kernels.matmul_reduce_scatter.matmul_reduce_scatter`, the partial sums streamed in row chunks.
+    """This rank's rows of `sum_i x_i @ w_i`, reduced over `axis_name`.
 
-    Same arguments and result, plus `bias` (None, `[N]`, or with `layer` a
-    stacked `[L, N]` read at `layer`), added once to the finished sums; `blocks`
-    asks for block sizes (chunk rows, window, tile limits), validated and
-    fitted to VMEM (`plan`). `_skip_credit_at` (tests only): a step whose send
-    goes without its credit (the deliberately racy variant; module docstring).
+    Args:
+      pairs: one or two `(x_i [..., S, K_i/P], w_i [K_i/P, N])`; with `layer`,
+        w_i stacked `[L, K_i/P, N]`.
+      layer: the layer to read from stacked weights (an int32 scalar, may be
+        traced, e.g. a block scan's index); None for `[K_i/P, N]` weights.
+      bias: None, `[N]`, or with `layer` a stacked `[L, N]` read at `layer`:
+        added once, to the finished sums.
+      blocks: the block sizes asked (chunk rows, window, tile limits),
+        validated and fitted to VMEM (`plan`); default `StreamBlocks()`.
+      interpret: False (Mosaic), True (TPU interpret mode) or a
+        `pltpu.InterpretParams` (e.g. with detect_races=True).
+      _skip_credit_at: tests only: a step whose send goes without its credit
+        (the deliberately racy variant; see the module docstring).
+
+    Returns:
+      `[..., S/P, N]`.
     """
     pairs = [(x, w) for x, w in pairs]
     xs, ws = [x for x, _ in pairs], [w for _, w in pairs]

@@ -197,14 +197,20 @@ def test_pallas_kernel_roofline_and_multiline_attributes():
 PEAK, HBM, LINK, LAT = 197e12, 819e9, 45e9, 1e-6
 
 
-def _kernel(kind, operands, out, flops=1, nbytes=1):
-    """A compiled-looking Pallas collective-matmul call (text as the TPU compiler prints it)."""
+# the calls' instruction names (kernels/*_stream.py: one chunk of 592 rows a half)
+AG_CALL, RS_CALL = "%all_gather_matmul_stream_1chunks_592rows.3", "%matmul_reduce_scatter_stream_1chunks_592rows.3"
+
+
+def _kernel(kind, operands, out, flops=1, nbytes=1, hc=592):
+    """A compiled-looking Pallas collective-matmul call (text as the TPU compiler prints it),
+    named as kernels/*_stream.py name it: one chunk of hc rows a half."""
     out_t = out[0] if len(out) == 1 else "(" + ", ".join(out) + ")"
     names = ", ".join(f"%op{i}" for i in range(len(operands)))
-    return (f'  %{kind}.3 = {out_t} custom-call({names}), custom_call_target="tpu_custom_call", '
+    name = f"{kind}_stream_1chunks_{hc}rows"
+    return (f'  %{name}.3 = {out_t} custom-call({names}), custom_call_target="tpu_custom_call", '
             f'operand_layout_constraints={{{", ".join(operands)}}}, frontend_attributes={{kernel_metadata={{\n'
             '"mesh_axes":"[\\"tp\\"]"\n'
-            f'}}}}, metadata={{op_name="jit(f)/shard_map/{kind}/pallas_call"}}, backend_config={{"custom_call_config":'
+            f'}}}}, metadata={{op_name="jit(f)/shard_map/{name}/pallas_call"}}, backend_config={{"custom_call_config":'
             f'{{"body":"xx","cost_estimate":{{"flops":"{flops}","transcendentals":"0",'
             f'"bytes_accessed":"{nbytes}"}}}}}}\n')
 
@@ -229,14 +235,14 @@ def test_ici_bound_kernel_shows_its_hops_exposed_transfer():
     # Wan's cross-attention q gather: ~79 us of matmul per hop against ~136 us to move a half
     c, x = _ag_hop(1280)
     assert c == pytest.approx(78.8e-6, rel=1e-3) and x == pytest.approx(135.7e-6, rel=1e-3)
-    est = E.estimate(_program(_ag([1280]), "%all_gather_matmul.3"), "v5e")
+    est = E.estimate(_program(_ag([1280]), AG_CALL), "v5e")
     prologue = 2 * 1184 * 5120 / HBM  # own rows into VMEM before hop 0
     assert est.exposed_transfer == pytest.approx(3 * (x - c))
     assert est.pallas == pytest.approx(prologue + 4 * c)
     assert est.total == pytest.approx(prologue + 3 * x + c)
     site, = est.kernel_sites.values()
     assert (site["calls"], site["hops"], site["ici_bound_hops"]) == (1, 4, 3)
-    assert est.pallas_kernels == {"all_gather_matmul": pytest.approx(prologue + 4 * c)}
+    assert est.pallas_kernels == {"all_gather_matmul_stream_1chunks_592rows": pytest.approx(prologue + 4 * c)}
     k = est.collectives["all_gather_matmul (kernel)"]
     assert (k.count, k.bytes) == (1, 3 * 2 * 2 * 592 * 5120)  # 3 hops x two halves
 
@@ -245,7 +251,7 @@ def test_compute_bound_kernel_hides_its_transfers():
     # Wan's q/k/v gather: three 1280-wide weights per hop, 236 us against 136 us
     c, x = _ag_hop(3 * 1280)
     assert c > x
-    est = E.estimate(_program(_ag([1280] * 3), "%all_gather_matmul.3"), "v5e")
+    est = E.estimate(_program(_ag([1280] * 3), AG_CALL), "v5e")
     assert est.exposed_transfer == 0
     assert est.total == pytest.approx(2 * 1184 * 5120 / HBM + 4 * c)
     assert next(iter(est.kernel_sites.values()))["ici_bound_hops"] == 0
@@ -258,7 +264,7 @@ def test_hop_sum_shows_waits_a_whole_kernel_max_hides():
     # waits for its halves: 3 x 18 us exposed.
     c, x = _ag_hop(1920)
     assert 4 * c > 3 * x and x > c
-    est = E.estimate(_program(_ag([1920]), "%all_gather_matmul.3"), "v5e")
+    est = E.estimate(_program(_ag([1920]), AG_CALL), "v5e")
     assert est.exposed_transfer == pytest.approx(3 * (x - c))
     assert est.total - 2 * 1184 * 5120 / HBM == pytest.approx(3 * x + c)
     assert est.total - 2 * 1184 * 5120 / HBM > max(4 * c, 3 * x)
@@ -269,7 +275,7 @@ def test_reduce_scatter_kernel_hops():
     # sends one accumulator half (592 x 5120) each way; the last hop writes out, sends nothing
     ops = ["s32[10]{0}", "bf16[1,4736,1280]{2,1,0}", "bf16[1280,5120]{1,0}"]
     est = E.estimate(_program(_kernel("matmul_reduce_scatter", ops, ["bf16[1,1184,5120]{2,1,0}"]),
-                              "%matmul_reduce_scatter.3"), "v5e")
+                              RS_CALL), "v5e")
     x = 2 * 592 * 5120 / LINK + LAT
     c = [max((2 * 1184 * 1280 * 5120 + (1184 * 5120 if j else 0)) / PEAK,
              2 * (1280 * 5120 + (1184 * 1280 if j < 3 else 1184 * 5120)) / HBM) for j in range(4)]
@@ -334,7 +340,7 @@ def test_kernel_hops_and_jax_ring_hops_price_transfer_alike():
                  f"  %bd{j} = {half} collective-permute-done(%b{j})\n")
     body += _mm("m3", cycles)
     ring = E.estimate(_program(body, "%m3", _fusion_comp("mm_comp")), "v5e")
-    kernel = E.estimate(_program(_ag([1280]), "%all_gather_matmul.3"), "v5e")
+    kernel = E.estimate(_program(_ag([1280]), AG_CALL), "v5e")
     assert ring.exposed_transfer == pytest.approx(3 * (x - cycles / 1.5e9))
     assert kernel.exposed_transfer == pytest.approx(ring.exposed_transfer, rel=1e-5)
     assert ring.collectives["collective-permute"].seconds == pytest.approx(
@@ -348,7 +354,7 @@ def test_kernel_sends_queue_behind_a_permute_in_flight():
     body = (f"  %p = ({half}, {half}, u32[], u32[]) collective-permute-start(%a), "
             "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}\n" + _ag([1280] * 3)
             + f"  %pd = {half} collective-permute-done(%p)\n")
-    est = E.estimate(_program(body, "%all_gather_matmul.3, %pd"), "v5e")
+    est = E.estimate(_program(body, AG_CALL + ", %pd"), "v5e")
     prologue = 2 * 1184 * 5120 / HBM
     queued = x - prologue  # the permute started with the kernel, its rows load meanwhile
     assert est.exposed_transfer == pytest.approx(max(0.0, queued + x - c))
@@ -358,7 +364,7 @@ def test_kernel_sends_queue_behind_a_permute_in_flight():
 def test_unreadable_kernel_shapes_fall_back_with_a_warning():
     bad = _kernel("all_gather_matmul", ["s32[10]{0}", "bf16[1184,5120]{1,0}"], ["bf16[4736,1280]{1,0}"],
                   flops=2 * 10**9)
-    est = E.estimate(_program(bad, "%all_gather_matmul.3"), "v5e")
+    est = E.estimate(_program(bad, AG_CALL), "v5e")
     assert est.pallas == pytest.approx(2e9 / PEAK)
     assert any("shapes not understood" in w for w in est.warnings)
 
@@ -423,15 +429,15 @@ KERNELS = """
 import json, jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from difflet_tpu import deviceless, estimate as E
-from difflet_tpu.kernels import all_gather_matmul as agk, matmul_reduce_scatter as rsk
+from difflet_tpu.kernels import all_gather_matmul_stream as agk, matmul_reduce_scatter_stream as rsk
 mesh = deviceless.topology_mesh('v5e:2x2')
 sd = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
 def ag(s, K, n):
-    f = jax.shard_map(lambda x, w: agk.all_gather_matmul(x, [w], axis_name='tp')[0], mesh=mesh,
+    f = jax.shard_map(lambda x, w: agk.all_gather_matmul_stream(x, [w], axis_name='tp')[0], mesh=mesh,
                       in_specs=(P('tp'), P(None, 'tp')), out_specs=P(None, 'tp'), check_vma=False)
     return jax.jit(f).trace(sd((4 * s, K), P('tp')), sd((K, 4 * n), P(None, 'tp'))).lower().compile()
 def rs(S, k, N):
-    f = jax.shard_map(lambda x, w: rsk.matmul_reduce_scatter([(x, w)], axis_name='tp'), mesh=mesh,
+    f = jax.shard_map(lambda x, w: rsk.matmul_reduce_scatter_stream([(x, w)], axis_name='tp'), mesh=mesh,
                       in_specs=(P(None, 'tp'), P('tp')), out_specs=P('tp'), check_vma=False)
     return jax.jit(f).trace(sd((S, 4 * k), P(None, 'tp')), sd((4 * k, N), P('tp'))).lower().compile()
 out = {}
@@ -474,39 +480,6 @@ def test_chip_constants_match_the_public_specs():
     assert math.isclose(V5E.ici_link_bw, 45e9)
     with pytest.raises(ValueError, match="no chip constants"):
         E.chip_for("v9x:2x2")
-
-
-def test_row_chunk_calls_price_their_share_of_the_rows():
-    # A long sequence runs the reduce-scatter kernel as C calls ("_<C>chunks"), each
-    # on ~1/C of every rank's rows; after the first, a call takes the output buffer
-    # (aliased) as its last operand. C calls together cost the FLOPs, rows and
-    # transfers of one call over all rows, plus C weight passes instead of one.
-    xs, out = [("bf16", (1, 32768, 1280))], [("bf16", (1, 8192, 5120))]
-    w = ("bf16", (40, 1280, 5120))
-    head = [("s32", (10,)), ("s32", (1,))]
-    whole = E.collective_matmul_hops("matmul_reduce_scatter", head + xs + [w], out)
-    first = E.collective_matmul_hops("matmul_reduce_scatter", head + xs + [w], out, chunks=3)
-    later = E.collective_matmul_hops("matmul_reduce_scatter", head + xs + [w] + out, out, chunks=3)
-    assert later == first and "3 row chunks" in first.site
-    assert 3 * sum(first.flops) == pytest.approx(sum(whole.flops))
-    assert 3 * sum(first.ici) == pytest.approx(sum(whole.ici))
-    weight = 2 * 1280 * 5120 * 4  # one pass of the layer's weight per hop
-    assert 3 * (sum(first.hbm) + first.prologue_hbm) == pytest.approx(sum(whole.hbm) + whole.prologue_hbm
-                                                                       + 2 * weight)
-    # the kind and chunk count come from the pallas_call's name
-    op = lambda name: E.Op(name=name, op="custom-call", type="bf16[1]",
-                           text='custom_call_target="tpu_custom_call"')
-    assert E.collective_matmul_call(op("matmul_reduce_scatter_3chunks.7")) == ("matmul_reduce_scatter", 3)
-    assert E.collective_matmul_call(op("all_gather_matmul.2")) == ("all_gather_matmul", 1)
-    assert E.collective_matmul_call(op("all_gather_matmul_3chunks.5")) == ("all_gather_matmul", 3)
-    # an all-gather chunk call: x [B, s, K] whole (it reads its chunk's rows), the earlier
-    # calls' outputs aliased after the weights; 1/C of the rows
-    x, out, wq = ("bf16", (1, 8192, 5120)), [("bf16", (1, 32768, 1280))], ("bf16", (40, 5120, 1280))
-    whole = E.collective_matmul_hops("all_gather_matmul", head + [x, wq], out)
-    later = E.collective_matmul_hops("all_gather_matmul", head + [x, wq] + out, out, chunks=3)
-    assert 3 * sum(later.flops) == pytest.approx(sum(whole.flops)) and "3 row chunks" in later.site
-    assert 3 * sum(later.ici) == pytest.approx(sum(whole.ici))
-    assert E.collective_matmul_call(op("matmul_reduce_scatter_x.1")) is None
 
 
 def test_streaming_all_gather_kernel_is_priced_by_steps():

@@ -11,11 +11,12 @@ re-raise). The race detector is always on. Spec keys:
   S, K:    sequence rows, contraction width (ag: K per rank is K)
   widths:  ag: per-rank widths of the weights; rs: per-rank k_i of each pair
   N:       rs: output width
-  slots, col_tile, row_tile, chunks: private kernel knobs (optional; chunks:
-           row chunks per rank, one kernel call each)
-  depth_tile: the all-gather kernels' depth chunk limit (K summed in chunks of
-           at most this many columns; resident `_depth_tile_limit`, streaming
-           StreamBlocks.depth_tile_limit; optional)
+  chunk_rows, window, col_tile, row_tile, depth_tile, weights_in_vmem: the
+           kernels' `StreamBlocks` (optional; defaults: the largest chunk that
+           fits, 3 slots, 512-column and 512-row tiles, 1024-column depth
+           chunks, weights streamed: these small cases would hold them by the
+           plan's rule, and the plan must agree)
+  skip_credit: a step whose send goes without its credit (the racy variant)
   layers, at: stacked weights [layers, ...] read at each layer index in `at`
            (a runtime argument: one compile), against numpy's x @ w[layer];
            "ag"/"rs" pass the stack and `layer=` to the kernel, the dispatch
@@ -39,22 +40,14 @@ re-raise). The race detector is always on. Spec keys:
            each max over rows of |ssq - ref| / max(ref_row, 1).
   ring:    ring size P (2 or 4; default 4) on the 4 CPU devices
   vmem_capacity: the chip VMEM bytes the plans assume (default 128 MiB): a small one
-           makes the dispatch's resident plan need row chunks ("ag_dispatch" /
-           "rs_dispatch" then report "choice", collective_matmul.ag_kernel_choice's /
-           rs_kernel_choice's)
-  stream:  true: kinds "ag" / "ag_epi" (and the stacked "ag" case) run the streaming
-           kernel (kernels/all_gather_matmul_stream.py) instead, with
-           StreamBlocks(chunk_rows, window, col_tile, row_tile, depth_tile,
-           weights_in_vmem) from the keys (weights_in_vmem default false: these
-           small cases would hold them by the plan's rule; the plan must agree)
-           chunk_rows, window (default 3), col_tile, row_tile (default 512), and
-           skip_credit (a step whose send goes without its credit: the racy
-           variant); the result then has "chunks", the plan's chunks a half
-           ("ag_epi" checks against the resident kernel's unfused path).
-           Kind "rs" (and the stacked "rs" case) likewise runs the streaming
-           reduce-scatter (kernels/matmul_reduce_scatter_stream.py), with the
-           same keys; bias (true/false, optional) then adds a bias [N] of small
-           integers, passed to the kernel and added to both references
+           makes the dispatch's plan cut the halves into chunks ("ag_dispatch" /
+           "rs_dispatch" report the plan's "chunks" a half)
+  bias:    kind "rs": true adds a bias [N] of small integers, passed to the kernel
+           and added to both references
+
+Kinds "ag", "ag_epi" (not through the dispatch) and "rs" call the kernels
+(kernels/all_gather_matmul_stream.py, kernels/matmul_reduce_scatter_stream.py)
+with the spec's blocks and report the plan's "chunks" a half.
 
 Float32 cases use small integer values, so every product is exact and the
 kernel must equal numpy bit for bit; bf16 cases use normal values and a
@@ -107,34 +100,28 @@ def run(spec):
     from jax.sharding import PartitionSpec as P
 
     from difflet_tpu import collective_matmul as cm
-    from difflet_tpu.kernels import all_gather_matmul as agk
-    from difflet_tpu.kernels import matmul_reduce_scatter as rsk
+    from difflet_tpu.kernels import all_gather_matmul_stream as agk
+    from difflet_tpu.kernels import matmul_reduce_scatter_stream as rsk
     from difflet_tpu.mesh import make_mesh
 
-    global P_RING
+    global P_RING, AG_KERNEL, RS_KERNEL
     P_RING = spec.get("ring", 4)
     mesh = make_mesh(P_RING)
     dt = jnp.dtype(spec["dtype"])
     rng = np.random.default_rng(spec.get("seed", 0))
     params = pltpu.InterpretParams(detect_races=True)
-    knobs = {}
-    for key, arg in (("slots", "_recv_slots"), ("col_tile", "_col_tile_limit"), ("row_tile", "_row_tile_limit"),
-                     ("chunks", "_chunks")):
-        if key in spec:
-            knobs[arg] = spec[key]
-    if "depth_tile" in spec and spec.get("kind", "ag").startswith("ag"):
-        knobs["_depth_tile_limit"] = spec["depth_tile"]
     if "vmem_capacity" in spec:
         from difflet_tpu.kernels import _common
 
         _common.vmem_capacity_bytes = lambda: spec["vmem_capacity"]
-    if spec.get("stream") and spec["kind"].startswith("rs"):
-        global RS_KERNEL
-        RS_KERNEL, chunks = rs_stream_kernel(spec, P_RING, dt)
-    elif spec.get("stream"):
-        global AG_KERNEL
-        AG_KERNEL, chunks = stream_kernel(spec, P_RING, dt)
     kind = spec["kind"]
+    chunks = None
+    if kind == "rs":
+        RS_KERNEL, chunks = rs_stream_kernel(spec, P_RING, dt)
+    elif kind == "ag" or (kind == "ag_epi" and not spec.get("dispatch")):
+        AG_KERNEL, chunks = stream_kernel(spec, P_RING, dt)
+    elif kind == "ag_epi":  # the dispatch's fused path; the unfused one runs the kernel with default blocks
+        AG_KERNEL = agk.all_gather_matmul_stream
     nb = len(spec.get("batch", []))
     lead = (None,) * nb
     warnings = []
@@ -145,10 +132,10 @@ def run(spec):
 
     logging.getLogger("difflet_tpu.collective_matmul").addHandler(Count(level=logging.WARNING))
     result = {}
-    if spec.get("stream"):
+    if chunks is not None:
         result["chunks"] = chunks
     if kind == "ag_epi":
-        result.update(epilogues(spec, params, mesh, dt, rng, lead, knobs))
+        result.update(epilogues(spec, params, mesh, dt, rng, lead))
         result["warnings"] = warnings
         return result
     if "layers" in spec:
@@ -160,7 +147,7 @@ def run(spec):
         x, ws = inputs(spec, rng)
         nw = len(ws)
         if kind == "ag":
-            f = lambda x, *w: ag_kernel(x, list(w), interpret=params, **knobs)
+            f = lambda x, *w: AG_KERNEL(x, list(w), interpret=params)
         else:  # the dispatch in difflet_tpu.collective_matmul (kernel, or the ring on fallback)
             f = lambda x, *w: cm.all_gather_matmul(x, list(w), impl="pallas", interpret=params)
         g = lambda: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(*lead, "tp", None),) + (P(None, "tp"),) * nw,
@@ -169,11 +156,11 @@ def run(spec):
         outs = g()(*args)
         if kind == "ag_fallback":  # tracing the same shape again must not warn again
             outs = g()(*args)
+        reason, plan = agk.plan(x.shape[:-2] + (x.shape[-2] // P_RING, x.shape[-1]),
+                                [w.shape[1] // P_RING for w in ws], dt, P_RING)
+        result["reason"] = reason
         if kind == "ag_dispatch":
-            result["choice"] = cm.ag_kernel_choice(x.shape[:-2] + (x.shape[-2] // P_RING, x.shape[-1]),
-                                                   [w.shape[1] // P_RING for w in ws], dt, P_RING)[0]
-        result["reason"] = agk.unsupported_reason(x.shape[:-2] + (x.shape[-2] // P_RING, x.shape[-1]),
-                                                  [w.shape[1] // P_RING for w in ws], dt, P_RING)
+            result["chunks"] = plan.chunks
         errs = []
         for o, w in zip(outs, ws):
             ref = x @ w
@@ -192,13 +179,11 @@ def run(spec):
         bias = None
         if spec.get("bias"):  # the streaming kernel's bias [N], added once to the finished sums
             bias = rng.integers(-3, 4, size=(spec["N"],)).astype(np.float32)
-        if kind == "rs" and RS_KERNEL is not None:
+        if kind == "rs":
             if bias is None:
                 f = lambda *a: RS_KERNEL(list(zip(a[:n], a[n:])), interpret=params)
             else:
                 f = lambda *a: RS_KERNEL(list(zip(a[:n], a[n:2 * n])), bias=a[2 * n], interpret=params)
-        elif kind == "rs":
-            f = lambda *a: rsk.matmul_reduce_scatter(list(zip(a[:n], a[n:])), interpret=params, **knobs)
         else:
             f = lambda *a: cm.matmul_reduce_scatter(list(zip(a[:n], a[n:])), impl="pallas", interpret=params)
         bspecs = () if bias is None else (P(),)
@@ -209,13 +194,11 @@ def run(spec):
         out = g()(*args, *([] if bias is None else [jnp.asarray(bias, dt)]))
         if kind == "rs_fallback":  # tracing the same shape again must not warn again
             out = g()(*args)
-        result["reason"] = rsk.unsupported_reason(
-            [a.shape[:-1] + (a.shape[-1] // P_RING,) for a in xs], [(w.shape[0] // P_RING, w.shape[1]) for w in ws],
-            dt, P_RING)
+        reason, plan = rsk.plan([a.shape[:-1] + (a.shape[-1] // P_RING,) for a in xs],
+                                [(w.shape[0] // P_RING, w.shape[1]) for w in ws], dt, P_RING)
+        result["reason"] = reason
         if kind == "rs_dispatch":
-            result["choice"] = cm.rs_kernel_choice(
-                [a.shape[:-1] + (a.shape[-1] // P_RING,) for a in xs],
-                [(w.shape[0] // P_RING, w.shape[1]) for w in ws], dt, P_RING)[0]
+            result["chunks"] = plan.chunks
         ref = sum(a @ w for a, w in zip(xs, ws))
         if bias is not None:
             ref = ref + bias
@@ -241,14 +224,12 @@ def stacked(spec, kind, params, mesh, dt, rng, lead):
     from jax.sharding import PartitionSpec as P
 
     from difflet_tpu import collective_matmul as cm
-    from difflet_tpu.kernels import all_gather_matmul as agk
-    from difflet_tpu.kernels import matmul_reduce_scatter as rsk
 
     if kind.startswith("ag"):
         x, ws = inputs(spec, rng)
         nw = len(ws)
         if kind == "ag":
-            f = lambda x, layer, *w: ag_kernel(x, list(w), layer=layer, interpret=params)
+            f = lambda x, layer, *w: AG_KERNEL(x, list(w), layer=layer, interpret=params)
         else:
             f = lambda x, layer, *w: cm.all_gather_matmul(x, [cm.LayerWeight(a, layer) for a in w],
                                                           impl="pallas", interpret=params)
@@ -261,8 +242,7 @@ def stacked(spec, kind, params, mesh, dt, rng, lead):
         xs, ws = inputs(spec, rng)
         n = len(xs)
         if kind == "rs":
-            call = rsk.matmul_reduce_scatter if RS_KERNEL is None else RS_KERNEL
-            f = lambda layer, *a: call(list(zip(a[:n], a[n:])), layer=layer, interpret=params)
+            f = lambda layer, *a: RS_KERNEL(list(zip(a[:n], a[n:])), layer=layer, interpret=params)
         else:
             f = lambda layer, *a: cm.matmul_reduce_scatter([(x, cm.LayerWeight(w, layer)) for x, w in zip(a[:n], a[n:])],
                                                            impl="pallas", interpret=params)
@@ -279,21 +259,12 @@ def stacked(spec, kind, params, mesh, dt, rng, lead):
     return errs
 
 
-AG_KERNEL = None  # the streaming kernel (a partial with its blocks), when spec["stream"]
-
-
-def ag_kernel(x, ws, **kw):
-    """The all-gather kernel under test: the resident one with its private knobs, or
-    the streaming one with its StreamBlocks (the resident knobs dropped)."""
-    from difflet_tpu.kernels import all_gather_matmul as agk
-
-    if AG_KERNEL is None:
-        return agk.all_gather_matmul(x, ws, **kw)
-    return AG_KERNEL(x, ws, **{k: v for k, v in kw.items() if not k.startswith("_")})
+AG_KERNEL = None  # the all-gather kernel with the spec's blocks (a partial)
+RS_KERNEL = None  # the reduce-scatter kernel with the spec's blocks (a partial)
 
 
 def stream_kernel(spec, ring, dt):
-    """(the streaming kernel with the spec's blocks, the plan's chunks a half)."""
+    """(the all-gather kernel with the spec's blocks, the plan's chunks a half)."""
     import functools
 
     from difflet_tpu.kernels import _common
@@ -311,11 +282,8 @@ def stream_kernel(spec, ring, dt):
                              _skip_credit_at=spec.get("skip_credit")), plan.chunks
 
 
-RS_KERNEL = None  # the streaming reduce-scatter kernel (a partial with its blocks), when spec["stream"]
-
-
 def rs_stream_kernel(spec, ring, dt):
-    """(the streaming reduce-scatter kernel with the spec's blocks, the plan's chunks a half)."""
+    """(the reduce-scatter kernel with the spec's blocks, the plan's chunks a half)."""
     import functools
 
     from difflet_tpu.kernels import _common
@@ -335,14 +303,13 @@ def gelu_tanh64(y):
     return 0.5 * y * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (y + 0.044715 * y ** 3)))
 
 
-def epilogues(spec, params, mesh, dt, rng, lead, knobs):
+def epilogues(spec, params, mesh, dt, rng, lead):
     """The kernel's fused bias/GELU against float64 numpy and against the unfused path."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     from difflet_tpu import collective_matmul as cm
-    from difflet_tpu.kernels import all_gather_matmul as agk
 
     x, ws = inputs(dict(spec, kind="ag"), rng)
     nw = len(ws)
@@ -372,13 +339,12 @@ def epilogues(spec, params, mesh, dt, rng, lead, knobs):
             wrap = (lambda v: cm.LayerWeight(v, layer)) if stacked else (lambda v: v)
             eps = [cm.Epilogue(None if bb is None else wrap(bb), ac, q) for bb, ac, q in zip(b, acts, ssqs)]
             return cm.all_gather_matmul(x, [wrap(v) for v in w], impl="pallas", epilogues=eps, interpret=params)
-        return ag_kernel(x, w, layer=layer if stacked else None, biases=b, activations=acts,
-                         sum_squares=ssqs, interpret=params, **knobs)
+        return AG_KERNEL(x, w, layer=layer if stacked else None, biases=b, activations=acts,
+                         sum_squares=ssqs, interpret=params)
 
     def unfused(x, layer, *a):  # the kernel's bare products, then the epilogue as an XLA pass
         w, b = split(a)
-        ys = agk.all_gather_matmul(x, w, layer=layer if stacked else None, interpret=params,
-                                   **{k: v for k, v in knobs.items() if k != "_recv_slots"})
+        ys = AG_KERNEL(x, w, layer=layer if stacked else None, interpret=params)
         out = []
         for y, bb, ac, q in zip(ys, b, acts, ssqs):
             if bb is not None:

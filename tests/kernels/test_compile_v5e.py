@@ -4,8 +4,8 @@ models call (difflet_tpu.collective_matmul, impl="pallas"). Each shape runs in
 a subprocess of its own (libtpu's environment must not leak into this one).
 
 Checks: the shape is supported (or, where not by design, says why and the
-ring fallback compiles instead); the compiled module holds the kernel the
-dispatch picks (the streaming one, one chunk a half where the halves fit); the
+ring fallback compiles instead); the compiled module holds one kernel call
+with the plan's chunks (one a half where the halves fit); the
 VMEM Mosaic reports for it (`used_scoped_memory_configs`) stays within the
 limit the kernel requests from its own buffer plan, which stays within the
 chip's 128 MiB; the module's generated code (the kernel's, nearly all of it)
@@ -21,58 +21,43 @@ import json, time
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from difflet_tpu import collective_matmul as cm, deviceless
-from difflet_tpu.kernels import _common, all_gather_matmul as agk, all_gather_matmul_stream as ags
-from difflet_tpu.kernels import matmul_reduce_scatter as rsk, matmul_reduce_scatter_stream as rss
+from difflet_tpu.kernels import _common, all_gather_matmul_stream as ags, matmul_reduce_scatter_stream as rss
 mesh = deviceless.topology_mesh("v5e:2x2")
-kind, S, K, widths, N = {kind!r}, {S}, {K}, {widths!r}, {N}
+kind, S, K, widths, N, B = {kind!r}, {S}, {K}, {widths!r}, {N}, {B}
 bf = jnp.bfloat16
 sd = lambda shape, spec: jax.ShapeDtypeStruct(shape, bf, sharding=NamedSharding(mesh, spec))
 n = len(widths)
-lead = (2,) if kind.endswith("_b2") else ()  # a batch of 2 (Wan's CFG step: one batch-2 call)
-nl = (None,) * len(lead)
-xs = lead + (S // 4, K)  # a rank's x
-if kind == "ag":
-    reason = agk.unsupported_reason((S // 4, K), widths, bf, 4)
-    plan = agk.vmem_plan((S // 4, K), widths, bf, 4)
-    f = jax.shard_map(lambda x, *w: cm.all_gather_matmul(x, list(w), impl="pallas"), mesh=mesh,
-                      in_specs=(P("tp", None),) + (P(None, "tp"),) * n, out_specs=[P(None, "tp")] * n)
-    args = [sd((S, K), P("tp", None))] + [sd((K, 4 * w), P(None, "tp")) for w in widths]
-elif kind in ("ag_epi", "ag_ssq", "ag_ssq_b2"):
+lead = (B,) if B > 1 else ()
+bl = (None,) * len(lead)
+if kind.startswith("ag"):
+    epi = {{}}
     if kind == "ag_epi":  # every weight with a bias; GELU (tanh) on the last one, as the ports' MLP inputs
-        acts, ssq = [None] * (n - 1) + ["gelu_tanh"], [False] * n
-    else:  # every weight with a bias; row sums of squares of the first two (Wan's q, k; not v)
-        acts, ssq = [None] * n, [True] * min(n, 2) + [False] * (n - 2)
-    reason = agk.unsupported_reason(xs, widths, bf, 4, biases=[(1, bf)] * n, activations=acts, sum_squares=ssq)
-    plan = agk.vmem_plan(xs, widths, bf, 4, biases=[(1, bf)] * n, activations=acts, sum_squares=ssq)
-    f = jax.shard_map(lambda x, *a: cm.all_gather_matmul(x, list(a[:n]), impl="pallas",
-                                                         epilogues=[cm.Epilogue(b, ac, q)
-                                                                    for b, ac, q in zip(a[n:], acts, ssq)]),
-                      mesh=mesh, in_specs=(P(*nl, "tp", None),) + (P(None, "tp"),) * n + (P("tp"),) * n,
-                      out_specs=[(P(*nl, None, "tp"),) * 2 if q else P(*nl, None, "tp") for q in ssq])
-    args = ([sd(lead + (S, K), P(*nl, "tp", None))] + [sd((K, 4 * w), P(None, "tp")) for w in widths]
-            + [sd((4 * w,), P("tp")) for w in widths])
+        epi = dict(biases=[(1, bf)] * n, activations=[None] * (n - 1) + ["gelu_tanh"], sum_squares=[False] * n)
+    elif kind == "ag_ssq":  # every weight with a bias; row sums of squares of the first two (Wan's q, k; not v)
+        epi = dict(biases=[(1, bf)] * n, activations=[None] * n, sum_squares=[True] * min(n, 2) + [False] * (n - 2))
+    reason, plan = ags.plan(lead + (S // 4, K), widths, bf, 4, **epi)
+    if epi:
+        f = jax.shard_map(lambda x, *a: cm.all_gather_matmul(x, list(a[:n]), impl="pallas", epilogues=[
+                              cm.Epilogue(b, ac, q) for b, ac, q in zip(a[n:], epi["activations"], epi["sum_squares"])]),
+                          mesh=mesh, in_specs=(P(*bl, "tp", None),) + (P(None, "tp"),) * n + (P("tp"),) * n,
+                          out_specs=[(P(*bl, None, "tp"),) * 2 if q else P(*bl, None, "tp") for q in epi["sum_squares"]])
+        args = ([sd(lead + (S, K), P(*bl, "tp", None))] + [sd((K, 4 * w), P(None, "tp")) for w in widths]
+                + [sd((4 * w,), P("tp")) for w in widths])
+    else:
+        f = jax.shard_map(lambda x, *w: cm.all_gather_matmul(x, list(w), impl="pallas"), mesh=mesh,
+                          in_specs=(P(*bl, "tp", None),) + (P(None, "tp"),) * n, out_specs=[P(*bl, None, "tp")] * n)
+        args = [sd(lead + (S, K), P(*bl, "tp", None))] + [sd((K, 4 * w), P(None, "tp")) for w in widths]
 else:
-    reason = rsk.unsupported_reason([(S, k) for k in widths], [(k, N) for k in widths], bf, 4)
-    plan = rsk.vmem_plan([(S, k) for k in widths], [(k, N) for k in widths], bf, 4)
+    reason, plan = rss.plan([lead + (S, k) for k in widths], [(k, N) for k in widths], bf, 4)
     f = jax.shard_map(lambda *a: cm.matmul_reduce_scatter(list(zip(a[:n], a[n:])), impl="pallas"), mesh=mesh,
-                      in_specs=(P(None, "tp"),) * n + (P("tp", None),) * n, out_specs=P("tp", None))
-    args = [sd((S, 4 * k), P(None, "tp")) for k in widths] + [sd((4 * k, N), P("tp", None)) for k in widths]
-choice = None
-if kind.startswith("ag"):  # the dispatch's kernel: the streaming one (one chunk a half when the halves fit)
-    epi = {{}} if kind == "ag" else dict(biases=[(1, bf)] * n, activations=acts, sum_squares=ssq)
-    choice = cm.ag_kernel_choice(xs, widths, bf, 4, **epi)[0]
-    if choice == "stream":
-        plan = ags.plan(xs, widths, bf, 4, **epi)[1].vmem
-else:  # the streaming kernel (kernels/matmul_reduce_scatter_stream.py)
-    choice = cm.rs_kernel_choice([(S, k) for k in widths], [(k, N) for k in widths], bf, 4)[0]
-    if choice == "stream":
-        plan = rss.plan([(S, k) for k in widths], [(k, N) for k in widths], bf, 4)[1].vmem
+                      in_specs=(P(*bl, None, "tp"),) * n + (P("tp", None),) * n, out_specs=P(*bl, "tp", None))
+    args = [sd(lead + (S, 4 * k), P(*bl, None, "tp")) for k in widths] + [sd((4 * k, N), P("tp", None)) for k in widths]
 t = time.time()
 compiled = jax.jit(f).trace(*args).lower().compile()
-out = dict(reason=reason, choice=choice, compile_s=round(time.time() - t, 1),
+out = dict(reason=reason, compile_s=round(time.time() - t, 1),
            code_bytes=compiled.memory_analysis().generated_code_size_in_bytes,
            kernels=_common.kernel_vmem_from_hlo(compiled.as_text()),
-           plan_total=plan.total if plan else None, plan_limit=plan.limit if plan else None)
+           chunks=plan.chunks if plan else None, plan_limit=plan.vmem.limit if plan else None)
 print(json.dumps(out))
 """
 
@@ -88,12 +73,10 @@ SHAPES = [
     # fused epilogues: bias on every weight, GELU (tanh) on the last
     ("wan-ffn-up-bias-gelu", "ag_epi", 4736, 5120, [3456], 0),
     ("flux-single-qkv-mlp-bias-gelu", "ag_epi", 4608, 3072, [768, 768, 768, 3072], 0),
-    # a long sequence's reduce-scatter, streamed in one call (kernels/matmul_reduce_scatter_stream.py;
-    # Wan 480x832x81 attention out: 4096-row halves in 4 chunks of 1024 rows, where the resident
-    # kernel would take 3 row-chunk calls)
+    # a long sequence's reduce-scatter, streamed in one call (Wan 480x832x81 attention out:
+    # 4096-row halves in 4 chunks of 1024 rows)
     ("wan81-attn-out-stream", "rs", 32768, 0, [1280], 5120),
-    # ... and the all-gathers, streamed in one call (kernels/all_gather_matmul_stream.py):
-    # 4096-row halves in 4 chunks of 1024 rows; self-attention's q/k/v with biases and
+    # ... and the all-gathers, streamed in one call: 4096-row halves in 4 chunks of 1024 rows; self-attention's q/k/v with biases and
     # the sums of squares of q and k
     ("wan81-cross-q-stream", "ag", 32768, 5120, [1280], 0),
     ("wan81-attn-qkv-bias-ssq-stream", "ag_ssq", 32768, 5120, [1280, 1280, 1280], 0),
@@ -116,13 +99,16 @@ WEIGHTS_IN_VMEM = {"flux-text-qkv-weights-in-vmem"}
 def test_kernel_compiles_for_v5e_within_its_vmem_limit(name, kind, S, K, widths, N, monkeypatch):
     # libtpu holds a machine-wide lock file; let this compile run next to another deviceless process.
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    out = deviceless.run_python(CODE.format(kind=kind, S=S, K=K, widths=widths, N=N), timeout=900)
+    B = 2 if kind.endswith("_b2") else 1
+    out = deviceless.run_python(CODE.format(kind=kind.removesuffix("_b2"), S=S, K=K, widths=widths, N=N, B=B),
+                                timeout=900)
     print(name, out)
     assert out["reason"] is None, f"{name} is unsupported: {out['reason']}"
     kernels = [k for k in out["kernels"] if k["name"].startswith(("all_gather_matmul", "matmul_reduce_scatter"))]
     assert len(kernels) == 1, out["kernels"]
-    assert out["choice"] == "stream", out["choice"]
-    assert all("_stream_" in k["name"] for k in kernels), kernels
+    # one chunk a half where the halves fit; the long videos' in 4 chunks of 1024 rows
+    assert all(f"_stream_{out['chunks']}chunks_" in k["name"] for k in kernels), kernels
+    assert out["chunks"] == (4 if name.startswith("wan81") else 1), out["chunks"]
     assert all(("_wvmem" in k["name"]) == (name in WEIGHTS_IN_VMEM) for k in kernels), kernels
     assert 0 < out["code_bytes"] <= CODE_LIMIT, out["code_bytes"]
     for k in kernels:
@@ -134,6 +120,6 @@ def test_kernel_compiles_for_v5e_within_its_vmem_limit(name, kind, S, K, widths,
 def test_unsupported_shape_compiles_as_the_ring(monkeypatch):
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # Wan's unpadded sequence (4680 rows): halves of 585 rows are not whole bf16 tiles.
-    out = deviceless.run_python(CODE.format(kind="ag", S=4680, K=5120, widths=[1280], N=0), timeout=900)
+    out = deviceless.run_python(CODE.format(kind="ag", S=4680, K=5120, widths=[1280], N=0, B=1), timeout=900)
     assert out["reason"] is not None and "multiple of 16 rows" in out["reason"], out["reason"]
     assert not [k for k in out["kernels"] if k["name"].startswith("all_gather_matmul")], out["kernels"]

@@ -1,12 +1,13 @@
-"""`unsupported_reason` of both kernels: None exactly where the kernel runs, one
-sentence naming the rule otherwise. Pure shape logic, no devices."""
+"""The plans of both kernels: `unsupported_reason` None exactly where the kernel
+runs, one sentence naming the rule otherwise; the chunks a half, the tiles and
+the VMEM buffers they take. Pure shape logic, no devices."""
 
 import jax.numpy as jnp
 import pytest
 
 from difflet_tpu.kernels import _common
-from difflet_tpu.kernels import all_gather_matmul as agk
-from difflet_tpu.kernels import matmul_reduce_scatter as rsk
+from difflet_tpu.kernels import all_gather_matmul_stream as agk
+from difflet_tpu.kernels import matmul_reduce_scatter_stream as rsk
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -18,9 +19,8 @@ BF16, F32 = jnp.bfloat16, jnp.float32
     ((16, 128), [128], F32),                     # halves of 8 rows are whole f32 tiles
 ])
 def test_all_gather_matmul_supported(x_shape, widths, dtype):
-    assert agk.unsupported_reason(x_shape, widths, dtype, 4) is None
-    plan = agk.vmem_plan(x_shape, widths, dtype, 4)
-    assert plan.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
+    reason, plan = agk.plan(x_shape, widths, dtype, 4)
+    assert reason is None and plan.vmem.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
 
 
 @pytest.mark.parametrize("x_shape,widths,dtype,axis_size,words", [
@@ -36,9 +36,7 @@ def test_all_gather_matmul_supported(x_shape, widths, dtype):
 def test_all_gather_matmul_unsupported(x_shape, widths, dtype, axis_size, words):
     reason = agk.unsupported_reason(x_shape, widths, dtype, axis_size)
     assert reason is not None and words in reason, reason
-    # the kernel unpacks the whole plan: every refusal is (reason, None, None, plan or None, None)
-    plan = agk._plan(x_shape, widths, dtype, axis_size)
-    assert len(plan) == 5 and plan[1] is plan[2] is plan[4] is None
+    assert agk.plan(x_shape, widths, dtype, axis_size) == (reason, None)
 
 
 @pytest.mark.parametrize("x_shapes,w_shapes,dtype", [
@@ -47,8 +45,8 @@ def test_all_gather_matmul_unsupported(x_shape, widths, dtype, axis_size, words)
     ([(2, 64, 128)], [(128, 256)], F32),
 ])
 def test_matmul_reduce_scatter_supported(x_shapes, w_shapes, dtype):
-    assert rsk.unsupported_reason(x_shapes, w_shapes, dtype, 4) is None
-    assert rsk.vmem_plan(x_shapes, w_shapes, dtype, 4).limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
+    reason, plan = rsk.plan(x_shapes, w_shapes, dtype, 4)
+    assert reason is None and plan.vmem.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
 
 
 @pytest.mark.parametrize("x_shapes,w_shapes,dtype,words", [
@@ -64,106 +62,53 @@ def test_matmul_reduce_scatter_supported(x_shapes, w_shapes, dtype):
 def test_matmul_reduce_scatter_unsupported(x_shapes, w_shapes, dtype, words):
     reason = rsk.unsupported_reason(x_shapes, w_shapes, dtype, 4)
     assert reason is not None and words in reason, reason
-    plan = rsk._plan(x_shapes, w_shapes, dtype, 4)
-    assert len(plan) == 5 and plan[1] is plan[2] is plan[4] is None
-
-
-@pytest.mark.parametrize("x_shapes,w_shapes,want", [
-    ([(4736, 1280)], [(1280, 5120)], 1),            # Wan 480x832x9 attention out: one call
-    ([(4, 4736, 3456)], [(3456, 5120)], 2),         # batch 4, FFN down: two row chunks
-    ([(32768, 1280)], [(1280, 5120)], 3),           # Wan 480x832x81 attention out
-    ([(75776, 3456)], [(3456, 5120)], 8),           # Wan 720x1280x81 FFN down
-])
-def test_matmul_reduce_scatter_row_chunks_fit_vmem(x_shapes, w_shapes, want):
-    """Long sequences run in row chunks (one call each) instead of falling back: the
-    fewest chunks whose buffers fit the chip's VMEM, each half whole 16-row tiles."""
-    assert rsk.unsupported_reason(x_shapes, w_shapes, BF16, 4) is None
-    n = rsk.chunks(x_shapes, w_shapes, BF16, 4)
-    plan = rsk.vmem_plan(x_shapes, w_shapes, BF16, 4)
-    cap = 128 * 2**20
-    assert plan.limit <= cap
-    pieces = rsk._plan(x_shapes, w_shapes, BF16, 4)[4]
-    rows = x_shapes[0][-2] // 4
-    assert [off for off, _ in pieces] == [sum(sz for _, sz in pieces[:i]) for i in range(n)]  # contiguous
-    assert sum(sz for _, sz in pieces) == rows and all(sz % 32 == 0 for _, sz in pieces)
-    assert max(sz for _, sz in pieces) - min(sz for _, sz in pieces) <= 32  # near-equal
-    assert n == want, n
-    assert all(rsk._plan(x_shapes, w_shapes, BF16, 4, chunks=c)[0] is not None for c in range(1, n))
+    assert rsk.plan(x_shapes, w_shapes, dtype, 4) == (reason, None)
 
 
 def test_all_gather_matmul_sum_squares_plan():
     # Wan's q/k/v with biases and the sums of squares of q and k: supported; the plan
-    # holds the ssq buffer [2, 2, B, 1, h] f32 as Mosaic pads it ((1, h) -> (8, 128k))
+    # holds the ssq buffer [2, 2, B, 1, hc] f32 as Mosaic pads it ((1, hc) -> (8, 128k))
     # and the f32 epilogue temporaries; one flag per weight, else a reason.
     x, widths, bias = (1184, 5120), [1280] * 3, [(1, BF16)] * 3
     ssq = [True, True, False]
-    assert agk.unsupported_reason(x, widths, BF16, 4, biases=bias, sum_squares=ssq) is None
-    plan = agk.vmem_plan(x, widths, BF16, 4, biases=bias, sum_squares=ssq)
-    bufs = {name: (shape, nbytes) for name, shape, _, nbytes in plan.buffers}
-    assert bufs["ssq"] == ((2, 2, 1, 8, 640), 2 * 2 * 8 * 640 * 4)  # h = 592 -> 640 lanes
+    reason, plan = agk.plan(x, widths, BF16, 4, biases=bias, sum_squares=ssq)
+    assert reason is None
+    bufs = {name: (shape, nbytes) for name, shape, _, nbytes in plan.vmem.buffers}
+    assert bufs["ssq"] == ((2, 2, 1, 8, 640), 2 * 2 * 8 * 640 * 4)  # hc = 592 -> 640 lanes
     assert "f32 epilogue" in bufs
-    base = agk.vmem_plan(x, widths, BF16, 4, biases=bias)
-    assert "ssq" not in {b[0] for b in base.buffers} and plan.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
+    _, base = agk.plan(x, widths, BF16, 4, biases=bias)
+    assert "ssq" not in {b[0] for b in base.vmem.buffers}
+    assert plan.vmem.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
     reason = agk.unsupported_reason(x, widths, BF16, 4, sum_squares=[True])
     assert reason is not None and "sum_squares" in reason, reason
 
 
-@pytest.mark.parametrize("x_shape,widths,want", [
-    ((1184, 5120), [1280] * 3, 1),       # Wan 480x832x9 q/k/v: one call
-    ((8, 1184, 5120), [1280], 3),        # batch 8 (did not fit in one call)
-    ((8192, 5120), [1280] * 3, 3),       # Wan 480x832x81 q/k/v
-    ((18944, 5120), [3456], 5),          # Wan 720x1280x81 FFN up (6 before the depth chunks)
+# The chunks a half the all-gather plan takes: one where the halves fit (every released
+# shape but the long videos), else the fewest that fit, preferring chunks that tile the half.
+@pytest.mark.parametrize("x_shape,widths,kw,chunks", [
+    ((1184, 5120), [1280, 1280, 1280], {}, (1, 592)),                    # Wan 480x832x9 q/k/v
+    ((8192, 5120), [1280, 1280, 1280], {}, (4, 1024)),                   # Wan 480x832x81 q/k/v
+    ((8192, 5120), [1280, 1280, 1280], dict(biases=[(1, BF16)] * 3, sum_squares=[True, True, False]), (4, 1024)),
 ])
-def test_all_gather_matmul_row_chunks_fit_vmem(x_shape, widths, want):
-    """As the reduce-scatter: the fewest near-equal row chunks whose buffers fit VMEM."""
-    assert agk.unsupported_reason(x_shape, widths, BF16, 4) is None
-    n = agk.chunks(x_shape, widths, BF16, 4)
-    pieces = agk._plan(x_shape, widths, BF16, 4)[4]
-    assert agk.vmem_plan(x_shape, widths, BF16, 4).limit <= 128 * 2**20
-    assert sum(sz for _, sz in pieces) == x_shape[-2] and all(sz % 32 == 0 for _, sz in pieces)
-    assert [off for off, _ in pieces] == [sum(sz for _, sz in pieces[:i]) for i in range(n)]
-    assert n == want, n
-    assert all(agk._plan(x_shape, widths, BF16, 4, chunks=c)[0] is not None for c in range(1, n))
-
-
-# Which all-gather kernel the dispatch runs (difflet_tpu.collective_matmul.ag_kernel_choice):
-# the streaming kernel at every shape (one chunk a half when the halves fit), or with
-# kernel="resident" the resident kernel (once per row chunk when they do not fit).
-@pytest.mark.parametrize("x_shape,widths,kw,choice,chunks", [
-    ((1184, 5120), [1280, 1280, 1280], {}, "stream", (1, 592)),                    # Wan 480x832x9 q/k/v
-    ((1184, 5120), [1280, 1280, 1280], dict(kernel="resident"), "resident", None),
-    ((8192, 5120), [1280, 1280, 1280], {}, "stream", (4, 1024)),                   # Wan 480x832x81 q/k/v
-    ((8192, 5120), [1280, 1280, 1280], dict(biases=[(1, BF16)] * 3, sum_squares=[True, True, False]), "stream",
-     (4, 1024)),
-    ((8192, 5120), [3456], dict(kernel="resident"), "chunks", None),
-])
-def test_all_gather_kernel_choice(x_shape, widths, kw, choice, chunks):
-    from difflet_tpu import collective_matmul as cm
-    from difflet_tpu.kernels import all_gather_matmul_stream as ags
-
-    got, reason = cm.ag_kernel_choice(x_shape, widths, BF16, 4, **kw)
-    assert (got, reason) == (choice, None)
-    if choice == "stream":  # 4096-row halves: 4 chunks of 1024 rows (3 of 1376 would overlap by 32)
-        _, plan = ags.plan(x_shape, widths, BF16, 4, **{k: v for k, v in kw.items() if k != "kernel"})
-        assert (plan.chunks, plan.chunk_rows, plan.overlap_rows, plan.window) == chunks + (0, 3)
-        assert plan.vmem.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
-    with pytest.raises(ValueError, match="not one of"):
-        cm.ag_kernel_choice(x_shape, widths, BF16, 4, kernel="chunks")
+def test_all_gather_matmul_chunks(x_shape, widths, kw, chunks):
+    # 4096-row halves: 4 chunks of 1024 rows (3 of 1376 would overlap by 32)
+    reason, plan = agk.plan(x_shape, widths, BF16, 4, **kw)
+    assert reason is None
+    assert (plan.chunks, plan.chunk_rows, plan.overlap_rows, plan.window) == chunks + (0, 3)
+    assert plan.vmem.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
 
 
 def test_stream_blocks_are_validated():
-    from difflet_tpu.kernels import all_gather_matmul_stream as ags
-
     for bad in (dict(window=1), dict(chunk_rows=0), dict(col_tile_limit=64), dict(window=2.0),
                 dict(depth_tile_limit=64), dict(weights_in_vmem="yes")):
         with pytest.raises(ValueError):
             _common.StreamBlocks(**bad)
-    reason = ags.unsupported_reason((8192, 5120), [1280], BF16, 4, blocks=_common.StreamBlocks(chunk_rows=1000))
+    reason = agk.unsupported_reason((8192, 5120), [1280], BF16, 4, blocks=_common.StreamBlocks(chunk_rows=1000))
     assert "multiple of 16" in reason
-    reason = ags.unsupported_reason((8192, 5120), [1280], BF16, 4, blocks=_common.StreamBlocks(chunk_rows=4096))
+    reason = agk.unsupported_reason((8192, 5120), [1280], BF16, 4, blocks=_common.StreamBlocks(chunk_rows=4096))
     assert "VMEM budget exceeded" in reason
     # a chunk size asked for is kept; the last chunk shifted back to end at the half
-    _, plan = ags.plan((8192, 5120), [1280], BF16, 4, blocks=_common.StreamBlocks(chunk_rows=1024, window=2))
+    _, plan = agk.plan((8192, 5120), [1280], BF16, 4, blocks=_common.StreamBlocks(chunk_rows=1024, window=2))
     assert (plan.chunks, plan.window, [plan.chunk_offset(c) for c in range(4)]) == (4, 2, [0, 1024, 2048, 3072])
 
 
@@ -174,44 +119,33 @@ def test_stream_blocks_are_validated():
     ((1184, 5120), [1280] * 3, dict(weights_in_vmem=True), True),
 ])
 def test_streaming_all_gather_holds_the_weights_in_vmem_when_rows_are_few(x_shape, widths, blocks, held):
-    from difflet_tpu.kernels import all_gather_matmul_stream as ags
-
-    reason, plan = ags.plan(x_shape, widths, BF16, 4, blocks=_common.StreamBlocks(**blocks))
+    reason, plan = agk.plan(x_shape, widths, BF16, 4, blocks=_common.StreamBlocks(**blocks))
     assert reason is None and plan.weights_in_vmem == held
     wbuf = {name: shape for name, shape, *_ in plan.vmem.buffers}["wbuf"]
     assert wbuf[0] == (sum(widths) // plan.col_tile if held else 2)
 
 
-# Which reduce-scatter kernel the dispatch runs (collective_matmul.rs_kernel_choice): the
-# streaming kernel (kernels/matmul_reduce_scatter_stream.py) at every shape, or with
-# kernel="resident" the resident kernel (once per row chunk when its accumulators do not fit).
-@pytest.mark.parametrize("x_shapes,w_shapes,kw,choice,plan_want", [
-    ([(4736, 1280)], [(1280, 5120)], {}, "stream", (1, 592)),                 # Wan 480x832x9 attention out
-    ([(4736, 1280)], [(1280, 5120)], dict(kernel="resident"), "resident", None),
-    ([(32768, 1280)], [(1280, 5120)], {}, "stream", (4, 1024)),               # Wan 480x832x81 attention out
-    ([(75776, 3456)], [(3456, 5120)], {}, "stream", (8, 1184)),               # Wan 720x1280x81 FFN down
-    ([(32768, 1280)], [(1280, 5120)], dict(kernel="resident"), "chunks", None),
+# The chunks a half the reduce-scatter plan takes (as the all-gather's): chunks that tile
+# the half exactly, within the chip's VMEM.
+@pytest.mark.parametrize("x_shapes,w_shapes,plan_want", [
+    ([(4736, 1280)], [(1280, 5120)], (1, 592)),                 # Wan 480x832x9 attention out
+    ([(32768, 1280)], [(1280, 5120)], (4, 1024)),               # Wan 480x832x81 attention out
+    ([(75776, 3456)], [(3456, 5120)], (8, 1184)),               # Wan 720x1280x81 FFN down
 ])
-def test_reduce_scatter_kernel_choice(x_shapes, w_shapes, kw, choice, plan_want):
-    from difflet_tpu import collective_matmul as cm
-    from difflet_tpu.kernels import matmul_reduce_scatter_stream as rss
-
-    assert cm.rs_kernel_choice(x_shapes, w_shapes, BF16, 4, **kw) == (choice, None)
-    if plan_want:  # chunks that tile the half exactly, within the chip's VMEM
-        _, plan = rss.plan(x_shapes, w_shapes, BF16, 4)
-        assert (plan.chunks, plan.chunk_rows, plan.overlap_rows, plan.window) == plan_want + (0, 3)
-        assert plan.vmem.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
+def test_matmul_reduce_scatter_chunks(x_shapes, w_shapes, plan_want):
+    reason, plan = rsk.plan(x_shapes, w_shapes, BF16, 4)
+    assert reason is None
+    assert (plan.chunks, plan.chunk_rows, plan.overlap_rows, plan.window) == plan_want + (0, 3)
+    assert plan.vmem.limit <= _common.DEFAULT_VMEM_CAPACITY_BYTES
 
 
 def test_streaming_reduce_scatter_plan_reasons():
-    from difflet_tpu.kernels import matmul_reduce_scatter_stream as rss
-
     x, w = [(32768, 1280)], [(1280, 5120)]
-    assert "multiple of 16" in rss.unsupported_reason(x, w, BF16, 4, blocks=_common.StreamBlocks(chunk_rows=1000))
-    assert "VMEM budget exceeded" in rss.unsupported_reason(x, w, BF16, 4,
+    assert "multiple of 16" in rsk.unsupported_reason(x, w, BF16, 4, blocks=_common.StreamBlocks(chunk_rows=1000))
+    assert "VMEM budget exceeded" in rsk.unsupported_reason(x, w, BF16, 4,
                                                             blocks=_common.StreamBlocks(chunk_rows=4096))
-    assert "multiple of 128" in rss.unsupported_reason(x, [(1280, 5100)], BF16, 4)
-    assert "one or two" in rss.unsupported_reason(x * 3, w * 3, BF16, 4)
+    assert "multiple of 128" in rsk.unsupported_reason(x, [(1280, 5100)], BF16, 4)
+    assert "one or two" in rsk.unsupported_reason(x * 3, w * 3, BF16, 4)
     # a bias [N] adds its row to the plan
-    _, plan = rss.plan(x, w, BF16, 4, bias=(1, BF16))
+    _, plan = rsk.plan(x, w, BF16, 4, bias=(1, BF16))
     assert ("bbuf", (1, 5120), "bfloat16", 10240) in plan.vmem.buffers

@@ -99,8 +99,8 @@ def test_pallas_kernels_fall_back_at_fixture_sizes(caplog):
     """Config(sp_kernel="pallas", sp_rs_kernel="pallas"): the kernels' unsupported_reason
     rejects the tiny model (K = 64 is not a multiple of 128), so the JAX rings run, with
     one notice per shape; the streams are padded to whole (8, 128) tiles (64 rows)."""
-    from difflet_tpu.kernels import all_gather_matmul as ag_kernel
-    from difflet_tpu.kernels import matmul_reduce_scatter as rs_kernel
+    from difflet_tpu.kernels import all_gather_matmul_stream as ag_kernel
+    from difflet_tpu.kernels import matmul_reduce_scatter_stream as rs_kernel
 
     assert ag_kernel.unsupported_reason((1, 16, 64), [16, 16, 16], jnp.float32, 4) is not None
     assert rs_kernel.unsupported_reason([(1, 64, 16)], [(16, 64)], jnp.float32, 4) is not None
@@ -143,7 +143,7 @@ def test_sp_pallas_kernels_run_in_the_model(caplog, monkeypatch):
             return fn(*a, **k)
         return wrapped
 
-    # the dispatch's default kernels (collective_matmul.AG_KERNEL / RS_KERNEL: the streaming ones)
+    # the dispatch's kernels
     monkeypatch.setattr(ag_kernel, "all_gather_matmul_stream", counted("ag", ag_kernel.all_gather_matmul_stream))
     monkeypatch.setattr(rs_kernel, "matmul_reduce_scatter_stream", counted("rs", rs_kernel.matmul_reduce_scatter_stream))
     cm._NOTICED.clear()
