@@ -222,8 +222,9 @@ class StreamBlocks:
       credits let a sender write only into a slot its neighbour has freed).
     col_tile_limit / row_tile_limit: the largest column tile (a multiple of
       128) and matmul row piece.
-    depth_tile_limit: the largest depth chunk (all-gather kernel: K goes in
-      chunks summed in float32, `depth_tile`).
+    depth_tile_limit: the largest depth chunk: both kernels take the contraction
+      depth (the all-gather's K, each reduce-scatter pair's k_i) in chunks summed
+      in float32 (`depth_tile`), so the dots Mosaic unrolls stay small.
     weights_in_vmem: all-gather kernel: hold every weight's column shard in
       VMEM, read from HBM once a call instead of once a step; None (default):
       when a step has fewer than `FEW_ROWS` rows and they fit.

@@ -184,9 +184,10 @@ def plan(x_shapes, w_shapes, dtype, axis_size, *, blocks: _common.StreamBlocks |
             bufs.append(_common.buffer("prod", (2 * B * hc, tn), jnp.float32))
             if bias is not None:
                 bufs.append(_common.buffer("bbuf", (bias[0], N), bias[1]))
+            tks = [_common.depth_tile(k, blocks.depth_tile_limit) for k in ks]
             bufs += [
                 # values Mosaic materialises per dot: x row pieces, weight tiles, f32 products and sum
-                _common.buffer("dot operands", (sum(tm * k + k * tn for k in ks),), dtype),
+                _common.buffer("dot operands", (sum(tm * tk + tk * tn for tk in tks),), dtype),
                 _common.buffer("f32 acc", (2, tm, tn), jnp.float32),
             ]
             yield _common.VmemPlan(tuple(bufs)), (tn, tiles)
@@ -220,7 +221,7 @@ def unsupported_reason(x_shapes, w_shapes, dtype, axis_size, *, blocks=None, bia
 # Kernel
 # --------------------------------------------------------------------------
 
-def _kernel(tables, layer, *refs, axis_name, P, B, h, hc, C, W, npairs, nt, tn, tiles, unit, bias_stacked,
+def _kernel(tables, layer, *refs, axis_name, P, B, h, hc, C, W, npairs, nt, tn, tks, tiles, unit, bias_stacked,
             skip_credit_at):
     refs = list(refs)
     take = lambda n: [refs.pop(0) for _ in range(n)]
@@ -321,13 +322,25 @@ def _kernel(tables, layer, *refs, axis_name, P, B, h, hc, C, W, npairs, nt, tn, 
 
             # This rank's products first, both directions' rows and every batch as one M
             # operand (they need only local rows, so they overlap the upstream tile's
-            # arrival), summed over the pairs in f32 and kept in f32 until the hop's sum.
-            for r0, tm in tiles:
-                y = None
-                for i in range(npairs):
-                    p = jnp.dot(xbuf[i][xpar, pl.ds(r0, tm), :], wbuf[i][par], preferred_element_type=jnp.float32)
-                    y = p if y is None else y + p
-                prod[pl.ds(r0, tm), :] = y
+            # arrival), summed over the pairs and the depth chunks in f32 in prod, kept
+            # in f32 until the hop's sum. A pair's depth k_i goes in chunks of tk_i
+            # (a fori_loop: one chunk's dots are the code, not every (tm, k_i) dot).
+            for i in range(npairs):
+                def depth_chunk(kk, carry, i=i):
+                    k0 = pl.multiple_of(kk * tks[i], tks[i])
+                    w = wbuf[i][par, pl.ds(k0, tks[i]), :]
+                    for r0, tm in tiles:
+                        p = jnp.dot(xbuf[i][xpar, pl.ds(r0, tm), pl.ds(k0, tks[i])], w,
+                                    preferred_element_type=jnp.float32)
+                        first = (kk == 0) if i == 0 else False  # the first product a column tile writes
+                        prod[pl.ds(r0, tm), :] = jnp.where(first, p, prod[pl.ds(r0, tm), :] + p)
+                    return carry
+
+                n_chunks = xbuf[i].shape[-1] // tks[i]
+                if n_chunks == 1:
+                    depth_chunk(0, 0)
+                else:
+                    lax.fori_loop(0, n_chunks, depth_chunk, 0)
 
             bias = None
             if has_bias:  # this column tile of the bias row, float32 [1, tn], at the last hop only
@@ -430,6 +443,7 @@ def matmul_reduce_scatter_stream(pairs, *, layer=None, bias=None, axis_name="tp"
         else:
             raise ValueError(f"matmul_reduce_scatter_stream kernel: bias {bias.shape} for width {N}")
     P = lax.axis_size(axis_name)
+    blocks = blocks or _common.StreamBlocks()
     reason, sp = plan([x.shape for x in xs], [w.shape[1:] for w in ws], dtype, P, blocks=blocks,
                       bias=None if bias is None else (bias.size // N, bias.dtype))
     if reason:
@@ -450,7 +464,8 @@ def matmul_reduce_scatter_stream(pairs, *, layer=None, bias=None, axis_name="tp"
     rows = 2 * C * hc  # rows a rank reduces per hop (the overlap included)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, hc=hc, C=C, W=W, npairs=npairs,
-                               nt=nt, tn=tn, tiles=sp.row_tiles, unit=_common.sublane_rows(dtype),
+                               nt=nt, tn=tn, tks=tuple(_common.depth_tile(k, blocks.depth_tile_limit) for k in ks),
+                               tiles=sp.row_tiles, unit=_common.sublane_rows(dtype),
                                bias_stacked=bias_stacked, skip_credit_at=_skip_credit_at)
     cost = pl.CostEstimate(
         flops=2 * B * P * rows * sum(ks) * N + B * P * rows * N * npairs,

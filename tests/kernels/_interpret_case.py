@@ -290,7 +290,8 @@ def rs_stream_kernel(spec, ring, dt):
     from difflet_tpu.kernels import matmul_reduce_scatter_stream as rss
 
     blocks = _common.StreamBlocks(chunk_rows=spec.get("chunk_rows"), window=spec.get("window", 3),
-                                  col_tile_limit=spec.get("col_tile", 512), row_tile_limit=spec.get("row_tile", 512))
+                                  col_tile_limit=spec.get("col_tile", 512), row_tile_limit=spec.get("row_tile", 512),
+                                  depth_tile_limit=spec.get("depth_tile", 1024))
     lead, S, N = tuple(spec.get("batch", [])), spec["S"], spec["N"]
     reason, plan = rss.plan([lead + (S, k) for k in spec["widths"]], [(k, N) for k in spec["widths"]], dt, ring,
                             blocks=blocks, bias=(1, dt) if spec.get("bias") else None)

@@ -323,6 +323,11 @@ RS_STREAM_CASES = [
     ("ring4-2chunks-b2-2pairs-bias-tiles-straddle", dict(kind="rs", ring=4, dtype="float32", batch=[2], S=256,
                                                          N=256, widths=[128, 256], bias=True, chunk_rows=16,
                                                          col_tile=128, row_tile=24), 0.0, 2),
+    # each pair's depth in chunks of 128 summed in f32 (k_i = 256 and 384: 2 and 3 chunks), with the
+    # one-M-operand row tiles straddling the segments
+    ("ring4-2chunks-b2-2pairs-depth-chunks", dict(kind="rs", ring=4, dtype="float32", batch=[2], S=256, N=256,
+                                                  widths=[256, 384], bias=True, chunk_rows=16, col_tile=128,
+                                                  row_tile=24, depth_tile=128), 0.0, 2),
 ]
 
 
