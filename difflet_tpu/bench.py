@@ -771,7 +771,8 @@ def run_bench(args):
             dir=cache_dir, entries_before=cache_before, entries_after=runtime.cache_entries(cache_dir))
         write_json(args.json, dict(kind="bench", platform="cpu" if args.cpu else "tpu", processes=me.count,
                                    devices=jax.device_count(), libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS"),
-                                   compile_cache=cache, results=results))
+                                   compile_cache=cache, kernel_tiles=Config.from_env().kernel_tiles,
+                                   results=results))
     return 1 if failed else 0
 
 
@@ -900,8 +901,10 @@ def run_compile_only(args):
             r["ratio_vs_tp"] = round(r["estimate_ms"] / tp["estimate_ms"], 3)
     print_compile_table(results, args.topology, chip, calibration)
     if args.json:
+        from difflet_tpu.config import Config
+
         write_json(args.json, dict(kind="compile-only", topology=args.topology, chip=chip.to_dict(),
-                                   calibration=calibration.__dict__,
+                                   calibration=calibration.__dict__, kernel_tiles=Config.from_env().kernel_tiles,
                                    note="estimates from the compiled schedule, not measurements", results=results))
     return 1 if failed else 0
 

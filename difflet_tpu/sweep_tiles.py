@@ -268,6 +268,9 @@ def main(argv=None):
     from difflet_tpu import pipeline as PL
     from difflet_tpu.mesh import make_mesh
 
+    if jax.process_count() > 1:  # the sweep's inputs are device_put from this process
+        ap.error("the sweep runs in one process (a single-host slice, e.g. a v5e-4); "
+                 f"this run has {jax.process_count()}")
     spec, preset = PL.resolve_model(args.model)
     cfg = bench.build_config(spec, preset)
     shape = bench.shape_for(spec, preset, args)

@@ -44,6 +44,7 @@ def test_toy_every_mode_json_and_parity(tmp_path, capsys):
     rc, data = _run(tmp_path, "--model", "toy:tiny", "--mode", "all", "--steps", "2")
     assert rc == 0
     _check_rows(data, ["tp", "sp", "sp-xla"])
+    assert data["kernel_tiles"] is None  # no column-tile table steered the kernels
     out = capsys.readouterr()
     assert "SP/TP" in out.out and "toy:tiny" in out.out
     assert "2/2" in out.err  # the progress bar

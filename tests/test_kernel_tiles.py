@@ -127,3 +127,16 @@ def test_the_sweep_times_every_candidate_and_keeps_the_fastest(tmp_path):
     KT.save(path, jax.devices()[0].device_kind, rows)
     t = KT.load(path)
     assert (t.col_tile(AG), t.col_tile(RS)) == (rows[0]["col_tile"], rows[1]["col_tile"])
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--model", "flux", "--out", "/nonexistent-dir/t.json"], "not a writable directory"),
+    (["--model", "flux", "--out", "t.json", "--compile-only"], "go together"),
+    (["--model", "flux", "--out", "t.json", "--repeats", "0"], "--repeats"),
+])
+def test_sweep_refuses_bad_flags_before_any_work(argv, words, capsys):
+    from difflet_tpu import sweep_tiles as SW
+
+    with pytest.raises(SystemExit) as e:
+        SW.main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
