@@ -202,11 +202,25 @@ def time_call(fn, args, repeats):
     return statistics.median(times)
 
 
-def compile_report(fn, shapes):
+def traced_at(fn, shapes, site, tn):
+    """`fn` traced for `shapes`, checked to call the kernel at `site` with column tile tn
+    (a site key that drifted from the dispatch's would time the default tile instead)."""
+    from difflet_tpu import kernel_tiles
+
+    with kernel_tiles.recording() as seen:
+        traced = fn.trace(*shapes)
+    used = [blocks for s, blocks in seen if s == site]
+    if not used or used[0] is None or used[0].col_tile_limit != tn:
+        raise RuntimeError(f"the dispatch did not run {site.kind} x {site.x_shapes} w {site.w_shapes} at column "
+                           f"tile {tn}: it recorded {seen}")
+    return traced
+
+
+def compile_report(traced):
     from difflet_tpu.kernels import _common
 
     t = time.perf_counter()
-    compiled = fn.trace(*shapes).lower().compile()
+    compiled = traced.lower().compile()
     kernels = [k for k in _common.kernel_vmem_from_hlo(compiled.as_text())
                if k["name"].startswith(("all_gather_matmul", "matmul_reduce_scatter"))]
     return dict(compile_s=round(time.perf_counter() - t, 2),
@@ -225,10 +239,11 @@ def sweep(sites, mesh, *, repeats, max_col_tile, compile_only, interpret, log=pr
                    default_col_tile=default[0][0] if default else None, candidates=[])
         for tn, plan in cands:
             fn, shapes = site_call(site, tn, mesh, interpret)
+            traced = traced_at(fn, shapes, site, tn)
             c = dict(col_tile=tn, chunks=plan.chunks, chunk_rows=plan.chunk_rows,
                      weights_in_vmem=plan.weights_in_vmem, vmem_limit=plan.vmem.limit)
             if compile_only:
-                c.update(compile_report(fn, shapes))
+                c.update(compile_report(traced))
             else:
                 c["seconds"] = time_call(fn, random_args(shapes), repeats)
             row["candidates"].append(c)

@@ -125,6 +125,11 @@ def test_the_sweep_times_every_candidate_and_keeps_the_fastest(tmp_path):
         assert r["default_col_tile"] == 256
     path = str(tmp_path / "tiles.json")
     KT.save(path, jax.devices()[0].device_kind, rows)
+    # a site the dispatch does not see as the table's (a drifted key) is an error, not the default timed
+    drifted = dataclasses.replace(RS, dtype="bfloat16")
+    fn, shapes = SW.site_call(RS, 128, mesh, True)
+    with pytest.raises(RuntimeError, match="did not run"):
+        SW.traced_at(fn, shapes, drifted, 128)
     t = KT.load(path)
     assert (t.col_tile(AG), t.col_tile(RS)) == (rows[0]["col_tile"], rows[1]["col_tile"])
 
