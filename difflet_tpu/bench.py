@@ -289,6 +289,13 @@ def shape_for(spec, preset, args):
     return base
 
 
+def guidance_for(spec, args) -> tuple[float, bool]:
+    """(the guidance scale: `--guidance`, else the pipeline's; whether the step runs
+    classifier-free guidance as one batch-2 call: a CFG pipeline at a scale other than 1)."""
+    guidance = spec.pipeline.guidance if args.guidance is None else args.guidance
+    return guidance, spec.pipeline.guidance_mode == "cfg" and guidance != 1.0
+
+
 def mesh_axes_for(spec, cfg, n: int, rows: int, requested: dict | None, guided: bool = False) -> dict:
     """The mesh {"cfg", "data", "tp"} for a model on `n` devices and `rows` batch rows.
 
@@ -398,8 +405,7 @@ def model_mesh(spec, preset, args, n_devices: int):
                 cfg = spec.config_from_diffusers(wcfg, split_rope=Config.from_env().split_rope)
     except ValueError as e:  # WeightsError included
         raise BenchError(str(e)) from None
-    guidance = spec.pipeline.guidance if args.guidance is None else args.guidance
-    guided = spec.pipeline.guidance_mode == "cfg" and guidance != 1.0
+    _, guided = guidance_for(spec, args)
     axes = mesh_axes_for(spec, cfg, n_devices, args.batch * (2 if guided else 1), args.mesh_axes, guided)
     return make_mesh(**axes)
 
@@ -455,8 +461,7 @@ def prepare(spec, preset, args, mesh, dtype) -> dict:
                     f"machine's {mem / 2**30:.1f} GiB. It needs a TPU; here, plan it with --compile-only --topology "
                     f"v5e:2x2 --model {name}, or run a tiny preset (--model {fam}:tiny)")
         shape = shape_for(spec, preset, args)
-        guidance = pipe.guidance if args.guidance is None else args.guidance
-        cfg_batch = pipe.guidance_mode == "cfg" and guidance != 1.0
+        guidance, cfg_batch = guidance_for(spec, args)
         steps = args.steps or (4 if args.cpu else pipe.steps)
         np_dtype = np.float32 if dtype == jnp.float32 else jnp.bfloat16
         inputs = spec.example_inputs(cfg, **shape, batch=args.batch, seed=args.seed, dtype=np_dtype)
@@ -781,15 +786,29 @@ def run_bench(args):
 # --------------------------------------------------------------------------
 
 
-def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args, batch):
+def abstract_trace(spec, cfg, inputs, mesh, config, mode, dtype):
+    """(Runner, traced step) of the model with abstract weights (no memory) on `mesh`
+    for `inputs` (arrays stand in as ShapeDtypeStructs): a deviceless compile's input,
+    and the tile sweep's walk over the kernel sites."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
-    from difflet_tpu import deviceless, estimate as E, runtime
-    from difflet_tpu.config import Config
+    from difflet_tpu import runtime
     from difflet_tpu.runner import Runner
+
+    model = runtime.abstract_model(lambda: spec.build(cfg, dtype=dtype, rngs=nnx.Rngs(0)), mesh, spec.plan)
+    runner = Runner(model, mesh, config, mode=mode)
+    abstract = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) if isinstance(v, np.ndarray) else v
+                for k, v in inputs.items()}
+    return runner, runner.trace(**abstract)
+
+
+def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args, batch):
+    import jax.numpy as jnp
+
+    from difflet_tpu import deviceless, estimate as E
+    from difflet_tpu.config import Config
 
     fam = spec.name
     from difflet_tpu.mesh import _coords, format_mesh, mesh_shape, ring_hops, tp_groups
@@ -801,12 +820,8 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
     inputs = spec.example_inputs(cfg, **shape, batch=batch, seed=0, dtype=jnp.bfloat16)
     analytic = float(spec.flops(cfg, inputs))
     t0 = time.perf_counter()
-    model = runtime.abstract_model(lambda: spec.build(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), mesh, spec.plan)
-    runner = Runner(model, mesh, config, mode=pmode)
-    abstract = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in inputs.items()
-                if isinstance(v, np.ndarray)}
-    abstract.update({k: v for k, v in inputs.items() if not isinstance(v, np.ndarray)})
-    lowered = runner.trace(**abstract).lower()
+    runner, traced = abstract_trace(spec, cfg, inputs, mesh, config, pmode, jnp.bfloat16)
+    lowered = traced.lower()
     compiled = lowered.compile(compiler_options=dict(XLA_CM_FLAGS) if pmode == "sp-xla" else None)
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
@@ -871,9 +886,7 @@ def run_compile_only(args):
     for spec, preset in models:
         cfg = build_config(spec, preset)
         shape = shape_for(spec, preset, args)
-        pipe = spec.pipeline
-        guidance = pipe.guidance if args.guidance is None else args.guidance
-        guided = pipe.guidance_mode == "cfg" and guidance != 1.0
+        _, guided = guidance_for(spec, args)
         batch = args.batch * (2 if guided else 1)
         try:
             axes = mesh_axes_for(spec, cfg, len(devices), batch, args.mesh_axes, guided)

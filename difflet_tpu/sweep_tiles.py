@@ -68,25 +68,16 @@ def model_sites(spec, preset, shape, batch, mesh, dtype):
     how often each was called while tracing (a block scan traces its body once)."""
     import dataclasses
 
-    import jax
-    import numpy as np
-    from flax import nnx
-
-    from difflet_tpu import bench, kernel_tiles, runtime
+    from difflet_tpu import bench, kernel_tiles
     from difflet_tpu.config import Config
-    from difflet_tpu.runner import Runner
 
     cfg = bench.build_config(spec, preset)
     config = Config.from_env(sp=True, compile_cache=None, kernel_tiles=None)
     if mesh.devices.flat[0].platform != "tpu":  # off TPU the defaults are the JAX rings
         config = dataclasses.replace(config, sp_kernel="pallas", sp_rs_kernel="pallas")
     inputs = spec.example_inputs(cfg, **shape, batch=batch, seed=0, dtype=dtype)
-    model = runtime.abstract_model(lambda: spec.build(cfg, dtype=dtype, rngs=nnx.Rngs(0)), mesh, spec.plan)
-    runner = Runner(model, mesh, config, mode="sp")
-    abstract = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) if isinstance(v, np.ndarray) else v
-                for k, v in inputs.items()}
     with kernel_tiles.recording() as seen:
-        runner.trace(**abstract)
+        bench.abstract_trace(spec, cfg, inputs, mesh, config, "sp", dtype)
     counts: dict = {}
     for site, _ in seen:
         counts[site] = counts.get(site, 0) + 1
@@ -289,9 +280,7 @@ def main(argv=None):
     spec, preset = PL.resolve_model(args.model)
     cfg = bench.build_config(spec, preset)
     shape = bench.shape_for(spec, preset, args)
-    pipe = spec.pipeline
-    guidance = pipe.guidance if args.guidance is None else args.guidance
-    guided = pipe.guidance_mode == "cfg" and guidance != 1.0
+    _, guided = bench.guidance_for(spec, args)
     batch = args.batch * (2 if guided else 1)
     mesh = make_mesh(devices=devices, **bench.mesh_axes_for(spec, cfg, len(devices), batch, None, guided))
     dtype = jnp.dtype(args.dtype)

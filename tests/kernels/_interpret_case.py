@@ -263,17 +263,24 @@ AG_KERNEL = None  # the all-gather kernel with the spec's blocks (a partial)
 RS_KERNEL = None  # the reduce-scatter kernel with the spec's blocks (a partial)
 
 
+def spec_blocks(spec):
+    """The kernels' `StreamBlocks` from the spec's keys (weights_in_vmem: the all-gather's
+    only; default False, so these small cases stream their weights)."""
+    from difflet_tpu.kernels import _common
+
+    return _common.StreamBlocks(chunk_rows=spec.get("chunk_rows"), window=spec.get("window", 3),
+                                col_tile_limit=spec.get("col_tile", 512), row_tile_limit=spec.get("row_tile", 512),
+                                depth_tile_limit=spec.get("depth_tile", 1024),
+                                weights_in_vmem=spec.get("weights_in_vmem", False))
+
+
 def stream_kernel(spec, ring, dt):
     """(the all-gather kernel with the spec's blocks, the plan's chunks a half)."""
     import functools
 
-    from difflet_tpu.kernels import _common
     from difflet_tpu.kernels import all_gather_matmul_stream as ags
 
-    blocks = _common.StreamBlocks(chunk_rows=spec.get("chunk_rows"), window=spec.get("window", 3),
-                                  col_tile_limit=spec.get("col_tile", 512), row_tile_limit=spec.get("row_tile", 512),
-                                  depth_tile_limit=spec.get("depth_tile", 1024),
-                                  weights_in_vmem=spec.get("weights_in_vmem", False))
+    blocks = spec_blocks(spec)
     S, K = spec["S"], spec["K"]
     reason, plan = ags.plan(tuple(spec.get("batch", [])) + (S // ring, K), spec["widths"], dt, ring, blocks=blocks)
     assert reason is None, reason
@@ -286,12 +293,9 @@ def rs_stream_kernel(spec, ring, dt):
     """(the reduce-scatter kernel with the spec's blocks, the plan's chunks a half)."""
     import functools
 
-    from difflet_tpu.kernels import _common
     from difflet_tpu.kernels import matmul_reduce_scatter_stream as rss
 
-    blocks = _common.StreamBlocks(chunk_rows=spec.get("chunk_rows"), window=spec.get("window", 3),
-                                  col_tile_limit=spec.get("col_tile", 512), row_tile_limit=spec.get("row_tile", 512),
-                                  depth_tile_limit=spec.get("depth_tile", 1024))
+    blocks = spec_blocks(spec)
     lead, S, N = tuple(spec.get("batch", [])), spec["S"], spec["N"]
     reason, plan = rss.plan([lead + (S, k) for k in spec["widths"]], [(k, N) for k in spec["widths"]], dt, ring,
                             blocks=blocks, bias=(1, dt) if spec.get("bias") else None)
