@@ -83,7 +83,7 @@ def build(variant: str, tp: int, sumsq_given: bool):
             q = rms_norm_across_heads(par, q, wq, eps, dim, sum_sq=ssq)
             k = rms_norm_across_heads(par, k, wk, eps, dim, sum_sq=ssk)
             q, k = split_heads(q, D), split_heads(k, D)
-        else:  # JointAttention.self_attend
+        else:  # per head (FLUX, HunyuanVideo), unfused
             q = rms_norm(split_heads(q, D), wq, eps)
             k = rms_norm(split_heads(k, D), wk, eps)
         v = split_heads(v, D)

@@ -152,33 +152,42 @@ def splash_blocks(sq: int, skv: int) -> SplashBlocks:
     return blocks.validate()
 
 
-def attention(q, k, v, kv_mask=None, *, impl="xla", interpret=False):
+def attention(q, k, v, kv_mask=None, *, impl="xla", interpret=False, head_major=False, q_scaled=False):
     """softmax(q k^T / sqrt(D)) v over keys where `kv_mask` is True.
 
     Args:
-      q: `[B, Sq, H, D]`; k, v: `[B, Skv, H, D]`.
+      q: `[B, Sq, H, D]`; k, v: `[B, Skv, H, D]` (`head_major`: `[B, H, S, D]`,
+        the layout splash takes, as `layers.attention.HeadsOut` writes them).
       kv_mask: optional bool `[B, Skv]` or `[Skv]`: True for keys to attend to.
         Every query row must have at least one valid key.
       impl: "xla" (any platform) or "splash" (Pallas TPU kernel).
       interpret: run the splash kernel in interpret mode (tests off TPU).
+      q_scaled: q is already multiplied by 1/sqrt(D) (rounded to its dtype).
+
+    Returns `[B, Sq, H, D]`.
     """
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
+    if head_major and q.ndim == 4:
+        if impl == "splash" and k.shape == v.shape and k.shape[:2] == q.shape[:2] and k.shape[3] == q.shape[3]:
+            return _splash(q, k, v, kv_mask, interpret, head_major=True, q_scaled=q_scaled)
+        q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
     if q.ndim != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
-        raise ValueError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} are not [B, S, H, D]")
+        raise ValueError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} are not [B, S, H, D]"
+                         + (" (given head-major)" if head_major else ""))
     B, Skv = k.shape[0], k.shape[1]
     if kv_mask is not None:
         kv_mask = jnp.broadcast_to(jnp.asarray(kv_mask, bool), (B, Skv))
     if impl == "splash":
-        return _splash(q, k, v, kv_mask, interpret)
+        return _splash(q, k, v, kv_mask, interpret, q_scaled=q_scaled)
     mask = None if kv_mask is None else kv_mask[:, None, None, :]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0 if q_scaled else None, implementation="xla")
 
 
-def reference_attention(q, k, v, kv_mask=None, bias=None):
+def reference_attention(q, k, v, kv_mask=None, bias=None, scale=None):
     """Plain einsum softmax attention in the input precision (tests, float64 runs);
-    `bias`: an additive key bias `(B, 1, Skv)`."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    `bias`: an additive key bias `(B, 1, Skv)`; `scale` of the logits (default 1/sqrt(D))."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if bias is not None:
         s = s + bias[:, None]
@@ -199,11 +208,17 @@ def _splash_kernel(heads, blocks: SplashBlocks, interpret):
                               interpret=interpret)
 
 
-def _splash(q, k, v, kv_mask, interpret, blocks: SplashBlocks | None = None, check: bool = True):
+def _splash(q, k, v, kv_mask, interpret, blocks: SplashBlocks | None = None, check: bool = True,
+            head_major=False, q_scaled=False):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
-    B, Sq, H, D = q.shape
-    Skv = k.shape[1]
+    if head_major:
+        B, H, Sq, D = q.shape
+        Skv = k.shape[2]
+    else:
+        B, Sq, H, D = q.shape
+        Skv = k.shape[1]
+    s_ax = 2 if head_major else 1
     if blocks is None:
         blocks = splash_blocks(Sq, Skv)
     elif blocks.sq < Sq or blocks.skv < Skv:
@@ -211,15 +226,16 @@ def _splash(q, k, v, kv_mask, interpret, blocks: SplashBlocks | None = None, che
     if check:  # benchmark/attention_blocks.py compiles candidates outside the envelopes too
         blocks.validate()
     sq, skv = blocks.sq, blocks.skv
-    if kv_mask is None:
-        kv_mask = jnp.ones((B, Skv), bool)
+    kv_mask = jnp.ones((B, Skv), bool) if kv_mask is None else jnp.broadcast_to(jnp.asarray(kv_mask, bool), (B, Skv))
     kv_seg = jnp.pad(kv_mask.astype(jnp.int32), ((0, 0), (0, skv - Skv)))  # pad keys: segment 0
     q_seg = jnp.ones((B, sq), jnp.int32)
-    # [B, S, H, D] -> [B, H, S, D]; the kernel does not scale q.
-    qh = jnp.pad((q * (1.0 / math.sqrt(D))).astype(q.dtype), ((0, 0), (0, sq - Sq), (0, 0), (0, 0)))
-    kh = jnp.pad(k, ((0, 0), (0, skv - Skv), (0, 0), (0, 0)))
-    vh = jnp.pad(v, ((0, 0), (0, skv - Skv), (0, 0), (0, 0)))
-    qh, kh, vh = (jnp.swapaxes(t, 1, 2) for t in (qh, kh, vh))
+    # the kernel does not scale q; it takes [B, H, S, D] (padded rows only where the blocks need them)
+    if not q_scaled:
+        q = (q * (1.0 / math.sqrt(D))).astype(q.dtype)
+    pad = lambda t, n: t if n == 0 else jnp.pad(t, [(0, n) if a == s_ax else (0, 0) for a in range(4)])
+    qh, kh, vh = pad(q, sq - Sq), pad(k, skv - Skv), pad(v, skv - Skv)
+    if not head_major:
+        qh, kh, vh = (jnp.swapaxes(t, 1, 2) for t in (qh, kh, vh))
     kernel = _splash_kernel(H, blocks, bool(interpret))
     out = _vma_untyped(jax.vmap(lambda a, b, c, qs, ks: kernel(a, b, c, segment_ids=sk.SegmentIds(q=qs, kv=ks))),
                        qh, kh, vh, q_seg, kv_seg)

@@ -61,6 +61,14 @@ which the kernel accumulates from its tiles (no pass over y) and every other
 path computes from y (the ring per chunk, assembled like y); an across-heads
 RMSNorm then needs one psum of it
 (`layers.normalization.rms_norm_across_heads(..., sum_sq=)`).
+
+An `Epilogue` with `heads` (a `layers.attention.HeadsOut`) makes that weight's
+output head-major `[..., H, S, D]` for attention, per-head RMSNorm, RoPE and
+q's scaling done on the way: the kernel does it on its tile and writes each
+head to its rows (`kernels.all_gather_matmul_stream.Heads`) where it can
+(`heads_reason`; else it runs without it, and `heads` follows the kernel);
+every other path calls `heads` on the assembled product (the JAX ring applies
+the rest of the epilogue per chunk, `heads` after assembling the rows).
 """
 
 from __future__ import annotations
@@ -133,6 +141,7 @@ class Epilogue:
     bias: object = None
     activation: str | None = None
     sum_squares: bool = False
+    heads: object = None
 
     def __post_init__(self):
         if self.activation is not None and self.activation not in KERNEL_ACTIVATIONS:
@@ -141,12 +150,20 @@ class Epilogue:
         if self.bias is not None and getattr(self.bias, "ndim", None) != 1:
             raise ValueError(f"Epilogue bias must be [n] (or a LayerWeight of [L, n]), got shape "
                              f"{getattr(self.bias, 'shape', None)}")
+        if self.heads is not None and self.sum_squares:
+            raise ValueError("an Epilogue writes heads or sums squares, not both")
+
+    def rowwise(self) -> "Epilogue":
+        """This epilogue without `heads`: what applies to rows one chunk at a time."""
+        return dataclasses.replace(self, heads=None) if self.heads is not None else self
 
     def __call__(self, y):
         if self.bias is not None:
             y = y + as_array(self.bias)
         if self.activation is not None:
             y = KERNEL_ACTIVATIONS[self.activation](y)
+        if self.heads is not None:
+            return self.heads(y)
         return (y, row_sum_squares(y)) if self.sum_squares else y
 
 
@@ -275,20 +292,50 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
         biases = [_kernel_bias(e.bias, layer) if f else None for e, f in zip(epilogues, fused)]
         acts = [e.activation if f else None for e, f in zip(epilogues, fused)]
         ssq = [e.sum_squares if f else False for e, f in zip(epilogues, fused)]
+        heads, norms, rope = _kernel_heads(kernel, x, epilogues)
         bias_specs = [None if b is None else (b.size // b.shape[-1], b.dtype) for b in biases]
         site = kernel_tiles.Site("ag", [x.shape], [w.shape for w in weights], str(x.dtype), P,
-                                 bias_specs, acts, ssq)
+                                 bias_specs, acts, ssq, heads)
         blocks = tiles.blocks(site) if tiles is not None else None
         reason = kernel.unsupported_reason(x.shape, [w.shape[1] for w in weights], x.dtype, P, blocks=blocks,
-                                           biases=bias_specs, activations=acts, sum_squares=ssq)
+                                           biases=bias_specs, activations=acts, sum_squares=ssq, heads=heads)
         if reason is None:
             kernel_tiles.record(site, blocks)
             ys = kernel.all_gather_matmul_stream(x, stacks, layer=layer, biases=biases, activations=acts,
-                                                 sum_squares=ssq, axis_name=axis_name, blocks=blocks,
-                                                 interpret=interpret)
-            return [y if f or e is None else e(y) for y, e, f in zip(ys, epilogues, fused)]
+                                                 sum_squares=ssq, heads=heads, norms=norms, rope=rope,
+                                                 axis_name=axis_name, blocks=blocks, interpret=interpret)
+            # what the kernel did not do follows it: other callables, and heads it could not write
+            return [y if e is None else (e(y) if not f else e.heads(y) if e.heads is not None and hd is None else y)
+                    for y, e, f, hd in zip(ys, epilogues, fused, heads)]
         _notice_fallback("all_gather_matmul", (x.shape, tuple(w.shape for w in weights), str(x.dtype)), reason)
-    return _ag_ring(x, [as_array(w) for w in weights], epilogues, axis_name, P, assemble)
+    rowwise = [e.rowwise() if isinstance(e, Epilogue) else e for e in epilogues]
+    ys = _ag_ring(x, [as_array(w) for w in weights], rowwise, axis_name, P, assemble)
+    return [e.heads(y) if isinstance(e, Epilogue) and e.heads is not None else y for y, e in zip(ys, epilogues)]
+
+
+def _kernel_heads(kernel, x, epilogues):
+    """Per weight the kernel's `Heads` (None where the epilogue has no `heads` or the kernel
+    cannot write them: `kernel.heads_reason`, half-width tables, or RoPE tables other
+    than the call's first),
+    the norm weights, and the call's RoPE `(cos, sin)` float32 `[S, D]` (or None)."""
+    heads, norms, rope, tables = [], [], None, None
+    for e in epilogues:
+        h = e.heads if isinstance(e, Epilogue) else None
+        ok = h is not None and kernel.heads_reason(h.head_dim, h.rope is None or bool(h.rope[2])) is None
+        if ok and h.rope is not None:
+            cos, sin = h.rope[0], h.rope[1]
+            ok = cos.ndim == 2 and cos.shape[-1] == h.head_dim and sin.shape == cos.shape
+            ok = ok and (tables is None or (tables[0] is cos and tables[1] is sin))
+            if ok and tables is None:
+                tables = (cos, sin)
+        if ok and h.norm is not None and (h.norm.shape != (h.head_dim,) or h.norm.dtype != x.dtype):
+            ok = False
+        heads.append(kernel.Heads(h.head_dim, h.norm is not None, float(h.eps), h.rope is not None, h.scale)
+                     if ok else None)
+        norms.append(h.norm if ok and h.norm is not None else None)
+    if tables is not None:
+        rope = tuple(t.astype(jnp.float32) for t in tables)
+    return heads, norms, rope
 
 
 def _kernel_bias(bias, layer):

@@ -38,8 +38,9 @@ class Site:
 
     kind "ag": x_shapes one [..., s, K], w_shapes [K, n_i] per weight, and per
     weight the bias's (rows, dtype) or None, the activation or None, the
-    sum-of-squares flag. kind "rs": x_shapes [..., S, k_i] and w_shapes [k_i, N]
-    per pair (no epilogue).
+    sum-of-squares flag, and the head-major epilogue (`Heads` fields: head_dim,
+    norm, eps, rope, scale) or None (empty where no weight has one). kind "rs":
+    x_shapes [..., S, k_i] and w_shapes [k_i, N] per pair (no epilogue).
     """
 
     kind: str
@@ -50,6 +51,7 @@ class Site:
     biases: tuple = ()
     activations: tuple = ()
     sum_squares: tuple = ()
+    heads: tuple = ()
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -61,6 +63,8 @@ class Site:
                                                  for b in self.biases))
         object.__setattr__(self, "activations", tuple(self.activations))
         object.__setattr__(self, "sum_squares", tuple(bool(q) for q in self.sum_squares))
+        heads = tuple(None if h is None else tuple(h) for h in self.heads)
+        object.__setattr__(self, "heads", heads if any(h is not None for h in heads) else ())
 
     @property
     def widths(self) -> list[int]:

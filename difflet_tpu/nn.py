@@ -56,7 +56,7 @@ def kernel_activation(activation):
     return next((name for name, fn in KERNEL_ACTIVATIONS.items() if activation is fn), None)
 
 
-def epilogue(linear: Linear, activation=None, sum_squares: bool = False):
+def epilogue(linear: Linear, activation=None, sum_squares: bool = False, heads=None):
     """Row-wise epilogue for a column-parallel product: bias, then activation.
 
     An `Epilogue` (bias and/or GELU tanh, which the Pallas all-gather kernel
@@ -65,9 +65,15 @@ def epilogue(linear: Linear, activation=None, sum_squares: bool = False):
     the kernel). Either computes `activation(y + bias)` the same way when
     called on a product. With `sum_squares` it returns `(y, ssq)`: ssq each
     row's float32 sum of squares of y over its columns (`Epilogue.sum_squares`,
-    accumulated by the all-gather kernel from its tiles).
+    accumulated by the all-gather kernel from its tiles). `heads`: a
+    `layers.attention.HeadsOut` (no activation): the output head-major for
+    attention (`Epilogue.heads`).
     """
     bias = None if linear.bias is None else linear.bias.get_value()  # in scan_blocks a LayerWeight
+    if heads is not None:
+        if activation is not None:
+            raise ValueError("a projection written as attention heads takes no activation")
+        return Epilogue(bias, None, sum_squares, heads)
     if activation is None:
         return Epilogue(bias, None, sum_squares) if bias is not None or sum_squares else None
     name = kernel_activation(activation)
@@ -81,10 +87,13 @@ def epilogue(linear: Linear, activation=None, sum_squares: bool = False):
     return fn
 
 
-def column(par, x, linears, activations=None, sum_squares=None, heads=False, row_major=False):
+def column(par, x, linears, activations=None, sum_squares=None, heads=False, row_major=False, heads_out=None):
     """Column-parallel `linears` sharing input `x` through `par.column`.
 
     `heads`: the outputs are split into attention heads (`Parallel.column`).
+    `heads_out`: optional, per linear a `layers.attention.HeadsOut` or None: that
+    output comes head-major `[..., H, S, D]`, normalised / rotated / scaled for
+    attention (under SP by the all-gather kernel itself).
 
     `sum_squares`: optional, per linear a bool; that linear's output is then
     the pair `(y, ssq)`, ssq `[..., rows, 1]` the float32 sum over this rank's
@@ -104,8 +113,10 @@ def column(par, x, linears, activations=None, sum_squares=None, heads=False, row
     linears = list(linears)
     activations = activations or [None] * len(linears)
     sum_squares = sum_squares or [False] * len(linears)
+    heads_out = heads_out or [None] * len(linears)
     outs = par.column(x, [weight(l) for l in linears],
-                      [epilogue(l, a, q) for l, a, q in zip(linears, activations, sum_squares)], heads=heads)
+                      [epilogue(l, a, q, h) for l, a, q, h in zip(linears, activations, sum_squares, heads_out)],
+                      heads=heads)
     return jax.lax.optimization_barrier(outs) if row_major and not par.seq_sharded else outs
 
 

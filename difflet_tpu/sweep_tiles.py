@@ -23,6 +23,7 @@ and the dispatch keeps its default (docs/kernels.md, "Column tiles").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -84,6 +85,13 @@ def model_sites(spec, preset, shape, batch, mesh, dtype):
     return list(counts.items())
 
 
+def site_heads(site):
+    """The site's per-weight `Heads` of the all-gather kernel (None: none at all)."""
+    from difflet_tpu.kernels import all_gather_matmul_stream as ags
+
+    return [None if h is None else ags.Heads(*h) for h in site.heads] if site.heads else None
+
+
 def candidates(site, max_col_tile):
     """(column tile, StreamPlan) for every tile the streaming kernel's plan takes as asked."""
     from difflet_tpu.kernels import _common, all_gather_matmul_stream as ags, matmul_reduce_scatter_stream as rss
@@ -94,7 +102,7 @@ def candidates(site, max_col_tile):
         if site.kind == "ag":
             reason, plan = ags.plan(site.x_shapes[0], site.widths, site.dtype, site.ring, blocks=blocks,
                                     biases=list(site.biases), activations=list(site.activations),
-                                    sum_squares=list(site.sum_squares))
+                                    sum_squares=list(site.sum_squares), heads=site_heads(site))
         else:
             reason, plan = rss.plan(site.x_shapes, site.w_shapes, site.dtype, site.ring, blocks=blocks)
         if reason is None and plan.col_tile == tn:
@@ -138,14 +146,30 @@ def site_call(site, tn, mesh, interpret):
             else:
                 bias_at.append(None)
         in_specs = tuple(a.sharding.spec for a in args) + (P(),)
-        out_specs = [(P(*lead, None, TP), P(*lead, None, TP)) if q else P(*lead, None, TP)
-                     for q in site.sum_squares]
+        heads = site_heads(site) or [None] * n
+        out_specs = [(P(*lead, None, TP), P(*lead, None, TP)) if q else
+                     P(*lead, None, TP) if h is None else P(*lead, TP, None, None)  # head-major [..., H, S, D]
+                     for q, h in zip(site.sum_squares, heads)]
+        S = R * xs[-2]
+
+        def heads_out(h):  # the head-major epilogue with unit norm weights and flat tables (values
+            # do not change the kernel's time)
+            if h is None:
+                return None
+            from difflet_tpu.layers.attention import HeadsOut
+
+            rope = (jnp.ones((S, h.head_dim), jnp.float32), jnp.zeros((S, h.head_dim), jnp.float32), True)
+            return HeadsOut(h.head_dim, jnp.ones((h.head_dim,), dtype) if h.norm else None, h.eps,
+                            rope if h.rope else None, h.scale is not None)
 
         def body(*a):
             layer = a[-1]
             bias = lambda i: None if i is None else (a[i] if a[i].ndim == 1 else cm.LayerWeight(a[i], layer))
-            epilogues = [cm.Epilogue(bias(i), act, q)
-                         for i, act, q in zip(bias_at, site.activations, site.sum_squares)]
+            hs = [heads_out(h) for h in heads]
+            ropes = [h.rope for h in hs if h is not None and h.rope is not None]
+            hs = [h if h is None or h.rope is None else dataclasses.replace(h, rope=ropes[0]) for h in hs]
+            epilogues = [cm.Epilogue(bias(i), act, q, h)
+                         for i, act, q, h in zip(bias_at, site.activations, site.sum_squares, hs)]
             weights = [cm.LayerWeight(w, layer) for w in a[1:1 + n]]
             return cm.all_gather_matmul(a[0], weights, impl="pallas", epilogues=epilogues,
                                         interpret=interpret, tiles=table)

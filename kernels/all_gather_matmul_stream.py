@@ -173,6 +173,7 @@ ranks (one psum) for a norm across all columns (Wan's / LTX-2's q, k).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -188,13 +189,38 @@ COLLECTIVE_ID = 9  # each kernel its own barrier semaphore id (matmul_reduce_sca
 ACTIVATIONS = {"gelu_tanh": lambda y: jax.nn.gelu(y, approximate=True)}
 
 
+class Heads(NamedTuple):
+    """A weight's head-major epilogue (static): its output written `[B, n / D, S, D]`,
+    each head of D channels (optionally) RMS-normalised with a `[D]` weight, rotated by
+    split-halves RoPE from the call's `[S, D]` float32 tables, and multiplied by
+    `scale` (q's 1/sqrt(D) for splash attention), each rounded to x's dtype in
+    that order, as `layers.attention.HeadsOut` computes them unfused."""
+
+    head_dim: int
+    norm: bool = False
+    eps: float = 1e-6
+    rope: bool = False
+    scale: float | None = None
+
+
+def heads_reason(head_dim: int, split: bool = True) -> str | None:
+    """None if the kernel writes heads of `head_dim` channels (with split-halves RoPE
+    when `split`), else one sentence why not: a head must be whole 128-lane tiles
+    (its DMA to the head-major output and its rotation by one lane roll)."""
+    if head_dim % _common.LANES:
+        return f"head_dim {head_dim} is not a multiple of 128"
+    if not split:
+        return "interleaved RoPE (the kernel rotates split halves)"
+    return None
+
+
 # --------------------------------------------------------------------------
 # Plan
 # --------------------------------------------------------------------------
 
-def _check(x_shape, widths, dtype, axis_size, biases, activations, sum_squares):
+def _check(x_shape, widths, dtype, axis_size, biases, activations, sum_squares, heads=None):
     """The shape / dtype / epilogue rules: one sentence why not, or
-    (B, s, K, unit, dtype, activations, sum_squares, bias VMEM buffers)."""
+    (B, s, K, unit, dtype, activations, sum_squares, bias VMEM buffers, heads)."""
     dtype = jnp.dtype(dtype)
     reason = _common.dtype_reason(dtype)
     if reason:
@@ -216,8 +242,20 @@ def _check(x_shape, widths, dtype, axis_size, biases, activations, sum_squares):
     biases = list(biases) if biases is not None else [None] * len(widths)
     activations = list(activations) if activations is not None else [None] * len(widths)
     sum_squares = [bool(q) for q in sum_squares] if sum_squares is not None else [False] * len(widths)
-    if len(biases) != len(widths) or len(activations) != len(widths) or len(sum_squares) != len(widths):
-        return "one bias, one activation (or None) and one sum_squares flag per weight"
+    heads = list(heads) if heads is not None else [None] * len(widths)
+    if (len(biases) != len(widths) or len(activations) != len(widths) or len(sum_squares) != len(widths)
+            or len(heads) != len(widths)):
+        return "one bias, one activation (or None), one sum_squares flag and one heads (or None) per weight"
+    for n, hd, q in zip(widths, heads, sum_squares):
+        if hd is None:
+            continue
+        reason = heads_reason(hd.head_dim)
+        if reason or int(n) % hd.head_dim:
+            return reason or f"width {n} is not whole heads of {hd.head_dim}"
+        if q:
+            return "a weight written head-major has no sum of squares"
+    if len({hd.head_dim for hd in heads if hd is not None and hd.rope}) > 1:
+        return "the weights rotated by RoPE share one table: one head_dim"
     bad = [a for a in activations if a is not None and a not in ACTIVATIONS]
     if bad:
         return f"activations {bad} are not among {sorted(ACTIVATIONS)}"
@@ -228,16 +266,17 @@ def _check(x_shape, widths, dtype, axis_size, biases, activations, sum_squares):
     pad = lambda rows, bd: -(-int(rows) // _common.sublane_rows(bd)) * _common.sublane_rows(bd)
     bias_bufs = [_common.buffer(f"bias {i}", (pad(*b), n), b[1])
                  for i, (b, n) in enumerate(zip(biases, widths)) if b is not None]
-    return B, s, K, unit, dtype, activations, sum_squares, bias_bufs
+    return B, s, K, unit, dtype, activations, sum_squares, bias_bufs, heads
 
 
-def _vmem_plan(B, hc, K, tn, tiles, dtype, W, activations, sum_squares, bias_bufs, tk, w_tiles=2):
+def _vmem_plan(B, hc, K, tn, tiles, dtype, W, activations, sum_squares, bias_bufs, tk, w_tiles=2, heads=()):
     """The VMEM this kernel allocates (its scratch buffers, flat: one step's 2 B hc rows)
     and what Mosaic materialises per dot, for chunks of hc rows in W slots per direction,
     column tile tn, row tiles `tiles` over the 2 B hc rows, depth chunks of tk, and
     `w_tiles` weight tiles (2: double-buffered; every tile when held in VMEM)."""
     rows = 2 * B * hc
     tm = max(sz for _, sz in tiles)
+    rope_dim = max([hd.head_dim for hd in heads if hd is not None and hd.rope] + [0])
     return _common.VmemPlan((
         _common.buffer("xbuf", (W, rows, K), dtype),
         _common.buffer("wbuf", (w_tiles, K, tn), dtype),
@@ -250,8 +289,13 @@ def _vmem_plan(B, hc, K, tn, tiles, dtype, W, activations, sum_squares, bias_buf
         # the epilogue's float32 temporaries (bias added, GELU's inner terms;
         # the rounded tile read back and squared for a sum of squares)
         *([_common.buffer("f32 epilogue", (2, tm, tn), jnp.float32)]
-          if any(a is not None for a in activations) or any(sum_squares) else []),
+          if any(a is not None for a in activations) or any(sum_squares) or any(heads) else []),
         *bias_bufs,
+        # head-major epilogue: norm weights [1, D] (padded to a sublane tile), the step's
+        # RoPE rows [cos / sin, 2 B hc, D] f32 (flat, as the step's rows)
+        *[_common.buffer("norm weight", (_common.sublane_rows(dtype), hd.head_dim), dtype)
+          for hd in heads if hd is not None and hd.norm],
+        *([_common.buffer("rope rows", (2, rows, rope_dim), jnp.float32)] if rope_dim else []),
         # row sums of squares: [2, 2, B, 1, hc] f32, (1, hc) padded to (8, 128k)
         *([_common.buffer("ssq", (2, 2, B, 8, -(-hc // _common.LANES) * _common.LANES), jnp.float32)]
           if any(sum_squares) else []),
@@ -259,20 +303,21 @@ def _vmem_plan(B, hc, K, tn, tiles, dtype, W, activations, sum_squares, bias_buf
 
 
 def plan(x_shape, widths, dtype, axis_size, *, blocks: _common.StreamBlocks | None = None, biases=None,
-         activations=None, sum_squares=None):
+         activations=None, sum_squares=None, heads=None):
     """(reason, StreamPlan): reason None if the streaming kernel runs for these shapes.
 
     biases / activations / sum_squares: per weight, None (no bias) or the bias's
     (rows, dtype), rows 1 for [n_i] and L for a stacked [L, n_i]; the activation
-    name or None; a bool, as `all_gather_matmul_stream` takes them. blocks: the
+    name or None; a bool; a `Heads` or None, as `all_gather_matmul_stream` takes them. blocks: the
     block sizes asked (default `StreamBlocks()`: the largest chunk that fits, a
     window of 3)."""
     blocks = blocks or _common.StreamBlocks()
     widths = list(widths)
-    checked = _check(x_shape, widths, dtype, axis_size, biases, activations, sum_squares)
+    checked = _check(x_shape, widths, dtype, axis_size, biases, activations, sum_squares, heads)
     if isinstance(checked, str):
         return checked, None
-    B, s, K, unit, dtype, activations, sum_squares, bias_bufs = checked
+    B, s, K, unit, dtype, activations, sum_squares, bias_bufs, heads = checked
+    head_dims = [hd.head_dim for hd in heads if hd is not None]
     if not blocks.row_tile_limit:
         return "row_tile_limit must be positive", None
     tk = _common.depth_tile(K, blocks.depth_tile_limit)
@@ -281,20 +326,22 @@ def plan(x_shape, widths, dtype, axis_size, *, blocks: _common.StreamBlocks | No
         hold = blocks.weights_in_vmem
         holds = [True, False] if hold is None and 2 * B * hc < _common.FEW_ROWS else [bool(hold)]
         for tn in _common.column_tile_candidates(widths, blocks.col_tile_limit):
+            if any(tn % d for d in head_dims):  # a column tile holds whole heads
+                continue
             tiles = _common.row_tiles(2 * B * hc, blocks.row_tile_limit, unit)  # over a step's flat rows
             for held in holds:
                 w_tiles = sum(widths) // tn if held else 2
                 yield (_vmem_plan(B, hc, K, tn, tiles, dtype, blocks.window, activations, sum_squares, bias_bufs,
-                                  tk, w_tiles), (tn, tiles, held))
+                                  tk, w_tiles, tuple(heads)), (tn, tiles, held))
 
     return _common.fit_stream(s // 2, unit, blocks, candidates, f"chunks in {blocks.window} slots per direction")
 
 
 def unsupported_reason(x_shape, widths, dtype, axis_size, *, blocks=None, biases=None, activations=None,
-                       sum_squares=None) -> str | None:
+                       sum_squares=None, heads=None) -> str | None:
     """None if `all_gather_matmul_stream` runs for these shapes, else one sentence why not."""
     return plan(x_shape, widths, dtype, axis_size, blocks=blocks, biases=biases, activations=activations,
-                sum_squares=sum_squares)[0]
+                sum_squares=sum_squares, heads=heads)[0]
 
 
 # --------------------------------------------------------------------------
@@ -312,7 +359,59 @@ def _bias_tile(bias_rows, col, tn: int, stacked: bool, layer):
     return jnp.sum(jnp.where(pick, rows, 0.0), axis=0, keepdims=True)
 
 
-def _multiply_rows(xbuf, slot, wref, bias, act, obuf, par, sbuf, sp, col, *, B, hc, tiles, ssq: bool, tk, acc):
+def _segment_pieces(r0, tm, hc):
+    """The (segment g, first row, last row + 1) pieces of flat rows [r0, r0 + tm) cut at the
+    hc-row segment boundaries (static)."""
+    return [(g, max(r0, g * hc), min(r0 + tm, (g + 1) * hc)) for g in range(r0 // hc, (r0 + tm - 1) // hc + 1)]
+
+
+HEAD_ROW_BLOCK = 64  # rows of the head epilogue's loop body (8 float32 vregs a value)
+
+
+def _head_row_block(rows: int, unit: int) -> int:
+    """The head epilogue's row block: the largest multiple of the sublane rows `unit`
+    at most HEAD_ROW_BLOCK that divides the step's `rows`."""
+    return max(b for b in range(unit, HEAD_ROW_BLOCK + 1, unit) if rows % b == 0)
+
+
+def _write_heads(tn, head: Heads, norm_w, rbuf, obuf, par, *, unit):
+    """The head-major epilogue of the column tile in obuf[par] [2 B hc, tn] (already
+    rounded to x's dtype, as the unfused path's projection output), in place: RMSNorm
+    in float32 (`rsqrt(mean(t^2) + eps) * w`, rounded), split-halves RoPE
+    `t cos + rot(t) sin` (rot(t) = [-t2, t1]: one lane roll by D/2 and a sign, exact;
+    rounded), then `scale` (rounded), the order and roundings of
+    `layers.attention.HeadsOut`. Per head a runtime loop over row blocks, so the
+    code is one block's per head (Mosaic unrolls a value's vregs: code grows with the
+    rows a body covers); the RoPE rows come from rbuf [cos / sin, 2 B hc, D], the step's
+    rows in the same flat order."""
+    f = jnp.float32
+    D = head.head_dim
+    dt = obuf.dtype
+    rows = obuf.shape[1]
+    rb = _head_row_block(rows, unit)
+    nblk = rows // rb
+
+    def block(u, carry, lanes):
+        r = pl.ds(pl.multiple_of(u * rb, rb), rb)
+        t = obuf[par, r, lanes].astype(f)
+        if head.norm:
+            ms = jnp.sum(t * t, axis=-1, keepdims=True) / D
+            t = ((t * lax.rsqrt(ms + head.eps)) * norm_w[pl.ds(0, 1), :].astype(f)).astype(dt).astype(f)
+        if head.rope:
+            sign = jnp.where(lax.broadcasted_iota(jnp.int32, (1, D), 1) < D // 2, -1.0, 1.0).astype(f)
+            rot = pltpu.roll(t, D // 2, 1) * sign
+            t = (t * rbuf[0, r, :] + rot * rbuf[1, r, :]).astype(dt).astype(f)
+        if head.scale is not None:
+            t = t * jnp.asarray(head.scale, dt).astype(f)
+        obuf[par, r, lanes] = t.astype(dt)
+        return carry
+
+    for hh in range(tn // D):  # static lane offsets (a dynamic one costs code per lane tile)
+        lax.fori_loop(0, nblk, functools.partial(block, lanes=pl.ds(hh * D, D)), 0)
+
+
+def _multiply_rows(xbuf, slot, wref, bias, act, obuf, par, sbuf, sp, col, *, B, hc, tiles, ssq: bool, tk, acc,
+                   head=None, norm_w=None, rbuf=None, unit=8):
     """A step's rows, both directions and every batch as ONE M operand, times the weight
     tile `wref` [K, tn]: xbuf[slot] [2 B hc, K] (segment g = d B + b: direction d's chunk
     of batch b, hc rows) in the static row tiles `tiles` over all 2 B hc rows, each a
@@ -358,35 +457,40 @@ def _multiply_rows(xbuf, slot, wref, bias, act, obuf, par, sbuf, sp, col, *, B, 
         obuf[par, pl.ds(r0, tm), :] = y
         if ssq:  # the rounded output's squares, summed over this tile's columns, per segment piece
             yf = y.astype(jnp.float32)
-            for g in range(r0 // hc, (r0 + tm - 1) // hc + 1):
-                a, e = max(r0, g * hc), min(r0 + tm, (g + 1) * hc)
+            for g, a, e in _segment_pieces(r0, tm, hc):
                 piece = yf[a - r0:e - r0] if (a, e) != (r0, r0 + tm) else yf
                 part = jnp.sum(piece * piece, axis=-1).reshape(1, e - a)
                 d, b = divmod(g, B)
                 rows = pl.ds(a - g * hc, e - a)
                 prev = sbuf[sp, d, b, :, rows]
                 sbuf[sp, d, b, :, rows] = jnp.where(col > 0, prev + part, part)
+    if head is not None and (head.norm or head.rope or head.scale is not None):
+        _write_heads(obuf.shape[2], head, norm_w, rbuf, obuf, par, unit=unit)
 
 
 def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K, widths, tn, tk, tiles, unit,
-            bias_stacked, activations, sum_squares, held, skip_credit_at):
+            bias_stacked, activations, sum_squares, heads, held, skip_credit_at):
     nw = len(widths)
     has_bias = [st is not None for st in bias_stacked]
-    nb, ns = sum(has_bias), sum(sum_squares)
+    has_norm = [hd is not None and hd.norm for hd in heads]
+    rope = any(hd is not None and hd.rope for hd in heads)
+    nb, ns, nn = sum(has_bias), sum(sum_squares), sum(has_norm)
     refs = list(refs)
     take = lambda n: [refs.pop(0) for _ in range(n)]
-    w_hbm, b_hbm = take(nw), take(nb)
+    w_hbm, b_hbm, n_hbm, rope_hbm = take(nw), take(nb), take(nn), take(2 if rope else 0)
     out_hbm, ssq_hbm = take(nw), take(ns)
     xbuf, wbuf, obuf = take(3)
-    bbuf = take(nb)
+    bbuf, nbuf = take(nb), take(nn)
     sbuf = take(1)[0] if ns else None
     abuf = take(1)[0] if tk < K else None
-    recv_sem, send_sem, credit, w_sem, o_sem, b_sem, s_sem = refs
-    bias_of, ssq_of, kb, ks = [], [], 0, 0  # weight i -> its bias slot / ssq output (None: none)
-    for hb, q in zip(has_bias, sum_squares):
+    rbuf = take(1)[0] if rope else None
+    recv_sem, send_sem, credit, w_sem, o_sem, b_sem, s_sem, r_sem = refs
+    bias_of, ssq_of, norm_of, kb, ks, kn = [], [], [], 0, 0, 0  # weight i -> its bias / ssq / norm slot
+    for hb, q, hn in zip(has_bias, sum_squares, has_norm):
         bias_of.append(kb if hb else None)
         ssq_of.append(ks if q else None)
-        kb, ks = kb + hb, ks + q
+        norm_of.append(kn if hn else None)
+        kb, ks, kn = kb + hb, ks + q, kn + hn
     ncols = [n // tn for n in widths]
     per_step = sum(ncols)  # weight tiles a step
     T = P * C
@@ -420,10 +524,21 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
                                      wbuf.at[par if dst is None else dst], w_sem.at[par])
 
     def o_copy(i, t, d, col, par):  # direction d's B segments of obuf[par] -> their rows: B DMAs, one semaphore
+        # (head-major outputs: one DMA per segment and head, to out[b, head, rows, :]; the same bytes)
+        if heads[i] is not None:
+            D = heads[i].head_dim
+            nh = tn // D
+            return [pltpu.make_async_copy(obuf.at[par, seg(d, b), pl.ds(hh * D, D)],
+                                          out_hbm[i].at[b, col * nh + hh, pl.ds(out_row(t, d), hc)],
+                                          o_sem.at[par, d])
+                    for b in range(B) for hh in range(nh)]
         c0 = pl.multiple_of(col * tn, tn)
         return [pltpu.make_async_copy(obuf.at[par, seg(d, b)],
                                       out_hbm[i].at[b, pl.ds(out_row(t, d), hc), pl.ds(c0, tn)], o_sem.at[par, d])
                 for b in range(B)]
+
+    def r_copy(t, k, d, b):  # RoPE table k's rows of the chunk at step t, direction d -> rbuf[k, segment (d, b)]
+        return pltpu.make_async_copy(rope_hbm[k].at[pl.ds(out_row(t, d), hc)], rbuf.at[k, seg(d, b)], r_sem.at[k])
 
     def s_copy(k, t, d, sp):  # ssq output k, step t, direction d: sbuf[sp, d] -> its slab
         j, c = t % P, t // P
@@ -431,7 +546,8 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
         return pltpu.make_async_copy(sbuf.at[sp, d], ssq_hbm[k].at[:, slab], s_sem.at[sp, d])
 
     # Own chunk 0 of both halves into slot 0, the bias rows and the first weight tile, at once.
-    bias_rows = [pltpu.make_async_copy(b_hbm[k], bbuf[k], b_sem.at[k]) for k in range(nb)]
+    bias_rows = ([pltpu.make_async_copy(b_hbm[k], bbuf[k], b_sem.at[k]) for k in range(nb)]
+                 + [pltpu.make_async_copy(n_hbm[k], nbuf[k], b_sem.at[nb + k]) for k in range(nn)])
     for d in (0, 1):
         for cp in load(0, d):
             cp.start()
@@ -470,6 +586,13 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
             for d in (0, 1):
                 for cp in load(t + 1, d):
                     cp.start()
+
+        if rope:  # this step's RoPE rows (the last step's epilogues are done with rbuf)
+            copies = [r_copy(t, k, d, b) for k in (0, 1) for d in (0, 1) for b in range(B)]
+            for cp in copies:
+                cp.start()
+            for cp in copies:
+                cp.wait()
 
         for i in range(nw):
             base = sum(ncols[:i])
@@ -516,7 +639,8 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
                         for d in (0, 1):
                             s_copy(0, 0, d, sp).wait()
                 _multiply_rows(xbuf, slot, wref, bias, act, obuf, par, sbuf, sp, col, B=B, hc=hc, tiles=tiles,
-                               ssq=ssq, tk=tk, acc=abuf)
+                               ssq=ssq, tk=tk, acc=abuf, head=heads[i],
+                               norm_w=None if norm_of[i] is None else nbuf[norm_of[i]], rbuf=rbuf, unit=unit)
                 for d in (0, 1):
                     for cp in o_copy(i, t, d, col, par):
                         cp.start()
@@ -551,8 +675,8 @@ def _kernel(tables, layer, slabs, x_hbm, *refs, axis_name, P, B, h, hc, C, W, K,
 
 
 def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations=None, sum_squares=None,
-                             axis_name="tp", blocks: _common.StreamBlocks | None = None, interpret=False,
-                             _skip_credit_at=None):
+                             heads=None, norms=None, rope=None, axis_name="tp",
+                             blocks: _common.StreamBlocks | None = None, interpret=False, _skip_credit_at=None):
     """Gathers `x` over `axis_name` while multiplying it by each weight.
 
     Args:
@@ -567,6 +691,12 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
       sum_squares: optional, per weight a bool: also return the float32 sum
         over this rank's columns of the output's squares (as rounded to x's
         dtype), per row. No sum over ranks.
+      heads: optional, per weight None or a `Heads`: that output is written
+        head-major `[..., n_i/D, S, D]`, each head normalised / rotated /
+        scaled on the float32 tile (`Heads`, `_write_heads`).
+      norms: per weight with `Heads.norm`, its RMSNorm weight `[D]` (x's dtype).
+      rope: with any `Heads.rope`, the float32 `(cos, sin)` tables `[S, D]`
+        (full width, split-halves order) of the gathered rows, in global order.
       blocks: the block sizes asked (chunk rows, window, tile limits),
         validated and fitted to VMEM (`plan`); default `StreamBlocks()`.
       interpret: False (Mosaic), True (TPU interpret mode) or a
@@ -577,9 +707,20 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
     Returns:
       One `[..., S, N_i/P]` array per weight, rows in global order:
       `act_i(x_all @ w_i + bias_i)`; for a weight with `sum_squares`, the
-      pair `(y_i, ssq_i)` with ssq_i `[..., S, 1]` float32.
+      pair `(y_i, ssq_i)` with ssq_i `[..., S, 1]` float32; for a weight with
+      `heads`, `[..., N_i/P/D, S, D]`.
     """
     weights = list(weights)
+    heads = list(heads) if heads is not None else [None] * len(weights)
+    norms = list(norms) if norms is not None else [None] * len(weights)
+    if len(heads) != len(weights) or len(norms) != len(weights):
+        raise ValueError("all_gather_matmul_stream kernel: one heads (or None) and one norm (or None) per weight")
+    for hd, nw_ in zip(heads, norms):
+        want = hd is not None and hd.norm
+        if want != (nw_ is not None) or (want and (nw_.shape != (hd.head_dim,) or nw_.dtype != x.dtype)):
+            raise ValueError(f"all_gather_matmul_stream kernel: a [head_dim] norm weight of x's dtype for each "
+                             f"Heads(norm=True) and none otherwise, got {getattr(nw_, 'shape', None)} for {hd}")
+    rope_dim = next((hd.head_dim for hd in heads if hd is not None and hd.rope), None)
     biases = list(biases) if biases is not None else [None] * len(weights)
     activations = list(activations) if activations is not None else [None] * len(weights)
     sum_squares = [bool(q) for q in sum_squares] if sum_squares is not None else [False] * len(weights)
@@ -607,9 +748,15 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
     blocks = blocks or _common.StreamBlocks()
     reason, sp = plan(x.shape, widths, x.dtype, P, blocks=blocks,
                       biases=[None if b is None else (b.size // b.shape[-1], b.dtype) for b in biases],
-                      activations=activations, sum_squares=sum_squares)
+                      activations=activations, sum_squares=sum_squares, heads=heads)
     if reason:
         raise ValueError(f"all_gather_matmul_stream kernel: {reason}")
+    S_all = x.shape[-2] * P
+    if (rope_dim is None) != (rope is None) or (rope is not None and any(
+            t.shape != (S_all, rope_dim) or t.dtype != jnp.float32 for t in rope)):
+        raise ValueError(f"all_gather_matmul_stream kernel: RoPE tables (cos, sin) float32 [{S_all}, {rope_dim}] "
+                         f"with a Heads(rope=True) and none otherwise, got "
+                         f"{None if rope is None else [(t.shape, t.dtype) for t in rope]}")
     for w in weights:
         if w.shape[1] != x.shape[-1] or w.dtype != x.dtype:
             raise ValueError(f"all_gather_matmul_stream kernel: weight {w.shape} {w.dtype} does not take "
@@ -624,6 +771,8 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     ns = sum(sum_squares)
     bias_ops = [b.reshape(-1, b.shape[-1]) for b in biases if b is not None]
+    norm_ops = [n.reshape(1, -1) for n in norms if n is not None]
+    rope_ops = list(rope) if rope is not None else []
     ws = [_common.in_hbm(w) for w in weights]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     n_total = sum(widths)
@@ -632,36 +781,42 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
     kernel = functools.partial(_kernel, axis_name=axis_name, P=P, B=B, h=h, hc=hc, C=C, W=W, K=K,
                                widths=tuple(widths), tn=tn, tk=tk, tiles=sp.row_tiles, unit=_common.sublane_rows(x.dtype),
                                bias_stacked=tuple(bias_stacked), activations=tuple(activations),
-                               sum_squares=tuple(sum_squares), held=held,
+                               sum_squares=tuple(sum_squares), heads=tuple(heads), held=held,
                                skip_credit_at=_skip_credit_at)
     cost = pl.CostEstimate(
         flops=2 * B * P * rows * K * n_total,
-        transcendentals=B * P * rows * sum(n for n, a in zip(widths, activations) if a is not None),
+        transcendentals=B * P * rows * (sum(n for n, a in zip(widths, activations) if a is not None)
+                                        + sum(n // hd.head_dim for n, hd in zip(widths, heads) if hd and hd.norm)),
         # this rank's rows once, every weight tile once per step (once a call if held), every product once
         bytes_accessed=itemsize * (B * rows * K + (1 if held else P * C) * K * n_total + B * P * rows * n_total),
     )
     outs = pl.pallas_call(
         kernel,
-        out_shape=([_common.out_struct((B, S, n), x.dtype, x) for n in widths]
+        out_shape=([_common.out_struct((B, S, n) if hd is None else (B, n // hd.head_dim, S, hd.head_dim),
+                                       x.dtype, x) for n, hd in zip(widths, heads)]
                    + [_common.out_struct((B, 2 * P * C, 1, hc), jnp.float32, x)] * ns),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            in_specs=[any_spec] * (1 + len(ws) + len(bias_ops)),
+            in_specs=[any_spec] * (1 + len(ws) + len(bias_ops) + len(norm_ops) + len(rope_ops)),
             out_specs=[any_spec] * (len(ws) + ns),
             scratch_shapes=[
                 pltpu.VMEM((W, 2 * B * hc, K), x.dtype),           # xbuf: the window of steps' rows
                 pltpu.VMEM((n_total // tn if held else 2, K, tn), x.dtype),  # wbuf: 2 tiles, or every tile
                 pltpu.VMEM((2, 2 * B * hc, tn), x.dtype),          # obuf
                 *[pltpu.VMEM(b.shape, b.dtype) for b in bias_ops],  # bbuf
+                *[pltpu.VMEM(n.shape, n.dtype) for n in norm_ops],  # nbuf
                 *([pltpu.VMEM((2, 2, B, 1, hc), jnp.float32)] if ns else []),  # sbuf
                 *([pltpu.VMEM((2 * B * hc, tn), jnp.float32)] if tk < K else []),  # abuf: depth-chunk sums
+                *([pltpu.VMEM((2, 2 * B * hc, rope_dim), jnp.float32)]  # rbuf: the step's RoPE rows, flat
+                  if rope_ops else []),
                 pltpu.SemaphoreType.DMA((2, W)),                   # recv_sem per direction, slot
                 pltpu.SemaphoreType.DMA((2,)),                     # send_sem per direction
                 pltpu.SemaphoreType.REGULAR((2,)),                 # credit: slots freed downstream
                 pltpu.SemaphoreType.DMA((2,)),                     # w_sem
                 pltpu.SemaphoreType.DMA((2, 2)),                   # o_sem
-                pltpu.SemaphoreType.DMA((max(1, len(bias_ops)),)),  # b_sem
+                pltpu.SemaphoreType.DMA((max(1, len(bias_ops) + len(norm_ops)),)),  # b_sem (biases, norms)
                 pltpu.SemaphoreType.DMA((2, 2)),                   # s_sem
+                pltpu.SemaphoreType.DMA((2,)),                     # r_sem (cos, sin)
             ],
         ),
         compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, vmem_limit_bytes=sp.vmem.limit),
@@ -669,8 +824,8 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
         interpret=_common.interpret_params(interpret),
         # difflet_tpu.estimate prices it by steps ("_wvmem": the weights read once a call)
         name=f"all_gather_matmul_stream_{C}chunks_{hc}rows" + ("_wvmem" if held else ""),
-    )(tables, layer, slabs, x3, *ws, *bias_ops)
-    ys = [o.reshape(*lead, S, o.shape[-1]) for o in outs[:len(ws)]]
+    )(tables, layer, slabs, x3, *ws, *bias_ops, *norm_ops, *rope_ops)
+    ys = [o.reshape(*lead, *o.shape[1:]) for o in outs[:len(ws)]]
     rem = h - (C - 1) * hc  # rows of the last chunk not in the one before
 
     def ssq_rows(o):  # [B, 2PC, 1, hc] -> [B, P, 2, C, hc] -> each half's h rows -> [..., S, 1]

@@ -30,7 +30,7 @@ from flax import nnx
 from difflet_tpu import nn
 from difflet_tpu.parallel import COLUMN, ROW
 
-from .attention import apply_rotary_emb, attend, merge_heads, split_heads
+from .attention import HeadsOut, apply_rotary_emb, attend, merge_heads, split_heads
 from .feedforward import FeedForward, gelu_tanh
 from .normalization import AdaLN, Weight, modulate, rms_norm
 
@@ -91,7 +91,7 @@ class JointAttention(nnx.Module):
     their processors. `added_kv`: the text stream's `add_{q,k,v}_proj`,
     `norm_added_{q,k}` and `to_add_out` (double blocks); `pre_only`: no
     `to_out` (single blocks: the block runs q/k/v with its MLP and calls
-    `self_attend`). `context_first`: the joint sequence is `[text | image]`
+    `heads_out`). `context_first`: the joint sequence is `[text | image]`
     (FLUX), else `[image | text]` (HunyuanVideo).
     """
 
@@ -129,10 +129,12 @@ class JointAttention(nnx.Module):
         returns `[B, S, heads_local * head_dim]`."""
         return merge_heads(attend(par, self._rope(q, rope), self._rope(k, rope), v, kv_mask))
 
-    def self_attend(self, par, q, k, v, rope, kv_mask):
-        """The single blocks': q, k, v projections `[B, S, heads_local * head_dim]`."""
-        return self.attend(par, self._norm(q, self.norm_q), self._norm(k, self.norm_k),
-                           split_heads(v, self.head_dim), rope, kv_mask)
+    def heads_out(self, rope):
+        """The single blocks' q, k, v as attention takes them (`HeadsOut`): q and k
+        normalised per head and rotated (q also scaled), v head-major."""
+        return (HeadsOut(self.head_dim, self.norm_q.scale[...], self.eps, rope, scale_q=True),
+                HeadsOut(self.head_dim, self.norm_k.scale[...], self.eps, rope),
+                HeadsOut(self.head_dim))
 
     def joint_keys(self, par, first, second):
         """The joint keys [first | second] of the SP path, each stream's `(key, norm weight)`
@@ -258,11 +260,13 @@ class SingleStreamBlock(nnx.Module):
         norm_hidden_states = modulate(hidden_states, shift_msa, scale_msa, self.eps)
         attn = self.attn
         par.local_heads(attn.heads)
-        # q, k, v and the MLP share one column-parallel group (one all-gather ring under SP)
+        # q, k, v and the MLP share one column-parallel group (one all-gather ring under SP);
+        # q, k, v come head-major, normalised and rotated (under SP by the kernel itself)
         q, k, v, mlp_hidden_states = nn.column(par, norm_hidden_states,
                                                [attn.to_q, attn.to_k, attn.to_v, self.proj_mlp],
-                                               [None, None, None, gelu_tanh], heads=True)
-        attn_output = attn.self_attend(par, q, k, v, rope, kv_mask)
+                                               [None, None, None, gelu_tanh], heads=True,
+                                               heads_out=[*attn.heads_out(rope), None])
+        attn_output = merge_heads(attend(par, q, k, v, kv_mask, head_major=True, q_scaled=True))
         # proj_out(cat([attn_output, mlp_hidden_states])): two row-parallel pairs, one collective
         hidden_states = residual + gate * self.proj_out(par, attn_output, mlp_hidden_states)
         return clip_fp16(hidden_states) if self.clip_fp16 else hidden_states

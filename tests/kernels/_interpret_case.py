@@ -38,6 +38,13 @@ re-raise). The race detector is always on. Spec keys:
            squares: includes the output's rounding) and ssq_unfused_err
            (against collective_matmul.row_sum_squares of the unfused output),
            each max over rows of |ssq - ref| / max(ref_row, 1).
+  kind "ag_heads": the all-gather kernel writing some weights head-major (head_dim
+           128); keys heads (per weight null or [norm, rope, scale] flags), act;
+           every weight has a bias. Through the dispatch (`Epilogue(heads=HeadsOut)`),
+           or the kernel itself with the spec's blocks when chunk_rows or
+           skip_credit is given. Reports rel_err (against float64 numpy),
+           unfused_err (against the kernel's products + `HeadsOut` as XLA passes)
+           and kernel_heads (the heads the dispatch's kernel call wrote, per call).
   ring:    ring size P (2 or 4; default 4) on the 4 CPU devices
   vmem_capacity: the chip VMEM bytes the plans assume (default 128 MiB): a small one
            makes the dispatch's plan cut the halves into chunks ("ag_dispatch" /
@@ -118,7 +125,8 @@ def run(spec):
     chunks = None
     if kind == "rs":
         RS_KERNEL, chunks = rs_stream_kernel(spec, P_RING, dt)
-    elif kind == "ag" or (kind == "ag_epi" and not spec.get("dispatch")):
+    elif kind == "ag" or (kind == "ag_epi" and not spec.get("dispatch")) or (
+            kind == "ag_heads" and ("chunk_rows" in spec or "skip_credit" in spec)):
         AG_KERNEL, chunks = stream_kernel(spec, P_RING, dt)
     elif kind == "ag_epi":  # the dispatch's fused path; the unfused one runs the kernel with default blocks
         AG_KERNEL = agk.all_gather_matmul_stream
@@ -134,6 +142,10 @@ def run(spec):
     result = {}
     if chunks is not None:
         result["chunks"] = chunks
+    if kind == "ag_heads":
+        result.update(heads_case(spec, params, mesh, dt, rng, lead))
+        result["warnings"] = warnings
+        return result
     if kind == "ag_epi":
         result.update(epilogues(spec, params, mesh, dt, rng, lead))
         result["warnings"] = warnings
@@ -402,6 +414,86 @@ def epilogues(spec, params, mesh, dt, rng, lead):
                 s_unf.append(ssq_rel(so, su))
     return dict(rel_err=rel, unfused_err=unf, ssq_err=s_err, ssq_ref_err=s_ref, ssq_unfused_err=s_unf,
                 ssq_dtype=s_dtype)
+
+
+def heads_case(spec, params, mesh, dt, rng, lead):
+    """The all-gather kernel writing q/k/v head-major (`Heads`: per-head RMSNorm, split-halves
+    RoPE, q's scale) against float64 numpy and against the unfused path (the kernel's
+    products with their biases, then `layers.attention.HeadsOut` as XLA passes)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from difflet_tpu import collective_matmul as cm, kernel_tiles
+    from difflet_tpu.kernels import all_gather_matmul_stream as ags
+    from difflet_tpu.layers.attention import HeadsOut
+
+    D, eps = 128, 1e-6
+    x, ws = inputs(dict(spec, kind="ag"), rng)
+    nw = len(ws)
+    flags = spec["heads"]  # per weight None or [norm, rope, scale]
+    acts = spec.get("act", [None] * nw)
+    S = x.shape[-2]
+    bs = [(rng.integers(-3, 4, size=(w.shape[-1],)) / 4).astype(np.float32) for w in ws]
+    norms = [(1 + rng.integers(-2, 3, size=(D,)) / 8).astype(np.float32) if f and f[0] else None for f in flags]
+    ang = rng.uniform(-3, 3, size=(S, D // 2))
+    cos, sin = (np.concatenate([t(ang)] * 2, axis=-1).astype(np.float32) for t in (np.cos, np.sin))
+    nidx = [i for i, n in enumerate(norms) if n is not None]
+    direct = "chunk_rows" in spec or "skip_credit" in spec
+
+    def heads_outs(a_norm, c, s_):
+        nv = dict(zip(nidx, a_norm))
+        return [None if f is None else HeadsOut(D, nv.get(i), eps, (c, s_, True) if f[1] else None, bool(f[2]))
+                for i, f in enumerate(flags)]
+
+    def fused(x, *a):
+        w, b, nrm, (c, s_) = a[:nw], a[nw:2 * nw], a[2 * nw:2 * nw + len(nidx)], a[-2:]
+        hs = heads_outs(nrm, c, s_)
+        if direct:  # the kernel itself, with the spec's blocks (and the racy variant's skipped credit)
+            kh = [None if h is None else ags.Heads(D, h.norm is not None, eps, h.rope is not None, h.scale)
+                  for h in hs]
+            return AG_KERNEL(x, list(w), biases=list(b), activations=acts, heads=kh,
+                             norms=[None if h is None else h.norm for h in hs],
+                             rope=(c, s_) if any(h is not None and h.rope for h in hs) else None, interpret=params)
+        return cm.all_gather_matmul(x, list(w), impl="pallas", interpret=params,
+                                    epilogues=[cm.Epilogue(bb, ac, False, h) for bb, ac, h in zip(b, acts, hs)])
+
+    def unfused(x, *a):
+        w, b, nrm, (c, s_) = a[:nw], a[nw:2 * nw], a[2 * nw:2 * nw + len(nidx)], a[-2:]
+        ys = ags.all_gather_matmul_stream(x, list(w), biases=list(b), activations=acts, interpret=params)
+        return [y if h is None else h(y) for y, h in zip(ys, heads_outs(nrm, c, s_))]
+
+    specs = (P(*lead, "tp", None),) + (P(None, "tp"),) * nw + (P("tp"),) * nw + (P(),) * (len(nidx) + 2)
+    out_specs = [P(*lead, None, "tp") if f is None else P(*lead, "tp", None, None) for f in flags]
+    args = ([jnp.asarray(x, dt)] + [jnp.asarray(w, dt) for w in ws] + [jnp.asarray(b, dt) for b in bs]
+            + [jnp.asarray(norms[i], dt) for i in nidx] + [jnp.asarray(cos), jnp.asarray(sin)])
+    with kernel_tiles.recording() as seen:
+        outs = jax.jit(jax.shard_map(fused, mesh=mesh, in_specs=specs, out_specs=out_specs))(*args)
+    base = jax.jit(jax.shard_map(unfused, mesh=mesh, in_specs=specs, out_specs=out_specs))(*args)
+    rows = lambda a: np.asarray(jnp.asarray(a).astype(jnp.float32)).astype(np.float64)
+    rel, unf = [], []
+    for i, (o, u) in enumerate(zip(outs, base)):
+        ref = rows(args[0]) @ rows(args[1 + i]) + rows(args[1 + nw + i])
+        if acts[i] is not None:
+            ref = gelu_tanh64(ref)
+        f = flags[i]
+        if f is not None:
+            ref = ref.reshape(*ref.shape[:-1], -1, D)  # [..., S, H, D]
+            if f[0]:
+                ref = ref / np.sqrt(np.mean(ref * ref, axis=-1, keepdims=True) + eps) * rows(norms[i].astype(dt))
+            if f[1]:
+                rot = np.concatenate([-ref[..., D // 2:], ref[..., :D // 2]], axis=-1)
+                ref = ref * cos.astype(np.float64)[:, None] + rot * sin.astype(np.float64)[:, None]
+            if f[2]:
+                ref = ref / np.sqrt(D)
+            ref = np.swapaxes(ref, -3, -2)
+        o, u = rows(o), rows(u)
+        assert o.shape == ref.shape, (o.shape, ref.shape)
+        scale = max(1.0, np.abs(ref).max())
+        rel.append(float(np.abs(o - ref).max() / scale))
+        unf.append(float(np.abs(o - u).max() / scale))
+    return dict(rel_err=rel, unfused_err=unf,
+                kernel_heads=[[list(h) if h is not None else None for h in site.heads] for site, _ in seen])
 
 
 def main():

@@ -35,8 +35,25 @@ if kind.startswith("ag"):
         epi = dict(biases=[(1, bf)] * n, activations=[None] * (n - 1) + ["gelu_tanh"], sum_squares=[False] * n)
     elif kind == "ag_ssq":  # every weight with a bias; row sums of squares of the first two (Wan's q, k; not v)
         epi = dict(biases=[(1, bf)] * n, activations=[None] * n, sum_squares=[True] * min(n, 2) + [False] * (n - 2))
+    elif kind == "ag_heads":  # the single blocks' q / k / v head-major (q, k normalised, rotated; q scaled), MLP GELU
+        H = [ags.Heads(128, True, 1e-6, True, 128 ** -0.5), ags.Heads(128, True, 1e-6, True), ags.Heads(128)]
+        epi = dict(biases=[(1, bf)] * n, activations=[None] * (n - 1) + ["gelu_tanh"], sum_squares=[False] * n,
+                   heads=H + [None] * (n - 3))
     reason, plan = ags.plan(lead + (S // 4, K), widths, bf, 4, **epi)
-    if epi:
+    if kind == "ag_heads":
+        from difflet_tpu.layers.attention import HeadsOut
+        def body(x, *a):
+            w, b, (nq, nk, cos, sin) = a[:n], a[n:2 * n], a[2 * n:]
+            rope = (cos, sin, True)
+            hs = [HeadsOut(128, nq, 1e-6, rope, True), HeadsOut(128, nk, 1e-6, rope), HeadsOut(128)] + [None] * (n - 3)
+            return cm.all_gather_matmul(x, list(w), impl="pallas", epilogues=[
+                cm.Epilogue(bb, ac, False, h) for bb, ac, h in zip(b, epi["activations"], hs)])
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P(*bl, "tp", None),) + (P(None, "tp"),) * n + (P("tp"),) * n
+                          + (P(),) * 4, out_specs=[P(*bl, "tp", None, None)] * 3 + [P(*bl, None, "tp")] * (n - 3))
+        args = ([sd(lead + (S, K), P(*bl, "tp", None))] + [sd((K, 4 * w), P(None, "tp")) for w in widths]
+                + [sd((4 * w,), P("tp")) for w in widths] + [sd((128,), P())] * 2
+                + [jax.ShapeDtypeStruct((S, 128), jnp.float32, sharding=NamedSharding(mesh, P()))] * 2)
+    elif epi:
         f = jax.shard_map(lambda x, *a: cm.all_gather_matmul(x, list(a[:n]), impl="pallas", epilogues=[
                               cm.Epilogue(b, ac, q) for b, ac, q in zip(a[n:], epi["activations"], epi["sum_squares"])]),
                           mesh=mesh, in_specs=(P(*bl, "tp", None),) + (P(None, "tp"),) * n + (P("tp"),) * n,
@@ -73,6 +90,10 @@ SHAPES = [
     # fused epilogues: bias on every weight, GELU (tanh) on the last
     ("wan-ffn-up-bias-gelu", "ag_epi", 4736, 5120, [3456], 0),
     ("flux-single-qkv-mlp-bias-gelu", "ag_epi", 4608, 3072, [768, 768, 768, 3072], 0),
+    # ... as the single blocks call it: q / k / v written head-major, normalised, rotated
+    # and (q) scaled by the kernel; HunyuanVideo's 320x512x61 joint sequence too
+    ("flux-single-qkv-heads-mlp-gelu", "ag_heads", 4608, 3072, [768, 768, 768, 3072], 0),
+    ("hunyuan-single-qkv-heads-mlp-gelu", "ag_heads", 10496, 3072, [768, 768, 768, 3072], 0),
     # a long sequence's reduce-scatter, streamed in one call (Wan 480x832x81 attention out:
     # 4096-row halves in 4 chunks of 1024 rows)
     ("wan81-attn-out-stream", "rs", 32768, 0, [1280], 5120),
