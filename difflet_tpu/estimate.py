@@ -262,14 +262,16 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int
     "hops" (P of the result counts them); the FLOPs and HBM bytes over all of them
     are the kernels' own `pl.CostEstimate`.
 
-    all-gather + matmul: x [B, s, K], w_i [K, n_i] (, bias_i) -> out_i [B, S, n_i], P = S / s.
+    all-gather + matmul: x [B, s, K], w_i [K, n_i] (, bias_i) -> out_i [B, S, n_i] (or head-major
+      [B, n_i / D, S, D]), P = S / s.
       Each step multiplies 2 hc rows by every weight, streams every weight once
       (at step 0 only when `weights_held`, "..._wvmem") and writes 2 hc rows of
       products; it sends hc rows each way, except at a chunk's last hop (j = P-1),
       which instead loads the next own chunk (2 hc rows of x). The prologue is the
       first chunk's 2 hc rows. Bias operands (after the weights) are read once per
-      call, a few KiB, and not priced; nor is the epilogue's VPU/EUP work, nor the
-      rows' sums of squares (small f32 results).
+      call, a few KiB, and not priced; nor is the epilogue's VPU/EUP work (bias, GELU,
+      the head-major epilogue's norm, RoPE and scale), nor its RoPE rows (2 hc x D
+      float32 a step), nor the rows' sums of squares (small f32 results).
     matmul + reduce-scatter: x_i [B, S, k_i], w_i [k_i, N] (, bias) -> out [B, s, N], P = S / s.
       Each step multiplies 2 hc rows by every weight, adds the sums that arrived,
       streams every weight once and the next step's 2 hc rows of x, and sends hc
@@ -288,8 +290,10 @@ def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int
     C = chunks
     last = lambda t: t % P == P - 1
     if kind == "all_gather_matmul":
-        # operands x, w_1..w_m, then the epilogue's biases: one weight per product output [B, S, n_i]
-        outs = [o for o in outs if len(o[1]) == 3]
+        # operands x, w_1..w_m, then the epilogue's biases (norm weights, RoPE tables): one weight
+        # per product output, [B, S, n_i] or head-major [B, n_i / D, S, D] (not the sums of
+        # squares, [B, 2 P C, 1, hc])
+        outs = [o for o in outs if len(o[1]) == 3 or (len(o[1]) == 4 and o[1][2] != 1)]
         (_, x), ws = floats[0], [layer(d) for _, d in floats[1:1 + len(outs)]]
         if len(x) != 3 or not ws or any(len(w) != 2 or w[0] != x[2] for w in ws):
             return None

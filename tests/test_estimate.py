@@ -321,6 +321,12 @@ def test_fused_epilogue_biases_do_not_change_the_hops():
                                    + [("bf16", (40, 1280)), ("bf16", (1, 1280))],
                                    out + [("f32", (1, 8, 1, 592))] * 2)
     assert ssq == plain
+    # q / k written head-major ([B, n / 128, S, 128]) with norm weights [128] and the RoPE
+    # tables f32 [S, 128] after the biases: the same hops as the row-major products
+    heads = E.collective_matmul_hops("all_gather_matmul", [("s32", (10,)), ("s32", (1,)), x] + ws
+                                     + [("bf16", (40, 1280))] * 2 + [("bf16", (1, 128))] * 2
+                                     + [("f32", (4736, 128))] * 2, [("bf16", (1, 10, 4736, 128))] * 2)
+    assert heads == plain
 
 
 def test_kernel_hops_and_jax_ring_hops_price_transfer_alike():
