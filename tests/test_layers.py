@@ -234,6 +234,44 @@ def test_rms_norm_then_rope_bit_parity_and_float64():
                                rtol=1e-5, atol=1e-5)
 
 
+def test_heads_out_and_head_major_attention_match_float64_and_the_row_major_path():
+    """`HeadsOut` (the per-head q/k norm, split-halves RoPE and q's 1/sqrt(D), head-major:
+    what the all-gather kernel writes under SP) against float64 numpy; attention on its
+    head-major, pre-scaled q/k/v equals attention on the row-major path's, in float64
+    (the float64 reference softmax) and float32 (XLA's attention)."""
+    rng = np.random.default_rng(5)
+    B, S, H, D = 2, 12, 3, 16
+    x = [rng.standard_normal((B, S, H * D)) for _ in range(3)]
+    w = [1 + 0.2 * rng.standard_normal(D) for _ in range(2)]
+    ang = rng.uniform(-3, 3, (S, D // 2))
+    cos, sin = (np.concatenate([t(ang)] * 2, -1) for t in (np.cos, np.sin))
+    for dtype, tol in ((jnp.float64, 1e-12), (jnp.float32, 1e-5)):
+        with jax.enable_x64(dtype == jnp.float64):
+            t = lambda a: jnp.asarray(a, dtype)
+            rope = (t(cos), t(sin), True)
+            hq = layers.attention.HeadsOut(D, t(w[0]), 1e-6, rope, scale_q=True)
+            hk = layers.attention.HeadsOut(D, t(w[1]), 1e-6, rope)
+            q, k, v = hq(t(x[0])), hk(t(x[1])), layers.attention.HeadsOut(D)(t(x[2]))
+            assert q.shape == (B, H, S, D) and q.dtype == dtype
+
+            def ref(a, wt, scale=1.0):
+                a = a.reshape(B, S, H, D)
+                a = a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-6) * wt
+                a = a * cos[:, None] + np.concatenate([-a[..., D // 2:], a[..., :D // 2]], -1) * sin[:, None]
+                return np.swapaxes(a * scale, 1, 2)
+
+            np.testing.assert_allclose(np.asarray(q, np.float64), ref(x[0], w[0], D ** -0.5), rtol=tol, atol=tol)
+            np.testing.assert_allclose(np.asarray(k, np.float64), ref(x[1], w[1]), rtol=tol, atol=tol)
+            np.testing.assert_array_equal(np.asarray(v), np.swapaxes(np.asarray(t(x[2])).reshape(B, S, H, D), 1, 2))
+            mask = jnp.asarray(np.arange(S) < S - 2)
+            got = layers.attend(Parallel(), q, k, v, mask, head_major=True, q_scaled=True)
+            row = lambda a: jnp.swapaxes(a, 1, 2)
+            want = layers.attend(Parallel(), row(hq.__class__(D, hq.norm, 1e-6, rope)(t(x[0]))), row(k), row(v), mask)
+            assert got.shape == (B, S, H, D)
+            np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                                       rtol=10 * tol, atol=10 * tol)
+
+
 @pytest.mark.parametrize("C", [64, 1024])
 def test_rms_norm_across_heads_sharded_float64(C):
     """Channels sharded over 2 and 4 ranks (TP and SP): the sum of squares is summed over

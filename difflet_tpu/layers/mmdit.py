@@ -129,24 +129,21 @@ class JointAttention(nnx.Module):
         returns `[B, S, heads_local * head_dim]`."""
         return merge_heads(attend(par, self._rope(q, rope), self._rope(k, rope), v, kv_mask))
 
-    def heads_out(self, rope):
-        """The single blocks' q, k, v as attention takes them (`HeadsOut`): q and k
-        normalised per head and rotated (q also scaled), v head-major."""
-        return (HeadsOut(self.head_dim, self.norm_q.scale[...], self.eps, rope, scale_q=True),
-                HeadsOut(self.head_dim, self.norm_k.scale[...], self.eps, rope),
-                HeadsOut(self.head_dim))
-
-    def joint_keys(self, par, first, second):
-        """The joint keys [first | second] of the SP path, each stream's `(key, norm weight)`
-        normalised per head. A hook: FLUX normalises them on the joint rows
-        (`models/flux/model.py`, FluxAttention)."""
-        return jnp.concatenate([self._norm(k, w) for k, w in (first, second)], axis=1)
+    def heads_out(self, rope, added: bool = False):
+        """q, k, v as attention takes them (`HeadsOut`): q and k normalised per head
+        (`norm_q` / `norm_k`, or the text stream's `norm_added_*`) and rotated by
+        `rope` (q also scaled), v head-major."""
+        nq, nk = (self.norm_added_q, self.norm_added_k) if added else (self.norm_q, self.norm_k)
+        return (HeadsOut(self.head_dim, nq.scale[...], self.eps, rope, scale_q=True),
+                HeadsOut(self.head_dim, nk.scale[...], self.eps, rope), HeadsOut(self.head_dim))
 
     def __call__(self, par, hidden_states, encoder_hidden_states, rope, kv_mask):
         """Joint attention of the image and text streams (each every row, or this rank's
         under SP, gathered by the rings); `rope` covers the joint sequence (identity
         rows where nothing rotates). Returns (image out, text out), row-parallel."""
         par.local_heads(self.heads)  # a clear error if the heads do not divide over the ranks
+        if par.seq_sharded:
+            return self._sequence_parallel(par, hidden_states, encoder_hidden_states, rope, kv_mask)
         q, k, v = nn.column(par, hidden_states, [self.to_q, self.to_k, self.to_v], heads=True)
         eq, ek, ev = nn.column(par, encoder_hidden_states,
                                [self.add_q_proj, self.add_k_proj, self.add_v_proj], heads=True)
@@ -155,24 +152,35 @@ class JointAttention(nnx.Module):
         txt = ((eq, self.norm_added_q), (ek, self.norm_added_k), split_heads(ev, self.head_dim))
         first, second = (txt, img) if self.context_first else (img, txt)
         n = first[0][0].shape[1]
-        ropes = None
         if isinstance(rope, StreamRope):
-            rope, ropes = rope.joint, (rope.first, rope.second)
-        if par.seq_sharded:
-            # One attention call per stream's queries over the joint keys: the reduce-scatter
-            # kernels take each stream's output as a whole array, and a row slice of one joint
-            # output is a copy (Qwen-Image: 55 us a layer for the image rows, estimated); each
-            # query row's softmax is over the same keys either way.
-            k = self._rope(self.joint_keys(par, first[1], second[1]), rope)
-            v = jnp.concatenate([first[2], second[2]], axis=1)
-            ropes = ropes or (rope_rows(rope, slice(0, n)), rope_rows(rope, slice(n, None)))
-            out_first, out_second = (merge_heads(attend(par, self._rope(self._norm(*q), r), k, v, kv_mask))
-                                     for q, r in ((first[0], ropes[0]), (second[0], ropes[1])))
-        else:
-            q, k = (jnp.concatenate([self._norm(*a), self._norm(*b)], axis=1)
-                    for a, b in zip(first[:2], second[:2]))
-            o = self.attend(par, q, k, jnp.concatenate([first[2], second[2]], axis=1), rope, kv_mask)
-            out_first, out_second = o[:, :n], o[:, n:]
+            rope = rope.joint
+        q, k = (jnp.concatenate([self._norm(*a), self._norm(*b)], axis=1) for a, b in zip(first[:2], second[:2]))
+        o = self.attend(par, q, k, jnp.concatenate([first[2], second[2]], axis=1), rope, kv_mask)
+        out_first, out_second = o[:, :n], o[:, n:]
+        return self._outputs(par, out_first, out_second)
+
+    def _sequence_parallel(self, par, hidden_states, encoder_hidden_states, rope, kv_mask):
+        """Under SP each stream's q, k, v come from its all-gather kernel head-major,
+        normalised and rotated (`HeadsOut`: the kernel does it on its tiles); one
+        attention call per stream's queries over the joint keys [first | second]
+        (the reduce-scatter kernels take each stream's output as a whole array, and
+        a row slice of one joint output is a copy: Qwen-Image 55 us a layer,
+        estimated); each query row's softmax is over the same keys either way."""
+        streams = [(hidden_states, (self.to_q, self.to_k, self.to_v), False),
+                   (encoder_hidden_states, (self.add_q_proj, self.add_k_proj, self.add_v_proj), True)]
+        if self.context_first:
+            streams.reverse()
+        n = streams[0][0].shape[1] * par.size  # the first stream's rows, gathered
+        ropes = ((rope.first, rope.second) if isinstance(rope, StreamRope)
+                 else (rope_rows(rope, slice(0, n)), rope_rows(rope, slice(n, None))))
+        (q1, k1, v1), (q2, k2, v2) = (nn.column(par, x, linears, heads=True, heads_out=self.heads_out(r, added))
+                                      for (x, linears, added), r in zip(streams, ropes))
+        k, v = jnp.concatenate([k1, k2], axis=2), jnp.concatenate([v1, v2], axis=2)
+        out_first, out_second = (merge_heads(attend(par, q, k, v, kv_mask, head_major=True, q_scaled=True))
+                                 for q in (q1, q2))
+        return self._outputs(par, out_first, out_second)
+
+    def _outputs(self, par, out_first, out_second):
         encoder_out, hidden_out = (out_first, out_second) if self.context_first else (out_second, out_first)
         hidden_out = nn.row(par, [(hidden_out, self.to_out["0"])])
         encoder_out = nn.row(par, [(encoder_out, self.to_add_out)])
@@ -182,17 +190,14 @@ class JointAttention(nnx.Module):
 class DoubleStreamBlock(nnx.Module):
     """diffusers' `FluxTransformerBlock` / `HunyuanVideoTransformerBlock`: adaLN-zero per
     stream (`norm1`, `norm1_context`), joint attention, gated residuals, a GELU-tanh
-    MLP per stream (`ff`, `ff_context`). `attention`: the joint attention's class
-    (a port's `JointAttention` subclass)."""
-
-    attention = JointAttention
+    MLP per stream (`ff`, `ff_context`)."""
 
     def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_dim: int, *,
                  context_first: bool, clip_fp16: bool = False, eps: float = 1e-6, dtype, rngs: nnx.Rngs):
         self.eps, self.clip_fp16 = eps, clip_fp16
         self.norm1 = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
         self.norm1_context = AdaLN(dim, 6, dtype=dtype, rngs=rngs)
-        self.attn = self.attention(dim, num_attention_heads, attention_head_dim, added_kv=True,
+        self.attn = JointAttention(dim, num_attention_heads, attention_head_dim, added_kv=True,
                                    context_first=context_first, eps=eps, dtype=dtype, rngs=rngs)
         self.ff = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)
         self.ff_context = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)

@@ -39,15 +39,13 @@ concatenation and nothing that depends on P in the parameters.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from difflet_tpu import nn
 from difflet_tpu.layers import (AdaLayerNormContinuous, AdaLN, CombinedTimestepTextProjEmbeddings,
-                                PixArtAlphaTextProjection, TimestepEmbedding, get_timestep_embedding, rms_norm)
-from difflet_tpu.layers.attention import split_heads
+                                PixArtAlphaTextProjection, TimestepEmbedding, get_timestep_embedding)
 from difflet_tpu.layers.mmdit import PLAN as MMDIT_PLAN
 from difflet_tpu.layers.mmdit import (DoubleStreamBlock, JointAttention, PackedProjOut, SingleStreamBlock,
                                       single_stream_rows, stream_rope)
@@ -126,38 +124,9 @@ class CombinedTimestepGuidanceTextProjEmbeddings(nnx.Module):
 # Blocks (the MMDiT family, difflet_tpu/layers/mmdit.py)
 # --------------------------------------------------------------------------
 
-class FluxAttention(JointAttention):
-    """`JointAttention` whose SP path normalises the keys on the joint [txt | img] rows:
-    each stream's per-head sums of squares apart (read through an optimization barrier,
-    as `rms_norm`), then one scaling with a per-row select of the stream's weight, which
-    joins the RoPE / splash relayout fusion of the joint keys. Normalising each stream's
-    keys and then concatenating made XLA write both normalised tensors in passes of their
-    own (docs/benchmarks.md, row 2l). The same float32 operations per element. TP and one
-    device: `JointAttention`'s form (the joint norm priced 1 ms a step slower in the TP
-    program)."""
-
-    def joint_keys(self, par, first, second):
-        (a, a_weight), (b, b_weight) = first, second
-        d = self.head_dim
-        a, b = split_heads(a, d), split_heads(b, d)
-        f = nn.fp32(a.dtype)
-
-        def sum_sq(t):
-            ts = jax.lax.optimization_barrier(t).astype(f)
-            return jnp.sum(ts * ts, axis=-1, keepdims=True)
-
-        # each row's weight by a select on the row index, which fuses into the scaling
-        in_a = (jnp.arange(a.shape[1] + b.shape[1]) < a.shape[1])[:, None, None]
-        scale = jnp.where(in_a, a_weight.scale[...], b_weight.scale[...])
-        return rms_norm(jnp.concatenate([a, b], axis=1), scale, self.eps,
-                        sum_sq=jnp.concatenate([sum_sq(a), sum_sq(b)], axis=1), dim=d)
-
-
 class FluxTransformerBlock(DoubleStreamBlock):
-    """diffusers' `FluxTransformerBlock`: `DoubleStreamBlock` ([txt | img], float16 clip) with
-    `FluxAttention`."""
+    """diffusers' `FluxTransformerBlock`: `DoubleStreamBlock` ([txt | img], float16 clip)."""
 
-    attention = FluxAttention
 
     def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_dim: int, *, dtype, rngs):
         super().__init__(dim, num_attention_heads, attention_head_dim, mlp_dim, context_first=True, clip_fp16=True,

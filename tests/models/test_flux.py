@@ -476,28 +476,3 @@ def test_embedders_over_padded_rows(batch):
     np.testing.assert_allclose(np.asarray(lin(padded)[:batch]), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_joint_qk_norm_matches_per_stream_norms(dtype):
-    """FluxAttention normalises k of [txt | img] in one pass with each row's stream
-    weight: equal to each stream's per-head RMSNorm (float64 numpy) concatenated, and to
-    the shared layer's per-stream `rms_norm` (float32 exactly)."""
-    heads, d, n_txt, n_img = 2, 8, 4, 6
-    attn = tf.FluxAttention(heads * d, heads, d, added_kv=True, eps=1e-6, dtype=dtype, rngs=nnx.Rngs(0))
-    keys = jax.random.split(jax.random.key(3), 4)
-    attn.norm_q.scale[...] = (1 + jax.random.normal(keys[0], (d,))).astype(dtype)
-    attn.norm_added_q.scale[...] = (1 + jax.random.normal(keys[1], (d,))).astype(dtype)
-    txt = jax.random.normal(keys[2], (1, n_txt, heads * d)).astype(dtype)
-    img = jax.random.normal(keys[3], (1, n_img, heads * d)).astype(dtype)
-    out = attn.joint_keys(None, (txt, attn.norm_added_q), (img, attn.norm_q))
-    assert out.shape == (1, n_txt + n_img, heads, d) and out.dtype == dtype
-
-    def ref(x, w):
-        x = np.asarray(x, np.float64).reshape(1, -1, heads, d)
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * np.asarray(w, np.float64)
-
-    want = np.concatenate([ref(txt, attn.norm_added_q.scale[...]), ref(img, attn.norm_q.scale[...])], axis=1)
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
-    if dtype == jnp.float32:
-        shared = tf.JointAttention.joint_keys(attn, None, (txt, attn.norm_added_q), (img, attn.norm_q))
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(shared))
