@@ -328,6 +328,8 @@ def plan(x_shape, widths, dtype, axis_size, *, blocks: _common.StreamBlocks | No
         for tn in _common.column_tile_candidates(widths, blocks.col_tile_limit):
             if any(tn % d for d in head_dims):  # a column tile holds whole heads
                 continue
+            if tn > _common.LANES and not _common.dot_code_fits(len(widths), 2 * B * hc, tk, tn):
+                continue  # the code would pass 2 MiB: a narrower tile
             tiles = _common.row_tiles(2 * B * hc, blocks.row_tile_limit, unit)  # over a step's flat rows
             for held in holds:
                 w_tiles = sum(widths) // tn if held else 2
