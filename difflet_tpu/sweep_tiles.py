@@ -67,8 +67,6 @@ def validate(args, ap):
 def model_sites(spec, preset, shape, batch, mesh, dtype):
     """The distinct kernel sites of the model's SP step on `mesh`, in trace order, with
     how often each was called while tracing (a block scan traces its body once)."""
-    import dataclasses
-
     from difflet_tpu import bench, kernel_tiles
     from difflet_tpu.config import Config
 
@@ -244,8 +242,6 @@ def compile_report(traced):
 
 def sweep(sites, mesh, *, repeats, max_col_tile, compile_only, interpret, log=print):
     """Table rows: per site every candidate's time (or compile report) and the fastest tile."""
-    import dataclasses
-
     rows = []
     for i, (site, calls) in enumerate(sites):
         cands = candidates(site, max_col_tile)

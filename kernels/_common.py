@@ -80,12 +80,13 @@ MAX_CHUNKS = 64  # the most row chunks a streaming plan cuts a half into
 # q/k/v 3 x 1184 x 1024 x 256 -> 1.03 MiB, FLUX's single-block group 4 x 1152 x 1024 x
 # 384 -> 1.84 MiB, Wan's batch-2 q/k/v 3 x 2368 x 1024 x 256 -> 1.92 MiB, HunyuanVideo
 # 320x512x61's single-block group 4 x 2624 x 1024 x 384 -> 3.66 MiB (at tn = 128: 1.34
-# MiB; docs/kernels.md). The all-gather plan keeps its column tile within this budget
-# (down to 128), so its code stays under 2 MiB.
+# MiB; docs/kernels.md). The all-gather plan keeps its column tile within this budget,
+# and where 128 columns do not, cuts the halves into more chunks, so its code stays
+# under 2 MiB.
 MAX_DOT_ELEMENTS = 1.9e9
 
 
-def dot_code_fits(bodies: int, rows: int, tk: int, tn: int) -> bool:
+def dot_code_fits(bodies: float, rows: int, tk: int, tn: int) -> bool:
     """Whether `bodies` unrolled dot bodies of rows x tk x tn stay within MAX_DOT_ELEMENTS."""
     return bodies * rows * tk * tn <= MAX_DOT_ELEMENTS
 
