@@ -130,6 +130,36 @@ def test_epilogue_description_is_validated_and_computes_the_unfused_epilogue():
         cm.Epilogue(jnp.zeros((2, 8)))
 
 
+@pytest.mark.parametrize("impl,assemble", [("jax", "concat"), ("jax", "dus"), ("xla", "concat")])
+def test_head_major_epilogue_follows_the_assembled_rows(impl, assemble):
+    # Epilogue(heads=HeadsOut): the ring adds the bias per chunk and writes heads once the rows
+    # are in global order (RoPE rows, the head-major transpose): equal to HeadsOut on x @ w + b
+    from difflet_tpu.layers.attention import HeadsOut
+
+    rng = np.random.default_rng(8)
+    S, K, D, H = 32, 16, 8, 8  # 2 heads per rank on 4 ranks
+    x = rng.standard_normal((2, S, K)).astype(np.float32)
+    w = rng.standard_normal((K, H * D)).astype(np.float32)
+    b = rng.standard_normal(H * D).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    ang = rng.uniform(-3, 3, (S, D // 2))
+    cos, sin = (np.concatenate([t(ang)] * 2, -1).astype(np.float32) for t in (np.cos, np.sin))
+
+    def f(x, w, b, nw, c, s_):
+        h = HeadsOut(D, nw, 1e-6, (c, s_, True), scale_q=True)
+        return cm.all_gather_matmul(x, [w], impl=impl, assemble=assemble, epilogues=[cm.Epilogue(b, None, False, h)])[0]
+
+    g = jax.shard_map(f, mesh=make_mesh(4), in_specs=(P(None, TP, None), P(None, TP), P(TP), P(), P(), P()),
+                      out_specs=P(None, TP, None, None))
+    got = jax.jit(g)(x, w, b, nw, cos, sin)
+    want = HeadsOut(D, jnp.asarray(nw), 1e-6, (jnp.asarray(cos), jnp.asarray(sin), True), scale_q=True)(
+        jnp.asarray(x @ w + b))
+    assert got.shape == (2, H, S, D)
+    assert rel(got, want) <= 1e-6
+    with pytest.raises(ValueError, match="heads or sums squares"):
+        cm.Epilogue(jnp.asarray(b), None, True, HeadsOut(D))
+
+
 def test_nn_epilogue_is_a_kernel_epilogue_for_bias_and_gelu_tanh_only():
     from flax import nnx
 
@@ -144,6 +174,8 @@ def test_nn_epilogue_is_a_kernel_epilogue_for_bias_and_gelu_tanh_only():
     for other in (ACTIVATIONS["gelu"], ACTIVATIONS["linear-silu"]):  # applied after the kernel, as before
         assert not isinstance(nn.epilogue(lin, other), cm.Epilogue)
     assert nn.epilogue(nn.Linear(8, 16, bias=False, dtype=jnp.float32, rngs=nnx.Rngs(0))) is None
+    with pytest.raises(ValueError, match="no activation"):
+        nn.epilogue(lin, gelu_tanh, heads=object())
 
 
 def test_errors_before_compilation():
