@@ -277,19 +277,21 @@ def test_streaming_epilogues_match_float64_and_the_unfused_path(name, spec, tol,
 
 # q / k / v written head-major by the all-gather kernel (`Heads`, `layers.attention.HeadsOut`):
 # per-head RMSNorm, split-halves RoPE from the gathered rows' tables, q's 1/sqrt(D), next
-# to a row-major GELU weight. rel_err against float64 numpy; unfused_err against the
+# to a row-major GELU weight (rings of 2 through the dispatch, 4 on the kernel itself).
+# rel_err against float64 numpy; unfused_err against the
 # kernel's products followed by `HeadsOut` as XLA passes (float32: the norm's mean of
 # squares summed in another order; bf16: that may flip one rounding in rare elements).
 HEADS_CASES = [
     # (name, spec, rel_err tolerance, unfused_err tolerance)
-    ("f32-ring4-dispatch-qkv-mlp", dict(ring=4, dtype="float32", batch=[1], S=256, K=128,
+    ("f32-ring2-dispatch-qkv-mlp", dict(ring=2, dtype="float32", batch=[1], S=128, K=128,
                                         widths=[256, 256, 256, 128], heads=[[1, 1, 1], [1, 1, 0], [0, 0, 0], None],
                                         act=[None, None, None, "gelu_tanh"]), 1e-5, 1e-6),
     ("bf16-ring2-b2-dispatch", dict(ring=2, dtype="bfloat16", batch=[2], S=128, K=256, widths=[256, 256, 128],
                                     heads=[[1, 1, 1], [1, 1, 0], [0, 0, 0]]), 3e-2, 2 ** -7),
-    # the kernel itself: 40-row halves in ragged 16-row chunks (the last overlaps), a batch of 2,
-    # row tiles of 24 that straddle the segments, the norm without RoPE, RoPE without the norm
-    ("f32-ring4-3chunks-ragged-b2", dict(ring=4, dtype="float32", batch=[2], S=320, K=128, widths=[256, 128, 128],
+    # the kernel itself: 24-row halves in ragged 16-row chunks (the second shifted back to overlap
+    # the first by 8 rows), a batch of 2, row tiles of 24 that straddle the segments, the norm
+    # without RoPE, RoPE without the norm
+    ("f32-ring4-2chunks-ragged-b2", dict(ring=4, dtype="float32", batch=[2], S=192, K=128, widths=[128, 128, 128],
                                          heads=[[1, 1, 1], [1, 0, 0], [0, 1, 0]], chunk_rows=16, col_tile=128,
                                          row_tile=24), 1e-5, 1e-6),
 ]
@@ -305,7 +307,7 @@ def test_head_major_epilogue_matches_float64_and_the_unfused_path(name, spec, to
         want = [None if f is None else True for f in spec["heads"]]
         assert [[h is not None for h in call] for call in r["kernel_heads"]] == [[w is not None for w in want]], r
     else:
-        assert r["chunks"] == 3, r["chunks"]
+        assert r["chunks"] == 2, r["chunks"]
 
 
 # One credit too few: the send at step P (chunk 1's first, where nothing but the
