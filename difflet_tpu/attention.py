@@ -168,18 +168,19 @@ def attention(q, k, v, kv_mask=None, *, impl="xla", interpret=False, head_major=
     """
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
-    if head_major and q.ndim == 4:
-        if impl == "splash" and k.shape == v.shape and k.shape[:2] == q.shape[:2] and k.shape[3] == q.shape[3]:
-            return _splash(q, k, v, kv_mask, interpret, head_major=True, q_scaled=q_scaled)
-        q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
-    if q.ndim != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
-        raise ValueError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} are not [B, S, H, D]"
-                         + (" (given head-major)" if head_major else ""))
-    B, Skv = k.shape[0], k.shape[1]
+    # shapes as [B, S, H, D] whichever the layout
+    qs, ks, vs = (t.shape if t.ndim != 4 or not head_major else (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
+                  for t in (q, k, v))
+    if len(qs) != 4 or ks != vs or ks[0] != qs[0] or ks[2:] != qs[2:]:
+        raise ValueError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} are not "
+                         + ("[B, H, S, D]" if head_major else "[B, S, H, D]"))
+    B, Skv = ks[0], ks[1]
     if kv_mask is not None:
         kv_mask = jnp.broadcast_to(jnp.asarray(kv_mask, bool), (B, Skv))
     if impl == "splash":
-        return _splash(q, k, v, kv_mask, interpret, q_scaled=q_scaled)
+        return _splash(q, k, v, kv_mask, interpret, head_major=head_major, q_scaled=q_scaled)
+    if head_major:
+        q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
     mask = None if kv_mask is None else kv_mask[:, None, None, :]
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0 if q_scaled else None, implementation="xla")
 
@@ -226,7 +227,8 @@ def _splash(q, k, v, kv_mask, interpret, blocks: SplashBlocks | None = None, che
     if check:  # benchmark/attention_blocks.py compiles candidates outside the envelopes too
         blocks.validate()
     sq, skv = blocks.sq, blocks.skv
-    kv_mask = jnp.ones((B, Skv), bool) if kv_mask is None else jnp.broadcast_to(jnp.asarray(kv_mask, bool), (B, Skv))
+    if kv_mask is None:
+        kv_mask = jnp.ones((B, Skv), bool)
     kv_seg = jnp.pad(kv_mask.astype(jnp.int32), ((0, 0), (0, skv - Skv)))  # pad keys: segment 0
     q_seg = jnp.ones((B, sq), jnp.int32)
     # the kernel does not scale q; it takes [B, H, S, D] (padded rows only where the blocks need them)

@@ -304,9 +304,16 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
             ys = kernel.all_gather_matmul_stream(x, stacks, layer=layer, biases=biases, activations=acts,
                                                  sum_squares=ssq, heads=heads, norms=norms, rope=rope,
                                                  axis_name=axis_name, blocks=blocks, interpret=interpret)
-            # what the kernel did not do follows it: other callables, and heads it could not write
-            return [y if e is None else (e(y) if not f else e.heads(y) if e.heads is not None and hd is None else y)
-                    for y, e, f, hd in zip(ys, epilogues, fused, heads)]
+            # what the kernel did not do follows it: callables that are not `Epilogue`s, and heads
+            # it could not write
+            out = []
+            for y, e, f, hd in zip(ys, epilogues, fused, heads):
+                if e is not None and not f:
+                    y = e(y)
+                elif f and e.heads is not None and hd is None:
+                    y = e.heads(y)
+                out.append(y)
+            return out
         _notice_fallback("all_gather_matmul", (x.shape, tuple(w.shape for w in weights), str(x.dtype)), reason)
     rowwise = [e.rowwise() if isinstance(e, Epilogue) else e for e in epilogues]
     ys = _ag_ring(x, [as_array(w) for w in weights], rowwise, axis_name, P, assemble)

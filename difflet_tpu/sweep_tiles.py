@@ -150,22 +150,18 @@ def site_call(site, tn, mesh, interpret):
                      for q, h in zip(site.sum_squares, heads)]
         S = R * xs[-2]
 
-        def heads_out(h):  # the head-major epilogue with unit norm weights and flat tables (values
-            # do not change the kernel's time)
-            if h is None:
-                return None
+        def body(*a):
             from difflet_tpu.layers.attention import HeadsOut
 
-            rope = (jnp.ones((S, h.head_dim), jnp.float32), jnp.zeros((S, h.head_dim), jnp.float32), True)
-            return HeadsOut(h.head_dim, jnp.ones((h.head_dim,), dtype) if h.norm else None, h.eps,
-                            rope if h.rope else None, h.scale is not None)
-
-        def body(*a):
             layer = a[-1]
             bias = lambda i: None if i is None else (a[i] if a[i].ndim == 1 else cm.LayerWeight(a[i], layer))
-            hs = [heads_out(h) for h in heads]
-            ropes = [h.rope for h in hs if h is not None and h.rope is not None]
-            hs = [h if h is None or h.rope is None else dataclasses.replace(h, rope=ropes[0]) for h in hs]
+            # the head-major epilogues with unit norm weights and one pair of flat tables (values do
+            # not change the kernel's time; the call's RoPE weights share the pair, as in a model)
+            D = next((h.head_dim for h in heads if h is not None), 0)
+            rope = (jnp.ones((S, D), jnp.float32), jnp.zeros((S, D), jnp.float32), True)
+            hs = [None if h is None else HeadsOut(h.head_dim, jnp.ones((h.head_dim,), dtype) if h.norm else None,
+                                                  h.eps, rope if h.rope else None, h.scale is not None)
+                  for h in heads]
             epilogues = [cm.Epilogue(bias(i), act, q, h)
                          for i, act, q, h in zip(bias_at, site.activations, site.sum_squares, hs)]
             weights = [cm.LayerWeight(w, layer) for w in a[1:1 + n]]

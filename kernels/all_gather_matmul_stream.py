@@ -202,6 +202,11 @@ class Heads(NamedTuple):
     rope: bool = False
     scale: float | None = None
 
+    @property
+    def transforms(self) -> bool:
+        """Whether the epilogue changes values (else it only writes the heads where they go)."""
+        return self.norm or self.rope or self.scale is not None
+
 
 def heads_reason(head_dim: int, split: bool = True) -> str | None:
     """None if the kernel writes heads of `head_dim` channels (with split-halves RoPE
@@ -320,7 +325,7 @@ def plan(x_shape, widths, dtype, axis_size, *, blocks: _common.StreamBlocks | No
     head_dims = [hd.head_dim for hd in heads if hd is not None]
     # unrolled bodies for the code budget: one per weight, half one per head-major epilogue that
     # normalises, rotates or scales (FLUX's single-block group: 1.84 -> 2.00 MiB with q's and k's)
-    bodies = len(widths) + 0.5 * sum(1 for hd in heads if hd is not None and (hd.norm or hd.rope or hd.scale))
+    bodies = len(widths) + 0.5 * sum(1 for hd in heads if hd is not None and hd.transforms)
     if not blocks.row_tile_limit:
         return "row_tile_limit must be positive", None
     tk = _common.depth_tile(K, blocks.depth_tile_limit)
@@ -395,19 +400,22 @@ def _write_heads(tn, head: Heads, norm_w, rbuf, obuf, par, *, unit):
     rows = obuf.shape[1]
     rb = _head_row_block(rows, unit)
     nblk = rows // rb
+    # loop invariants: the norm weight row, rot's sign per lane, the scale as rounded to x's dtype
+    w = norm_w[pl.ds(0, 1), :].astype(f) if head.norm else None
+    sign = jnp.where(lax.broadcasted_iota(jnp.int32, (1, D), 1) < D // 2, -1.0, 1.0).astype(f) if head.rope else None
+    scale = jnp.asarray(head.scale, dt).astype(f) if head.scale is not None else None
 
     def block(u, carry, lanes):
         r = pl.ds(pl.multiple_of(u * rb, rb), rb)
         t = obuf[par, r, lanes].astype(f)
         if head.norm:
             ms = jnp.sum(t * t, axis=-1, keepdims=True) / D
-            t = ((t * lax.rsqrt(ms + head.eps)) * norm_w[pl.ds(0, 1), :].astype(f)).astype(dt).astype(f)
+            t = ((t * lax.rsqrt(ms + head.eps)) * w).astype(dt).astype(f)
         if head.rope:
-            sign = jnp.where(lax.broadcasted_iota(jnp.int32, (1, D), 1) < D // 2, -1.0, 1.0).astype(f)
             rot = pltpu.roll(t, D // 2, 1) * sign
             t = (t * rbuf[0, r, :] + rot * rbuf[1, r, :]).astype(dt).astype(f)
-        if head.scale is not None:
-            t = t * jnp.asarray(head.scale, dt).astype(f)
+        if scale is not None:
+            t = t * scale
         obuf[par, r, lanes] = t.astype(dt)
         return carry
 
@@ -469,7 +477,7 @@ def _multiply_rows(xbuf, slot, wref, bias, act, obuf, par, sbuf, sp, col, *, B, 
                 rows = pl.ds(a - g * hc, e - a)
                 prev = sbuf[sp, d, b, :, rows]
                 sbuf[sp, d, b, :, rows] = jnp.where(col > 0, prev + part, part)
-    if head is not None and (head.norm or head.rope or head.scale is not None):
+    if head is not None and head.transforms:
         _write_heads(obuf.shape[2], head, norm_w, rbuf, obuf, par, unit=unit)
 
 
