@@ -49,14 +49,15 @@ class Config:
         into a buffer) (`DIFFLET_TPU_SP_AG_ASSEMBLE`).
     sp_single: HunyuanVideo's single-stream blocks under SP too (`DIFFLET_TPU_SP_SINGLE`).
     sp_cross_local: under SP, cross-attention runs on this rank's rows alone, with
-        every head (`DIFFLET_TPU_SP_CROSS_LOCAL`; Wan): its q and output projections
-        replicated over tp (the port's `PortSpec.sp_local_plan`) and the text K/V of
-        all heads, so the cross-attention needs no ring (its all-gather and
-        reduce-scatter hops are ICI-bound at Wan's shapes). Costs the replicated
-        weights' memory (Wan2.1-14B: +3.1 GB per chip) and, in a step that computes
-        the text K/V itself, one all-gather of each layer's K/V heads; the cached K/V
-        (`Runner.encode_text`) is then stored with all heads on every rank. TP and
-        one device ignore it; so do models without the mechanism.
+        every head (`DIFFLET_TPU_SP_CROSS_LOCAL`; Wan's text cross-attention, LTX-2's
+        audio-to-video attention): its q and output projections replicated over tp
+        (the port's `PortSpec.sp_local_plan`) and the K/V of all heads, so the
+        cross-attention needs no ring (its all-gather and reduce-scatter hops are
+        ICI-bound at these shapes). Costs the replicated weights' memory
+        (Wan2.1-14B: +3.1 GB per chip, LTX-2.0: +1.1 GiB) and, in a step that
+        computes the K/V itself, one all-gather of each layer's K/V heads; Wan's
+        cached K/V (`Runner.encode_text`) is then stored with all heads on every
+        rank. TP and one device ignore it; so do models without the mechanism.
     sp_pad: under SP, pad token streams that do not split into whole ring halves
         (pad keys masked); False refuses them with the rule (`DIFFLET_TPU_SP_PAD`).
         The Runner's `pad=` argument overrides it.

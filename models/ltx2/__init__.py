@@ -30,6 +30,8 @@ SPEC = port_spec(
     # The JAX ring under SP on TPU: the Pallas all-gather kernel measured flat
     # here in the reference PR (the step is ICI-bound).
     ag_default="jax",
+    # Config.sp_cross_local: audio_to_video_attn's q / out projections replicated under SP
+    sp_local_plan=model.SP_LOCAL_PLAN,
 )
 
 __all__ = ["SPEC", "IGNORED_KEYS", "CLASS_NAME", "PRESETS", "LTX2Config", "config_from_diffusers", "PLAN",

@@ -34,7 +34,7 @@ from difflet_tpu.layers import (FeedForward, PixArtAlphaTextProjection, RMSNorm,
                                 split_heads)
 from difflet_tpu.layers import apply_rotary_emb as rotate
 from difflet_tpu.layers.attention import rotation_matrix
-from difflet_tpu.parallel import COLUMN, ROW, SHARDED
+from difflet_tpu.parallel import COLUMN, REPLICATED, ROW, SHARDED
 
 from .config import LTX2Config
 
@@ -73,6 +73,18 @@ PLAN = {
     "*time_embed.linear": COLUMN,
     "av_cross_attn_*.linear": COLUMN,
     "*prompt_adaln.linear": COLUMN,
+}
+
+# Under SP with `Parallel.cross_local` (Config.sp_cross_local): audio-to-video
+# attention's queries and output on this rank's video rows with every head, from
+# replicated weights, so no ring runs there (both of its rings move 4096-wide video
+# rows for 2048-wide products: ICI-bound hops). The audio K/V keep the TP plan and
+# are gathered by heads in the block (the audio rows are few and replicated).
+SP_LOCAL_PLAN = {
+    "transformer_blocks.audio_to_video_attn.to_q": REPLICATED,
+    "transformer_blocks.audio_to_video_attn.norm_q": REPLICATED,
+    "transformer_blocks.audio_to_video_attn.to_gate_logits": REPLICATED,
+    "transformer_blocks.audio_to_video_attn.to_out.0": REPLICATED,
 }
 
 TEXT_MASK_BIAS = -10000.0  # diffusers: (1 - mask) * -10000.0
@@ -200,11 +212,13 @@ class LTX2Attention(nnx.Module):
 
         query = rms_norm_across_heads(qpar, query, self.norm_q.scale[...], self.norm_eps, self.inner_dim,
                                       sum_sq=query_ssq)
-        key = rms_norm_across_heads(qpar, key, self.norm_k.scale[...], self.norm_eps, self.inner_dim,
+        key = rms_norm_across_heads(kvpar, key, self.norm_k.scale[...], self.norm_eps, self.inner_dim,
                                     sum_sq=key_ssq)
         if query_rotary_emb is not None:
             query = apply_rotary_emb(qpar, query, query_rotary_emb)
-            key = apply_rotary_emb(qpar, key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
+            key = apply_rotary_emb(kvpar, key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
+        if qpar.size < kvpar.size:  # queries with every head (`SP_LOCAL_PLAN`): so the keys and values
+            key, value = kvpar.gather_columns(key), kvpar.gather_columns(value)
 
         qpar.local_heads(self.heads)  # a clear error if the heads do not divide over the ranks
         split = lambda t: split_heads(t, self.head_dim)
@@ -256,6 +270,7 @@ class BlockInputs(NamedTuple):
     audio_rotary_emb: Rope
     ca_video_rotary_emb: Rope
     ca_audio_rotary_emb: Rope
+    ca_video_local_rotary_emb: Rope | None  # this rank's video rows, every channel (SP_LOCAL_PLAN)
     encoder_attention_mask: jax.Array | None  # additive (B, 1, L)
     audio_encoder_attention_mask: jax.Array | None
     video_kv_mask: jax.Array | None  # bool [Nv_padded]: False for pad rows
@@ -407,9 +422,11 @@ class LTX2VideoTransformerBlock(nnx.Module):
                 mod_norm_hidden_states = norm_hidden_states * (1 + video_a2v_ca_scale) + video_a2v_ca_shift
                 mod_norm_audio_hidden_states = norm_audio_hidden_states * (1 + audio_a2v_ca_scale) \
                     + audio_a2v_ca_shift
+                local = par.cross_local and par.seq_sharded  # SP_LOCAL_PLAN
                 a2v_attn_hidden_states = self.audio_to_video_attn(
-                    par, apar, mod_norm_hidden_states, mod_norm_audio_hidden_states,
-                    query_rotary_emb=b.ca_video_rotary_emb, key_rotary_emb=b.ca_audio_rotary_emb)
+                    par.local() if local else par, apar, mod_norm_hidden_states, mod_norm_audio_hidden_states,
+                    query_rotary_emb=b.ca_video_local_rotary_emb if local else b.ca_video_rotary_emb,
+                    key_rotary_emb=b.ca_audio_rotary_emb)
                 hidden_states = hidden_states + a2v_gate * a2v_attn_hidden_states
 
             # 3.3. v2a: Q audio, K/V video (gathered rows, pad keys dropped); output all-reduced
@@ -509,6 +526,8 @@ class LTX2VideoTransformer3DModel(nnx.Module):
         # 1. RoPE tables (this rank's channels)
         groups = rope_groups(c)
         ropes = {k: Rope(inputs[f"rope_{k}_cos"], inputs[f"rope_{k}_sin"], groups[k]) for k in groups}
+        ropes["ca_video_local"] = (Rope(inputs["rope_ca_video_local_cos"], inputs["rope_ca_video_local_sin"],
+                                        groups["ca_video"]) if "rope_ca_video_local_cos" in inputs else None)
 
         # 2. Input projections
         hidden_states = self.proj_in(hidden_states)
@@ -550,6 +569,7 @@ class LTX2VideoTransformer3DModel(nnx.Module):
             encoder_hidden_states, audio_encoder_hidden_states, temb, temb_audio, video_cross_attn_scale_shift,
             audio_cross_attn_scale_shift, video_cross_attn_a2v_gate, audio_cross_attn_v2a_gate, temb_prompt,
             temb_prompt_audio, ropes["video"], ropes["audio"], ropes["ca_video"], ropes["ca_audio"],
+            ropes["ca_video_local"],
             encoder_attention_mask, audio_encoder_attention_mask, inputs.get("video_kv_mask"),
             None if perturbation_mask is None else perturbation_mask.reshape(-1, 1, 1),
             inputs.get("stg_layers"))

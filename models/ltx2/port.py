@@ -234,6 +234,12 @@ def prepare(run, kwargs: dict) -> Prepared:
         spec = CHANNELS if cos.shape[0] == 1 else P(BATCH, None, TP)
         put(f"rope_{name}_cos", cos, spec)
         put(f"rope_{name}_sin", sin, spec)
+    if run.par.cross_local and run.par.seq_sharded:
+        # a2v's queries on this rank's video rows with every head (model.SP_LOCAL_PLAN):
+        # their table by rows, every channel
+        spec = run.row_spec(batch=None if tables["ca_video"][0].shape[0] == 1 else 0)
+        put("rope_ca_video_local_cos", tables["ca_video"][0], spec)
+        put("rope_ca_video_local_sin", tables["ca_video"][1], spec)
 
     # LTX-2.5 keyframe marker
     km = kw["video_keyframes_mask"]

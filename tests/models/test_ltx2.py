@@ -15,12 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from difflet_tpu.testing import read_fixture_io, rel_l2
 from difflet_tpu import weights
 from difflet_tpu.config import Config
 from difflet_tpu.layers import rms_norm
-from difflet_tpu.mesh import make_mesh
+from difflet_tpu.mesh import TP, make_mesh
 from difflet_tpu.models import ltx2
 from difflet_tpu.models.ltx2 import model as ltx2_model
 from difflet_tpu.models.ltx2 import rope as ltx2_rope
@@ -157,6 +158,29 @@ def test_sp_pad_keys_never_change_the_output():
         # the mechanism removed: pad keys attended to
         s3, a3 = run({k: v for k, v in garbage.items() if k != "video_kv_mask"})
         assert rel(s3, ref_s) > 1e-3 and rel(a3, ref_a) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["ltx2_pad", "ltx2_batch2"])
+def test_sp_cross_local_float64(case):
+    """Config.sp_cross_local: audio-to-video attention's queries and output on each
+    rank's video rows with every head (to_q / norm_q / to_out replicated, the audio
+    K/V gathered by heads, the q table by rows) equals the one-device model in
+    float64, padded rows and batch 2 alike; off, those weights keep the column /
+    row plan and the rings run. A wrong table row, head or gather would not match
+    to 1e-12."""
+    with jax.enable_x64(True):
+        ref_s, ref_a = run_f64(case)
+        model, mesh = load(case, 4, jnp.float64)
+        for local in (True, False):
+            r = ltx2.Runner(model, mesh, Config(sp_cross_local=local), mode="sp")
+            assert r.par.cross_local is local
+            attn = r.model.transformer_blocks.audio_to_video_attn
+            assert attn.to_q.kernel[...].sharding.spec == (P() if local else P(None, None, TP))
+            assert attn.to_out["0"].kernel[...].sharding.spec == (P() if local else P(None, TP, None))
+            assert ("rope_ca_video_local_cos" in r.prepare(f64(fixture(case)[0])).inputs) is local
+            s, a = run_f64(case, runner=r)
+            assert rel(s, ref_s) <= 1e-12 and rel(a, ref_a) <= 1e-12
 
 
 def test_sp_refuses_input_it_cannot_split():
