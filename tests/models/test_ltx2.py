@@ -166,11 +166,21 @@ def test_sp_cross_local_float64(case):
     """Config.sp_cross_local: audio-to-video attention's queries and output on each
     rank's video rows with every head (to_q / norm_q / to_out replicated, the audio
     K/V gathered by heads, the q table by rows) equals the one-device model in
-    float64, padded rows and batch 2 alike; off, those weights keep the column /
-    row plan and the rings run. A wrong table row, head or gather would not match
-    to 1e-12."""
+    float64: 27 video rows padded to 32 on 4 ranks; batch 2 with per-sample video
+    coordinates (per-sample tables, the second sample's shifted in time). Off,
+    those weights keep the column / row plan and the rings run. A wrong table
+    row, head or gather would not match to 1e-12."""
     with jax.enable_x64(True):
-        ref_s, ref_a = run_f64(case)
+        kw = f64(fixture(case)[0])
+        if case == "ltx2_batch2":
+            c = load(case, None, jnp.float64)[0].config
+            coords = ltx2_rope.video_coords(
+                2, int(kw["num_frames"]), int(kw["height"]), int(kw["width"]), float(kw["fps"]),
+                patch_size=c.patch_size, patch_size_t=c.patch_size_t, scale_factors=c.vae_scale_factors,
+                causal_offset=c.causal_offset)
+            coords[1, 0] += 0.5
+            kw["video_coords"] = coords
+        ref_s, ref_a = run_f64(case, kwargs=kw)
         model, mesh = load(case, 4, jnp.float64)
         for local in (True, False):
             r = ltx2.Runner(model, mesh, Config(sp_cross_local=local), mode="sp")
@@ -178,8 +188,8 @@ def test_sp_cross_local_float64(case):
             attn = r.model.transformer_blocks.audio_to_video_attn
             assert attn.to_q.kernel[...].sharding.spec == (P() if local else P(None, None, TP))
             assert attn.to_out["0"].kernel[...].sharding.spec == (P() if local else P(None, TP, None))
-            assert ("rope_ca_video_local_cos" in r.prepare(f64(fixture(case)[0])).inputs) is local
-            s, a = run_f64(case, runner=r)
+            assert ("rope_ca_video_local_cos" in r.prepare(kw).inputs) is local
+            s, a = run_f64(case, kwargs=kw, runner=r)
             assert rel(s, ref_s) <= 1e-12 and rel(a, ref_a) <= 1e-12
 
 
