@@ -27,9 +27,12 @@ SPEC = port_spec(
     pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedulers.ltx2_schedule(
         steps, inputs["hidden_states"].shape[1]), steps=30, guidance=3.0, guidance_mode="cfg",
         latent_keys=("hidden_states", "audio_hidden_states"), latent_guidance={"audio_hidden_states": 7.0}),
-    # The JAX ring under SP on TPU: the Pallas all-gather kernel measured flat
-    # here in the reference PR (the step is ICI-bound).
-    ag_default="jax",
+    # The Pallas all-gather kernel under SP on TPU. The reference PR measured its
+    # own kernel flat here and kept the ring; this one (with the reduce-scatter
+    # kernel at ICI-bound sites and a2v on local rows) estimates 171.6 ms a step
+    # at 480x704x49 on a v5e-4 against 266.3 for the JAX rings, which would be
+    # slower than TP (255.8). Estimates, docs/benchmarks.md row 4b.
+    ag_default="pallas",
     # Config.sp_cross_local: audio_to_video_attn's q / out projections replicated under SP
     sp_local_plan=model.SP_LOCAL_PLAN,
 )
