@@ -120,7 +120,7 @@ CALIBRATION: dict = {
 # Measured v5e-4 step times of the reference PR (ms per denoise step, batch 1):
 # family -> (shape, TP, SP with JAX rings, SP with the PR's defaults). HunyuanVideo's
 # ring column is the PR's dual-stream-only SP (its single-stream ring SP: 500.7).
-# LTX-2's default is the ring. Calibration fits on the TP column only.
+# The PR's own LTX-2 default was its ring. Calibration fits on the TP column only.
 REFERENCE_PR = {
     "wan": ("480x832x9", 360.7, 292.4, 249.2),
     "flux": ("1024x1024", 175.2, 156.5, 140.6),
