@@ -13,9 +13,10 @@ leaf only. One forward serves every parallel mode through `Parallel`:
   row-parallel output).
 
 RoPE tables are computed on the host (`rope.py`) and arrive sharded over
-heads; the text masks are diffusers' additive -10000 bias; video pad rows
-(added eagerly by the Runner for SP) are dropped as keys in video
-self-attention and in v2a (video keys).
+heads (audio-to-video attention's q table also by rows, for `SP_LOCAL_PLAN`);
+the text masks are diffusers' additive -10000 bias; video pad rows (added
+eagerly by the Runner for SP) are dropped as keys in video self-attention and
+in v2a (video keys).
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ class LTX2Attention(nnx.Module):
         if query_rotary_emb is not None:
             query = apply_rotary_emb(qpar, query, query_rotary_emb)
             key = apply_rotary_emb(kvpar, key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
-        if qpar.size < kvpar.size:  # queries with every head (`SP_LOCAL_PLAN`): so the keys and values
+        if qpar.size < kvpar.size:  # queries with every head (`SP_LOCAL_PLAN`): keys and values too
             key, value = kvpar.gather_columns(key), kvpar.gather_columns(value)
 
         qpar.local_heads(self.heads)  # a clear error if the heads do not divide over the ranks
