@@ -282,7 +282,8 @@ for mode in MODES:
                      kernels=compiled.as_text().count("tpu_custom_call"),
                      attn_impl=r.par.attn_impl, ag_impl=r.par.ag_impl,
                      # the weights the Runner's plan replicates beyond the port's PLAN (its
-                     # sp_local_plan: Wan's cross-attention under SP, Config.sp_cross_local)
+                     # sp_local_plan under SP with Config.sp_cross_local: Wan's cross-attention,
+                     # LTX-2's audio-to-video attention)
                      extra_replicated=runtime.tree_bytes_per_device(r._state) - runtime.bytes_per_device(model))
 print(json.dumps(out))
 """
@@ -325,8 +326,8 @@ def test_deviceless_v5e_2x2_compile_fits(port, monkeypatch):
         # the big linears (adaLN too) are sharded over the 4 chips: a quarter of the weights
         # per chip plus small replicated ones (0.25-0.27 of them measured; FLUX's adaLN,
         # 27% of its weights, left replicated would make it 0.46)
-        # (plus what the Runner's plan replicates beyond PLAN: Wan's attn2 to_q / to_out under
-        # SP with Config.sp_cross_local, 15% of its weights)
+        # (plus what the Runner's plan replicates beyond PLAN under SP with Config.sp_cross_local:
+        # Wan's attn2 to_q / to_out, 15% of its weights; LTX-2's audio_to_video_attn q / out)
         assert weight_bytes / 4 <= rep["arguments"] < 0.29 * weight_bytes + rep["extra_replicated"]
         assert rep["extra_replicated"] < 0.12 * weight_bytes
         assert rep["attn_impl"] == "splash" and rep["kernels"] >= 1

@@ -172,8 +172,9 @@ def test_sp_cross_local_float64(case):
     row, head or gather would not match to 1e-12."""
     with jax.enable_x64(True):
         kw = f64(fixture(case)[0])
+        model, mesh = load(case, 4, jnp.float64)
         if case == "ltx2_batch2":
-            c = load(case, None, jnp.float64)[0].config
+            c = model.config
             coords = ltx2_rope.video_coords(
                 2, int(kw["num_frames"]), int(kw["height"]), int(kw["width"]), float(kw["fps"]),
                 patch_size=c.patch_size, patch_size_t=c.patch_size_t, scale_factors=c.vae_scale_factors,
@@ -181,7 +182,6 @@ def test_sp_cross_local_float64(case):
             coords[1, 0] += 0.5
             kw["video_coords"] = coords
         ref_s, ref_a = run_f64(case, kwargs=kw)
-        model, mesh = load(case, 4, jnp.float64)
         for local in (True, False):
             r = ltx2.Runner(model, mesh, Config(sp_cross_local=local), mode="sp")
             assert r.par.cross_local is local
