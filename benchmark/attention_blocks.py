@@ -4,7 +4,7 @@
     python benchmark/attention_blocks.py table [--topology v5e:2x2]
 
 `run` compiles, for every case below (one fresh process per case: deviceless
-compiles need their own libtpu), difflet_tpu.attention's splash call (one
+compiles need their own libtpu), difflet_tpu.layers.sdpa's splash call (one
 chip, `[1, S, heads per rank, 128]` bf16 with a key mask) with the block sizes
 `splash_blocks` chooses, with the previous rule's (`previous_blocks`), and for
 the `--candidates` cases with every candidate (block_q, block_kv in
@@ -12,7 +12,7 @@ the `--candidates` cases with every candidate (block_q, block_kv in
 longer than the 128-rounded axis becomes that axis). Per compile it records:
 whether Mosaic accepted it, the VMEM the kernel requests (the compiler's
 `used_scoped_memory_configs`), the program's HBM (`memory_analysis`), and the
-project estimator's price (difflet_tpu.estimate: splash by a roofline of its
+project estimator's price (difflet_tpu.tools.estimate: splash by a roofline of its
 padded shapes, the pads and transposes around it by the compiler's cycles).
 `table` adds what the block sizes alone determine (grid steps, padding, the
 kernel's HBM bytes with k and v fetched once per row of q blocks, the estimate
@@ -55,7 +55,7 @@ CASES = {
 
 
 def candidates(sq, skv):
-    from difflet_tpu.attention import LANE, SplashBlocks, _round_up
+    from difflet_tpu.layers.sdpa import LANE, SplashBlocks, _round_up
 
     out = []
     for bq in (512, 1024, 2048):
@@ -75,7 +75,7 @@ def previous_blocks(sq, skv):
     """The rule before this table (main up to 32322eb): pad to 128 rows (512 when there are
     more than 65536 pairs of 128-row blocks), block_q = block_kv = block_kv_compute = the
     largest of 512/256/128 dividing the padded length."""
-    from difflet_tpu.attention import SplashBlocks, _round_up
+    from difflet_tpu.layers.sdpa import SplashBlocks, _round_up
 
     unit = 512 if -(-sq // 128) * -(-skv // 128) > 65536 else 128
     psq, pskv = _round_up(sq, unit), _round_up(skv, unit)
@@ -90,7 +90,7 @@ def analytic(b, sq, skv, heads, d, chip):
     # q and out once; k and v once per q block (their block index changes every grid step, so the
     # pipeline fetches them again for every row of q blocks), once in all when there is one kv block
     hbm = heads * d * 2 * (2 * b.sq + 2 * (nq if nkv > 1 else 1) * b.skv)
-    from difflet_tpu.estimate import CHIPS
+    from difflet_tpu.tools.estimate import CHIPS
 
     c = CHIPS[chip]
     return dict(grid_steps=heads * nq * nkv, pad_flops_pct=100 * (b.sq * b.skv / (sq * skv) - 1),
@@ -101,10 +101,10 @@ def analytic(b, sq, skv, heads, d, chip):
 
 _CHILD = r"""
 import json, re, sys, time
-from difflet_tpu import deviceless
+from difflet_tpu.tools import deviceless
 import jax, jax.numpy as jnp
-from difflet_tpu import estimate as E
-from difflet_tpu.attention import SplashBlocks, _splash
+from difflet_tpu.tools import estimate as E
+from difflet_tpu.layers.sdpa import SplashBlocks, _splash
 sq, skv, H, D, chip, blocks = json.loads(sys.argv[1])
 dev = deviceless.topology_devices(%(topology)r)[0]
 s = jax.sharding.SingleDeviceSharding(dev)
@@ -140,8 +140,8 @@ print(json.dumps(rows))
 
 
 def run(args):
-    from difflet_tpu import deviceless
-    from difflet_tpu.attention import splash_blocks
+    from difflet_tpu.tools import deviceless
+    from difflet_tpu.layers.sdpa import splash_blocks
 
     chip = args.topology.split(":")[0]
     out = pathlib.Path(args.out or ROOT / "benchmark" / "results" / f"attention_blocks_{chip}.json")
@@ -170,7 +170,7 @@ def run(args):
         code = f"import sys; sys.argv = ['x', {payload!r}]\n" + code
         rows = deviceless.run_python(code, topology=args.topology, timeout=3600)
         for r in rows:
-            from difflet_tpu.attention import SplashBlocks
+            from difflet_tpu.layers.sdpa import SplashBlocks
 
             r.update(analytic(SplashBlocks(*r["blocks"]), sq, skv, heads, d, chip))
         # keep the rows of earlier runs (other candidates) that this run did not recompile
@@ -207,9 +207,9 @@ def table(args):
     chip = args.topology.split(":")[0]
     out = pathlib.Path(args.out or ROOT / "benchmark" / "results" / f"attention_blocks_{chip}.json")
     data = json.loads(out.read_text())
-    from difflet_tpu.attention import SplashBlocks
+    from difflet_tpu.layers.sdpa import SplashBlocks
 
-    from difflet_tpu.attention import splash_blocks
+    from difflet_tpu.layers.sdpa import splash_blocks
 
     for c in data["cases"].values():  # flags and block-size arithmetic recomputed, compiled fields kept
         chosen = list(splash_blocks(c["sq"], c["skv"]).__dict__.values())

@@ -2,7 +2,7 @@
 collective matmul vs unfused all_gather / psum_scatter + dot.
 
 Variants (all inside `jax.shard_map` over a 4-way `tp` ring):
-  kernel   difflet_tpu.collective_matmul with impl="pallas" (difflet_tpu.kernels)
+  kernel   difflet_tpu.parallel.collective_matmul with impl="pallas" (difflet_tpu.kernels)
   ring     impl="jax": the bidirectional ring of collective-permutes in plain JAX
   xla-cm   impl="xla" (lax.all_gather + dot, dot + lax.psum_scatter) compiled with
            xla_tpu_{all_gather,reduce_scatter}_collective_matmul_mode=POST_SPMD,
@@ -53,7 +53,7 @@ def build(name, variant, mesh):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from difflet_tpu import collective_matmul as cm
+    from difflet_tpu.parallel import collective_matmul as cm
 
     kind, S, K, widths, N = SHAPES[name]
     impl = {"kernel": "pallas", "ring": "jax", "xla-cm": "xla", "unfused": "xla"}[variant]
@@ -151,7 +151,7 @@ def cycle_report(text):
     """Sum of estimated_cycles over the scheduled ops of the entry computation
     and of every while body (counted trip-count times; a fusion's own estimate
     covers its body), and the async collectives / Pallas kernels run."""
-    from difflet_tpu import hlo
+    from difflet_tpu.tools import hlo
 
     module = hlo.parse(text)
     weight = {module.entry: 1}
@@ -202,8 +202,8 @@ def kernel_plan(name):
 
 
 def compile_only(args):
-    from difflet_tpu import deviceless
-    from difflet_tpu.estimate import CHIPS
+    from difflet_tpu.tools import deviceless
+    from difflet_tpu.tools.estimate import CHIPS
     from difflet_tpu.kernels import _common
 
     mesh = deviceless.topology_mesh(args.topology)
@@ -269,7 +269,7 @@ def timed(args):
     import jax
     import numpy as np
 
-    from difflet_tpu.mesh import make_mesh
+    from difflet_tpu.parallel.mesh import make_mesh
 
     if jax.default_backend() != "tpu":
         sys.exit("no TPU here: use --compile-only for compiler estimates")
@@ -314,7 +314,7 @@ def main():
         if v not in VARIANTS:
             ap.error(f"unknown variant {v!r}")
     if args.compile_only:
-        from difflet_tpu import deviceless
+        from difflet_tpu.tools import deviceless
 
         deviceless.setup_process(args.topology)  # before jax initialises
         compile_only(args)

@@ -6,7 +6,7 @@
 `run` calls `python -m difflet_tpu.bench --compile-only` once per case (one
 process each: deviceless compiles need a fresh libtpu) and keeps its JSON.
 `table` fits the estimator's one calibration factor on the reference PR's TP
-rows only (difflet_tpu.estimate.fit_nonmatmul_scale), reports how well it
+rows only (difflet_tpu.tools.calibration.fit_nonmatmul_scale), reports how well it
 then predicts the PR's SP rows, and prints the markdown table.
 Everything here is an ESTIMATE from the compiled schedule, not a measurement.
 """
@@ -44,7 +44,7 @@ CASES = {
     # the loop's actual step with classifier-free guidance: one batch-2 call
     "wan_cfg": ("wan:Wan2.1-T2V-14B", ["--height", "480", "--width", "832", "--frames", "9"], "tp,sp-pallas"),
     "ltx2_cfg": ("ltx2:ltx-2.0", ["--height", "480", "--width", "704", "--frames", "49"], "tp,sp-pallas"),
-    # Qwen-Image (issue 16): not in estimate.REFERENCE_PR, so not in the calibration fit
+    # Qwen-Image (issue 16): not in calibration.REFERENCE_PR, so not in the calibration fit
     "qwen_image": ("qwen_image:qwen-image", ["--height", "1024", "--width", "1024", "--guidance", "1"], "all"),
     "qwen_image_1328": ("qwen_image:qwen-image", ["--height", "1328", "--width", "1328", "--guidance", "1"],
                         "tp,sp,sp-pallas"),
@@ -63,7 +63,7 @@ def command(name, topology, out_dir, hlo_dir=HLO_DIR):
 
 def reestimate(args):
     """Recomputes every JSON's estimates from the dumped HLO (after an estimator change, no recompile)."""
-    from difflet_tpu import estimate as E
+    from difflet_tpu.tools import estimate as E
 
     for name in CASES:
         p = pathlib.Path(args.out) / f"{name}.json"
@@ -109,17 +109,17 @@ def load(out_dir):
 
 def fit(res):
     """The calibration factor from TP rows only; returns (k, rows)."""
-    from difflet_tpu import estimate as E
+    from difflet_tpu.tools import calibration, estimate as E
 
     rows = []
-    for fam, (_, tp_ms, _, _) in E.REFERENCE_PR.items():
+    for fam, (_, tp_ms, _, _) in calibration.REFERENCE_PR.items():
         r = res.get(fam, {}).get("tp")
         if r is None:
             continue
         b = r.get("breakdown_raw", r["breakdown"])
         rows.append((E.Estimate(total=b["step_ms"] / 1e3, invalid=b.get("invalid_unscaled_ms", b["nonmatmul_ms"]) / 1e3),
                      tp_ms / 1e3))
-    return (E.fit_nonmatmul_scale(rows) if rows else 1.0), rows
+    return (calibration.fit_nonmatmul_scale(rows) if rows else 1.0), rows
 
 
 _EXACT: dict = {}
@@ -134,7 +134,7 @@ def calibrated_ms(r, k, name=None):
         key = (name, r["mode"], k)
         h = pathlib.Path(HLO_DIR) / name / f"{r['family']}-{r['preset']}-{r['mode']}.hlo.txt"
         if key not in _EXACT and h.exists():
-            from difflet_tpu import estimate as E
+            from difflet_tpu.tools import estimate as E
 
             _EXACT[key] = E.summarize(E.estimate(h.read_text(), "v5e", E.Calibration(nonmatmul=k)))
         if key in _EXACT:
@@ -143,7 +143,7 @@ def calibrated_ms(r, k, name=None):
 
 
 def table(args):
-    from difflet_tpu import estimate as E
+    from difflet_tpu.tools import calibration
 
     res = load(args.out)
     k, rows = fit(res)
@@ -155,7 +155,7 @@ def table(args):
     for fam in ("wan", "flux", "hunyuan_video", "ltx2", "wan_81", "wan_720p_81", "hunyuan_video_544p",
                 "hunyuan_video_720p", "ltx2_121", "wan_cfg", "ltx2_cfg", "qwen_image", "qwen_image_1328"):
         modes = res.get(fam, {})
-        ref = E.REFERENCE_PR.get(fam)
+        ref = calibration.REFERENCE_PR.get(fam)
         tp_cal = calibrated_ms(modes["tp"], k, fam) if "tp" in modes else None
         for mode in ("tp", "sp", "sp-pallas", "sp-xla"):
             r = modes.get(mode)

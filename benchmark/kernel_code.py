@@ -3,7 +3,7 @@
 `python benchmark/kernel_code.py --model flux:flux.1-dev --height 1024 --width 1024 [--frames F]
 [--guidance G] [--topology v5e:2x2]`
 
-Traces the model's SP step as `python -m difflet_tpu.sweep_tiles` does
+Traces the model's SP step as `python -m difflet_tpu.tools.sweep_tiles` does
 (`sweep_tiles.model_sites`: abstract weights, the TPU's kernel choices) and
 compiles each distinct kernel site alone, through the dispatch, at the plan's
 default column tile; prints one JSON line per site: its shapes, column tile,
@@ -29,22 +29,23 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.batch = 1
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from difflet_tpu import deviceless
+    from difflet_tpu.tools import deviceless
 
     deviceless.setup_process(args.topology)
     import jax.numpy as jnp
 
-    from difflet_tpu import bench, sweep_tiles
-    from difflet_tpu import pipeline as PL
-    from difflet_tpu.mesh import make_mesh
+    from difflet_tpu.bench import cases
+    from difflet_tpu.tools import sweep_tiles
+    from difflet_tpu.pipeline import denoise as PL
+    from difflet_tpu.parallel.mesh import make_mesh
 
     devices = deviceless.topology_devices(args.topology)
     spec, preset = PL.resolve_model(args.model)
-    cfg = bench.build_config(spec, preset)
-    shape = bench.shape_for(spec, preset, args)
-    _, guided = bench.guidance_for(spec, args)
+    cfg = cases.build_config(spec, preset)
+    shape = cases.shape_for(spec, preset, args)
+    _, guided = cases.guidance_for(spec, args)
     batch = 2 if guided else 1
-    mesh = make_mesh(devices=devices, **bench.mesh_axes_for(spec, cfg, len(devices), batch, None, guided))
+    mesh = make_mesh(devices=devices, **cases.mesh_axes_for(spec, cfg, len(devices), batch, None, guided))
     for site, calls in sweep_tiles.model_sites(spec, preset, shape, batch, mesh, jnp.bfloat16):
         tn, plan = sweep_tiles.candidates(site, 512)[0]  # the default plan's tile
         fn, shapes = sweep_tiles.site_call(site, tn, mesh, False)

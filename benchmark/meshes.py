@@ -8,7 +8,7 @@ time (deviceless compiles of the released configs take minutes each), and keeps
 its JSON; `table` prints the markdown table of docs/benchmarks.md ("Bigger
 slices"): HBM per chip, the estimated step (calibrated, the bench's default),
 and the best mesh per model and slice. Every number is an ESTIMATE from the
-compiled schedule (difflet_tpu.estimate), not a measurement.
+compiled schedule (difflet_tpu.tools.estimate), not a measurement.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ splash attention call (`layers.attention.attend`, impl "splash"). Variants:
 an input (as if the matmul kernel emitted it), so only the psum and the
 elementwise passes remain.
 
-Prints the estimator's price (difflet_tpu.estimate, uncalibrated and with the
+Prints the estimator's price (difflet_tpu.tools.estimate, uncalibrated and with the
 v5e factor) of every priced op of the compiled module in schedule order, and the
 sum of the ops that are not the attention kernel, also without the piece's
 boundary ops: an [input] relayout copy of a parameter (XLA picks the layout of
@@ -52,8 +52,8 @@ def build(variant: str, tp: int, sumsq_given: bool):
 
     from difflet_tpu.layers.attention import apply_rotary_emb, attend, merge_heads, split_heads
     from difflet_tpu.layers.normalization import rms_norm, rms_norm_across_heads
-    from difflet_tpu.mesh import TP
-    from difflet_tpu.parallel import Parallel
+    from difflet_tpu.parallel.mesh import TP
+    from difflet_tpu.parallel.modes import Parallel
 
     S, heads, D, norm = VARIANTS[variant]
     dim = heads * D
@@ -100,7 +100,7 @@ def priced_ops(text: str, chip, calibration):
     piece's inputs arrive in the default layout; in a model the producing matmul
     decides), "output" for the op writing the result (attention output back to
     `[B, S, H * D]` for the out projection), else ""."""
-    from difflet_tpu import estimate as E
+    from difflet_tpu.tools import estimate as E
 
     class Recorder(E.Simulator):
         def __init__(self, *a, **kw):
@@ -152,7 +152,8 @@ def run(variant: str, topology: str, sumsq_given: bool, dump: str | None):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from difflet_tpu import deviceless, estimate as E
+    from difflet_tpu.tools import deviceless
+    from difflet_tpu.tools import calibration, estimate as E
 
     _, dims = deviceless.parse_topology(topology)
     tp = 1
@@ -170,7 +171,7 @@ def run(variant: str, topology: str, sumsq_given: bool, dump: str | None):
         with open(dump, "w") as f:
             f.write(text)
     chip = E.chip_for(topology)
-    cal = E.CALIBRATION.get(chip.name, E.Calibration())
+    cal = calibration.CALIBRATION.get(chip.name, calibration.Calibration())
     rows, est = priced_ops(text, chip, E.Calibration())
     rows_cal, est_cal = priced_ops(text, chip, cal)
     name = variant + (" (sum of squares given)" if sumsq_given else "")
@@ -206,7 +207,7 @@ def main(argv=None):
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
-    from difflet_tpu import deviceless
+    from difflet_tpu.tools import deviceless
 
     deviceless.setup_process(args.topology)
     runs = [(v, False) for v in VARIANTS] + [("wan", True)] if args.variant == "all" else \

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import tempfile
 
@@ -29,6 +31,9 @@ def _leaves(x, name=""):
     elif isinstance(x, (list, tuple)):
         for i, v in enumerate(x):
             yield from _leaves(v, f"{name}[{i}]")
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):  # a model output (`.sample`, ...)
+        for f in dataclasses.fields(x):
+            yield from _leaves(getattr(x, f.name), f"{name}.{f.name}" if name else f.name)
     elif x is not None:
         yield name, x
 

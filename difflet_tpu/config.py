@@ -39,7 +39,7 @@ class Config:
         takes the plain all-gather instead (`parallel.plain_collective_pays`).
     sp_rs_kernel: matmul-reduce-scatter implementation under SP: "jax" (the
         ring), "pallas" (the kernel) or "auto": on a TPU whose chip constants are
-        known (`estimate.CHIPS`), the kernel at each site whose ring hops are
+        known (`parallel.chips.CHIPS`), the kernel at each site whose ring hops are
         ICI-bound (`kernels.matmul_reduce_scatter_stream.ici_bound`) and the ring
         elsewhere; the ring off TPU (`DIFFLET_TPU_SP_RS_KERNEL`). On a TPU with
         chip constants, a site with too few rows per rank for the ring it would run
@@ -88,9 +88,9 @@ class Config:
         "on" where the devices have no host memory kind is an error before any
         work; a one-expert model has nothing to offload (every value is a no-op).
     kernel_tiles: a column-tile table (JSON) written by `python -m
-        difflet_tpu.sweep_tiles` on the same chip: the collective-matmul kernels
+        difflet_tpu.tools.sweep_tiles` on the same chip: the collective-matmul kernels
         then multiply in the tile measured fastest at each site it lists
-        (`difflet_tpu.kernel_tiles`); None (default) or an unlisted site: the
+        (`difflet_tpu.kernels.tiles`); None (default) or an unlisted site: the
         largest tile up to 512 columns that fits VMEM (`DIFFLET_TPU_KERNEL_TILES`).
         Checked when set (format, sites, tiles) and again against the mesh's
         device kind (a table measured on another chip is an error).
@@ -131,7 +131,7 @@ class Config:
 
     def mesh_axes(self) -> dict | None:
         """{"cfg": 2, "tp": 4} from `mesh`, or None when unset."""
-        from difflet_tpu.mesh import parse_mesh
+        from difflet_tpu.parallel.mesh import parse_mesh
 
         return None if self.mesh is None else parse_mesh(self.mesh)
 
@@ -167,7 +167,7 @@ class Config:
     def rs_kernel(self, platform: str, chip) -> str:
         """The matmul-reduce-scatter implementation under SP: "auto" (chosen per
         site, `Parallel.row`) stays "auto" on a TPU whose constants are known
-        (`chip`, a `difflet_tpu.estimate.Chip` or None) and is the JAX ring elsewhere."""
+        (`chip`, a `difflet_tpu.parallel.chips.Chip` or None) and is the JAX ring elsewhere."""
         if self.sp_rs_kernel == "auto" and (platform != "tpu" or chip is None):
             return "jax"
         return self.sp_rs_kernel
@@ -198,9 +198,9 @@ def _check_cache_path(name: str, value) -> None:
 
 
 def _check_tile_table(name: str, value) -> None:
-    from difflet_tpu import kernel_tiles
+    from difflet_tpu.kernels import tiles as kernel_tiles
 
-    use = "use one of: a table written by python -m difflet_tpu.sweep_tiles, or unset it"
+    use = "use one of: a table written by python -m difflet_tpu.tools.sweep_tiles, or unset it"
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{name}={value!r} is not allowed; {use}")
     try:
@@ -215,7 +215,7 @@ def _parse_tile_table(var: str, value: str) -> str:
 
 
 def _normal_mesh(name: str, value) -> str:
-    from difflet_tpu.mesh import AXES, format_mesh, parse_mesh
+    from difflet_tpu.parallel.mesh import AXES, format_mesh, parse_mesh
 
     try:
         return format_mesh(parse_mesh(value))

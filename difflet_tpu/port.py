@@ -17,7 +17,7 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
-from difflet_tpu import layout
+from difflet_tpu.parallel import padding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Prepared:
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
-    """How a diffusers pipeline drives this transformer (difflet_tpu.pipeline).
+    """How a diffusers pipeline drives this transformer (difflet_tpu.pipeline.denoise).
 
     schedule(steps, inputs, preset) -> schedulers.Schedule. guidance_mode:
     "cfg" (unconditional and conditional rows in one batch-2 call),
@@ -59,6 +59,35 @@ class Pipeline:
     latent_keys: tuple = ("hidden_states",)
     latent_guidance: dict = dataclasses.field(default_factory=dict)  # latent key -> its own default scale (LTX-2 audio)
     cfg_rescale: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Transformer2DModelOutput:
+    """What a port returns with `return_dict=True` (diffusers' default), as diffusers'
+    `Transformer2DModelOutput`: `.sample`; `out[0]` and `to_tuple()` as its
+    `BaseOutput` allows. `return_dict=False` returns the tuple `(sample,)`."""
+
+    sample: Any
+
+    def to_tuple(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def __getitem__(self, i):
+        return self.to_tuple()[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioVisualModelOutput(Transformer2DModelOutput):
+    """LTX-2's output (diffusers' `AudioVisualModelOutput`): `.sample` (video) and `.audio_sample`."""
+
+    audio_sample: Any = None
+
+
+def returned(return_dict, *outputs):
+    """`outputs` as diffusers returns them: an output object, or the plain tuple."""
+    if not return_dict:
+        return tuple(outputs)
+    return Transformer2DModelOutput(*outputs) if len(outputs) == 1 else AudioVisualModelOutput(*outputs)
 
 
 def shape(x) -> tuple:
@@ -93,12 +122,12 @@ def check_per_sample(name: str, x, batch: int):
 
 def returned_sample(n_rows: int, return_dict=True, unpatchify: Callable | None = None) -> Callable:
     """The usual `finish`: the first `n_rows` rows of the step's output (the pad cut),
-    `unpatchify`d if given, returned as diffusers does (`(sample,)` with return_dict=False)."""
+    `unpatchify`d if given, returned as diffusers does (`returned`)."""
 
     def finish(out):
-        out = layout.unpad(out, n_rows)
+        out = padding.unpad(out, n_rows)
         out = out if unpatchify is None else unpatchify(out)
-        return out if return_dict else (out,)
+        return returned(return_dict, out)
 
     return finish
 

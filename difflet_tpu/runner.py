@@ -18,7 +18,7 @@ The Runner never changes the model it is given: parameters are placed on the
 mesh as a new state (a no-op for a model loaded onto this mesh), so one model
 serves Runners of any mode and can be saved at any time.
 
-Batch axes (`cfg`, `data`; difflet_tpu.mesh): parameters are sharded over
+Batch axes (`cfg`, `data`; difflet_tpu.parallel.mesh): parameters are sharded over
 `tp` only, so they are replicated over the batch axes; a port marks the batch
 axis of each step input and output with `BATCH` in its PartitionSpecs
 (`run.batch_spec()`, `run.row_spec()` includes it), and the Runner replaces
@@ -40,11 +40,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from difflet_tpu import checks, collective_matmul as cm, layout
+from difflet_tpu import checks, runtime
+from difflet_tpu.parallel import collective_matmul as cm
+from difflet_tpu.parallel import padding
 from difflet_tpu.config import Config
 from difflet_tpu.kernels import _common as kernel_rules
-from difflet_tpu.mesh import BATCH, TP, batch_axes, batch_ways, mesh_shape
-from difflet_tpu.parallel import Parallel, check_divisible, param_specs
+from difflet_tpu.parallel.mesh import BATCH, TP, batch_axes, batch_ways, mesh_shape
+from difflet_tpu.parallel.modes import Parallel, check_divisible, param_specs
 
 
 def _is_abstract(x) -> bool:
@@ -101,8 +103,6 @@ class Runner:
         self.mesh = mesh
         self.config = Config.from_env() if config is None else config
         if self.config.compile_cache:  # before the first compile
-            from difflet_tpu import runtime
-
             runtime.enable_compile_cache(self.config.compile_cache)
         self.par = Parallel.for_mesh(mesh, self.config, mode=mode, ag_default=self.spec.ag_default)
         self.pad = self.config.sp_pad if pad is None else bool(pad)
@@ -167,8 +167,6 @@ class Runner:
         memory is freed when nothing else holds them (after one `gc.collect()` when
         needed: nnx module graphs are reference cycles), so the caller must not keep
         the model it built (or `runner.model`) alive; a warning says when it did."""
-        from difflet_tpu import runtime
-
         if self.abstract:
             raise ValueError("this Runner holds an abstract model (ShapeDtypeStructs): nothing to offload")
         if self.resident == "host":
@@ -208,14 +206,10 @@ class Runner:
     def host_bytes(self) -> int:
         """Bytes per device of the host copy `offload()` made (0 before): it is kept
         after `load()`, so a pipeline's host memory holds every expert once."""
-        from difflet_tpu import runtime
-
         return 0 if self._host is None else runtime.tree_bytes_per_device(self._host)
 
     def param_bytes(self) -> int:
         """Bytes per device of the parameters the step reads (`runtime.bytes_per_device`)."""
-        from difflet_tpu import runtime
-
         return runtime.tree_bytes_per_device(self._state)
 
     def _check_resident(self):
@@ -246,7 +240,7 @@ class Runner:
         if not self.pad:
             raise ValueError(f"SP cannot split {n} {what} over tp={self.par.size} (a multiple of {mult} is "
                              f"needed): {cm.split_rule(self.par.size)}; or let the Runner pad (pad=True)")
-        return layout.padded_length(n, mult)
+        return padding.padded_length(n, mult)
 
     def row_spec(self, ndim: int = 3, axis: int = 1, batch: int | None = 0) -> P:
         """PartitionSpec of an activation whose `axis` is the token axis (sharded
@@ -290,7 +284,7 @@ class Runner:
         """The key mask (False for pad keys) of token streams `(valid, padded)` concatenated
         in that order, `[sum of padded]`, made and placed once per geometry (`constant`)."""
         return self.constant(("pad_key_mask", *streams),
-                             lambda: np.concatenate([layout.key_mask(n, padded) for n, padded in streams]))
+                             lambda: np.concatenate([padding.key_mask(n, padded) for n, padded in streams]))
 
     # ---- steps -------------------------------------------------------------
 
@@ -404,12 +398,10 @@ class Runner:
 
     def memory(self, *args, **kwargs) -> dict:
         """Device bytes per chip of the compiled step for these kwargs
-        (`deviceless.memory_report`: arguments with this Runner's parameters,
+        (`runtime.memory_report`: arguments with this Runner's parameters,
         outputs, temporaries). Compiles the step; a later call with the same
         shapes reuses that executable."""
-        from difflet_tpu import deviceless
-
-        return deviceless.memory_report(self.trace(*args, **kwargs).lower().compile())
+        return runtime.memory_report(self.trace(*args, **kwargs).lower().compile())
 
     def spec_kwargs(self, args, kwargs) -> dict:
         """Positional arguments named as the port's `forward_args` (diffusers' order)."""

@@ -1,13 +1,9 @@
-"""Placing a model on a mesh and compiling its step as one `shard_map`.
+"""Models on devices: placement, abstract models, bytes, host memory, the compile cache.
 
-A port's step is a function `fn(model, par, *inputs) -> outputs` written
-once for every mode; `compile_step` wraps it:
-
-* one device (`mesh=None`): `jax.jit(fn)` with `Parallel()`;
-* TP / SP: `jax.jit(jax.shard_map(fn))` over the `tp` axis, parameters
-  sharded by the model's parallel plan, inputs by the caller's specs.
-
-Padding, slicing and permutations happen before this, eagerly.
+`place` puts a model's parameters on a mesh by its parallel plan;
+`abstract_model` builds one without memory (deviceless compiles);
+`memory_report` reads a compiled program's HBM per chip. The step itself is
+compiled by `difflet_tpu.runner.Runner`.
 
 `enable_compile_cache(dir)` turns on JAX's persistent compilation cache so a
 later process loads the compiled steps; `compile_stats()` counts compiles and
@@ -23,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from difflet_tpu.parallel import Parallel, check_divisible, param_specs
+from difflet_tpu.parallel.modes import check_divisible, param_specs
 
 
 def place(model, mesh, plan):
@@ -34,26 +30,6 @@ def place(model, mesh, plan):
     placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, specs)
     nnx.update(model, placed)
     return model
-
-
-def compile_step(model, fn, par: Parallel, mesh=None, plan=None, in_specs=(), out_specs=None,
-                 static_argnums=()):
-    """A jitted `step(state, *inputs)` and the model state to call it with.
-
-    `fn(model, par, *inputs)` is the port's step; under a mesh it runs inside
-    one `shard_map` with the parameters sharded by `plan`.
-    """
-    graphdef, state = nnx.split(model)
-
-    def inner(state, *inputs):
-        return fn(nnx.merge(graphdef, state), par, *inputs)
-
-    if mesh is None:
-        return jax.jit(inner), state
-    specs = param_specs(state, plan)
-    mapped = jax.shard_map(inner, mesh=mesh, in_specs=(specs, *in_specs), out_specs=out_specs,
-                           check_vma=False)
-    return jax.jit(mapped), state
 
 
 def abstract_model(build, mesh=None, plan=None):
@@ -69,6 +45,16 @@ def abstract_model(build, mesh=None, plan=None):
                           state, specs)
     nnx.update(model, placed)
     return model
+
+
+def memory_report(compiled) -> dict:
+    """HBM per chip of a compiled program, in bytes."""
+    m = compiled.memory_analysis()
+    out = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
+               temporaries=m.temp_size_in_bytes, aliased=m.alias_size_in_bytes,
+               code=m.generated_code_size_in_bytes)
+    out["total"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"] + out["code"]
+    return out
 
 
 def bytes_per_device(model) -> int:

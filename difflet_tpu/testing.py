@@ -2,7 +2,7 @@
 
 One stack of pre-norm blocks (self-attention with per-head RMSNorm, GELU
 MLP) over `[B, S, D]`, written once for every parallel mode with
-`difflet_tpu.nn.column` / `row`. Its parameter names follow diffusers
+`difflet_tpu.layers.nn.column` / `row`. Its parameter names follow diffusers
 (`blocks.{i}.attn.to_q`, `blocks.{i}.ff.net.0.proj`, ...), so the loader's
 generic part can be tested on it without a real port.
 """
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 import jax.numpy as jnp
 from flax import nnx
 
-from difflet_tpu import nn
+from difflet_tpu.layers import nn
 from difflet_tpu.layers import FeedForward, Weight, attend, layer_norm, rms_norm
-from difflet_tpu.parallel import COLUMN, ROW
+from difflet_tpu.parallel.modes import COLUMN, ROW, Parallel, param_specs
 
 # The parallel plan: module path pattern -> role. Everything else is replicated.
 PLAN = {
@@ -136,10 +138,10 @@ def _toy_build(config, *, dtype=jnp.float32, rngs):
 
 
 def _toy_key_map(config, model):
-    from difflet_tpu import weights
+    from difflet_tpu import loading
 
     c = config[0] if isinstance(config, tuple) else config
-    return weights.default_key_map(model, stacked={"blocks": c.layers})
+    return loading.default_key_map(model, stacked={"blocks": c.layers})
 
 
 def _toy_prepare(run, kw):
@@ -147,19 +149,19 @@ def _toy_prepare(run, kw):
     the timestep scales the input (a stand-in for a timestep embedding)."""
     import numpy as np
 
-    from difflet_tpu import layout
-    from difflet_tpu.port import Prepared
+    from difflet_tpu.parallel import padding
+    from difflet_tpu.port import Prepared, returned_sample
 
     x = kw["hidden_states"]
     if x.ndim != 3 or x.shape[-1] != run.cfg.in_channels:
         raise ValueError(f"hidden_states: shape {x.shape}, expected (B, S, {run.cfg.in_channels})")
     n = x.shape[1]
     rows = run.rows(n)
-    inputs = dict(x=layout.pad_tokens(x, rows)[0], t=np.asarray(kw["timestep"], np.float32),
-                  mask=layout.key_mask(n, rows, batch=x.shape[0]))
+    inputs = dict(x=padding.pad_tokens(x, rows)[0], t=np.asarray(kw["timestep"], np.float32),
+                  mask=padding.key_mask(n, rows, batch=x.shape[0]))
     specs = dict(x=run.row_spec(), t=run.batch_spec(), mask=run.batch_spec())  # the mask is (B, S)
     return Prepared(key=None, inputs=inputs, specs=specs, out_specs=run.row_spec(),
-                    finish=lambda out: layout.unpad(out, n))
+                    finish=returned_sample(n, kw.get("return_dict", True)))
 
 
 def _toy_forward(model, par, inputs, key):
@@ -187,14 +189,14 @@ def toy_spec():
     """The toy port's PortSpec (built on first use; `register_toy_port` registers it)."""
     import numpy as np
 
-    from difflet_tpu import schedulers as S
+    from difflet_tpu.pipeline import schedules as S
     from difflet_tpu.port import Pipeline, PortSpec
 
     return PortSpec(
         name="toy", class_names=("ToyTransformer",), model_class=ToyModel,
         config_from_diffusers=_toy_config, presets=TOY_PRESETS, build=_toy_build, plan=PLAN,
         key_map=_toy_key_map, prepare=_toy_prepare, forward=_toy_forward,
-        forward_args=("hidden_states", "timestep"),
+        forward_args=("hidden_states", "timestep", "return_dict"),
         heads=lambda c: {"heads": (c[0] if isinstance(c, tuple) else c).heads},  # a model's config or the preset's
         released="toy-small", bench_shape=dict(height=64, width=64, frames=1),
         tiny_shape=dict(height=64, width=64, frames=1), example_inputs=_toy_example_inputs, flops=_toy_flops,
@@ -211,3 +213,23 @@ def register_toy_port():
         if s.name == "toy":
             return s
     return models.register(toy_spec())
+
+
+def compile_step(model, fn, par: Parallel, mesh=None, plan=None, in_specs=(), out_specs=None,
+                 static_argnums=()):
+    """A jitted `step(state, *inputs)` and the model state to call it with.
+
+    `fn(model, par, *inputs)` is the port's step; under a mesh it runs inside
+    one `shard_map` with the parameters sharded by `plan`.
+    """
+    graphdef, state = nnx.split(model)
+
+    def inner(state, *inputs):
+        return fn(nnx.merge(graphdef, state), par, *inputs)
+
+    if mesh is None:
+        return jax.jit(inner), state
+    specs = param_specs(state, plan)
+    mapped = jax.shard_map(inner, mesh=mesh, in_specs=(specs, *in_specs), out_specs=out_specs,
+                           check_vma=False)
+    return jax.jit(mapped), state

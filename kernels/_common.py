@@ -119,7 +119,7 @@ def ring_tables(axis_name: str, shard_rows: int) -> jax.Array:
     first-row offsets of rank r-j's shard for j = 0..P-1,
     first-row offsets of rank r+j's shard for j = 0..P-1], r = axis_index.
     Computed from `lax.axis_index` at run time, so every rank compiles and runs
-    one identical program (see difflet_tpu.collective_matmul's docstring).
+    one identical program (see difflet_tpu.parallel.collective_matmul's docstring).
     """
     P = lax.axis_size(axis_name)
     r = lax.axis_index(axis_name).astype(jnp.int32)

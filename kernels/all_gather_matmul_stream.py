@@ -3,7 +3,7 @@
 Called inside `jax.shard_map` over a ring axis of size P (`tp`). Every rank
 holds `x`, its s = S/P rows of the sequence, and column shards of one or more
 weights; it returns, per weight, every row of the sequence times its columns.
-The ring is `difflet_tpu.collective_matmul._ag_ring`'s: the shard splits into
+The ring is `difflet_tpu.parallel.collective_matmul._ag_ring`'s: the shard splits into
 a forward half (rows [0, h), h = s/2) and a backward half (rows [h, s)); at
 hop j rank r holds the forward half of rank r-j and the backward half of rank
 r+j, multiplies both by every weight, and meanwhile forwards them one more
@@ -136,7 +136,7 @@ wbuf[(u+1) % 2]) while tile u multiplies the step's rows; the products go out
 (obuf[u % 2] -> out_i) while tile u+1 computes, each waited two tiles later.
 A column tile tn (a multiple of 128 dividing every n_i) is common to all
 weights (`StreamBlocks.col_tile_limit`, or per site from a measured table:
-difflet_tpu/kernel_tiles.py). The depth K goes in chunks of tk (a multiple of
+kernels/tiles.py). The depth K goes in chunks of tk (a multiple of
 128 dividing K, at most `StreamBlocks.depth_tile_limit`) in a `fori_loop`,
 summed in float32 in abuf, so the dots Mosaic unrolls into straight-line code
 are (tm, tk) x (tk, tn). The weights stream once per step, i.e. P C times a
@@ -835,7 +835,7 @@ def all_gather_matmul_stream(x, weights, *, layer=None, biases=None, activations
         compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, vmem_limit_bytes=sp.vmem.limit),
         cost_estimate=cost,
         interpret=_common.interpret_params(interpret),
-        # difflet_tpu.estimate prices it by steps ("_wvmem": the weights read once a call)
+        # difflet_tpu.tools.estimate prices it by steps ("_wvmem": the weights read once a call)
         name=f"all_gather_matmul_stream_{C}chunks_{hc}rows" + ("_wvmem" if held else ""),
     )(tables, layer, slabs, x3, *ws, *bias_ops, *norm_ops, *rope_ops)
     ys = [o.reshape(*lead, *o.shape[1:]) for o in outs[:len(ws)]]

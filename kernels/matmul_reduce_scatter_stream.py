@@ -43,7 +43,7 @@ column tile, so a tile may straddle a segment boundary (hc is a multiple of
 the sublane rows, so every boundary is tile-aligned). The flat rows are split
 at the segment boundaries only where the sums are added and stored into `acc`.
 
-Ring (as `difflet_tpu.collective_matmul._rs_ring`): at hop j rank r adds its partial product for
+Ring (as `difflet_tpu.parallel.collective_matmul._rs_ring`): at hop j rank r adds its partial product for
 the forward half of rank r-1-j and the backward half of rank r+1+j to the
 sums that arrived from upstream and sends them on; at hop P-1 both are its
 own rows and go to `out`. Here every half is cut into C chunks of hc rows
@@ -198,7 +198,7 @@ def plan(x_shapes, w_shapes, dtype, axis_size, *, blocks: _common.StreamBlocks |
 
 def ici_bound(k: int, itemsize: int, chip) -> bool:
     """Whether a ring hop of this kernel waits on ICI rather than on the MXU on `chip`
-    (a `difflet_tpu.estimate.Chip`), for pairs of total width `k` (sum of k_i).
+    (a `difflet_tpu.parallel.chips.Chip`), for pairs of total width `k` (sum of k_i).
 
     Per hop the kernel multiplies both halves, 2 * B * s * k * N flops, while each
     direction sends one half's sums, B * h * N * itemsize bytes over one link
@@ -498,6 +498,6 @@ def matmul_reduce_scatter_stream(pairs, *, layer=None, bias=None, axis_name="tp"
         compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, vmem_limit_bytes=sp.vmem.limit),
         cost_estimate=cost,
         interpret=_common.interpret_params(interpret),
-        name=f"matmul_reduce_scatter_stream_{C}chunks_{hc}rows",  # difflet_tpu.estimate prices it by steps
+        name=f"matmul_reduce_scatter_stream_{C}chunks_{hc}rows",  # difflet_tpu.tools.estimate prices it by steps
     )(tables, layer, *x3, *ws, *bias_ops)
     return out.reshape(*lead, s, N)

@@ -4,7 +4,7 @@
         --process-id I --out DIR [--phases parity,bench,die] [--init-timeout S] [--heartbeat-timeout S]
 
 Each process has 2 virtual CPU devices and joins the run with
-`difflet_tpu.distributed.initialize` (gloo collectives). Phases, in order:
+`difflet_tpu.parallel.distributed.initialize` (gloo collectives). Phases, in order:
 
 * parity: the wan_t2v fixture under SP on a tp=4 ring across the processes and
   wan_t2v_batch2 on a cfg=2 x tp=2 mesh (each cfg group on one process), each
@@ -43,7 +43,7 @@ def main():
     pid = args.process_id
 
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from difflet_tpu import distributed
+    from difflet_tpu.parallel import distributed
 
     t0 = time.monotonic()
     try:
@@ -58,10 +58,10 @@ def main():
     if "parity" in phases:
         parity(out, pid)
     if "bench" in phases:
-        from difflet_tpu import bench
+        from difflet_tpu.bench import cli
 
         with open(out / f"bench_{pid}.txt", "w") as f, contextlib.redirect_stdout(f):
-            rc = bench.main(["--coordinator", args.coordinator, "--num-processes", str(args.num_processes),
+            rc = cli.main(["--coordinator", args.coordinator, "--num-processes", str(args.num_processes),
                              "--process-id", str(pid), "--cpu-devices", "2", "--model", "wan:tiny",
                              "--mesh", "cfg=2,tp=2", "--mode", "sp", "--steps", "2",
                              "--json", str(out / f"bench_{pid}.json")])
@@ -76,24 +76,24 @@ def parity(out, pid):
     import jax.numpy as jnp
     import numpy as np
 
-    from difflet_tpu import distributed
-    from difflet_tpu import pipeline as PL
-    from difflet_tpu import weights
+    from difflet_tpu.parallel import distributed
+    from difflet_tpu.pipeline import denoise as PL
+    from difflet_tpu import loading
     from difflet_tpu.config import Config
-    from difflet_tpu.mesh import make_mesh, tp_groups
+    from difflet_tpu.parallel.mesh import make_mesh, tp_groups
     from difflet_tpu.models import wan
     from difflet_tpu.runner import Runner
     from difflet_tpu.testing import read_fixture_io
 
     reads = []
-    orig = weights.Checkpoint.read
+    orig = loading.Checkpoint.read
 
     def counting(self, key, index=None):
         a = orig(self, key, index)
         reads.append([key, None if index is None else [[s.start, s.stop] for s in index], int(a.nbytes)])
         return a
 
-    weights.Checkpoint.read = counting
+    loading.Checkpoint.read = counting
     res = {"local_devices": [d.id for d in distributed.info().local_devices]}
     outputs = {}
 
@@ -102,21 +102,21 @@ def parity(out, pid):
     res["sp_ring"] = tp_groups(mesh)[0]
     kw, _ = read_fixture_io(FIXTURES / "wan_t2v")
     reads.clear()
-    model = weights.load_transformer(FIXTURES / "wan_t2v" / "transformer", dtype=jnp.float32, mesh=mesh,
+    model = loading.load_transformer(FIXTURES / "wan_t2v" / "transformer", dtype=jnp.float32, mesh=mesh,
                                      config=Config())
     res["reads_sp"] = list(reads)
-    outputs["sp"] = distributed.fetch(Runner(model, mesh, Config(), "sp")(**kw))
+    outputs["sp"] = distributed.fetch(Runner(model, mesh, Config(), "sp")(**kw).sample)
 
     # CFG-parallel: [unconditional | conditional] rows on the two cfg groups (one per process)
     mesh = make_mesh(cfg=2)
     res["cfg_groups"] = tp_groups(mesh)
     kw2, _ = read_fixture_io(FIXTURES / "wan_t2v_batch2")
     reads.clear()
-    model = weights.load_transformer(FIXTURES / "wan_t2v_batch2" / "transformer", dtype=jnp.float32, mesh=mesh,
+    model = loading.load_transformer(FIXTURES / "wan_t2v_batch2" / "transformer", dtype=jnp.float32, mesh=mesh,
                                      config=Config())
     res["reads_cfg"] = list(reads)
     run = Runner(model, mesh, Config(), "sp")
-    outputs["cfg"] = distributed.fetch(run(**kw2))
+    outputs["cfg"] = distributed.fetch(run(**kw2).sample)
 
     # Two CFG denoise steps: the combine is one all-reduce over cfg; every process holds the latents
     spec = wan.SPEC
@@ -127,7 +127,7 @@ def parity(out, pid):
     den = PL.Denoiser(spec.pipeline, [run], inputs, spec.pipeline.schedule(2, inputs, "tiny"), guidance=5.0,
                       cfg_inputs=cfg_inputs, dtype=jnp.float32)
     final, _ = den.run()
-    from difflet_tpu.bench import sha256
+    from difflet_tpu.bench.run import sha256
 
     res["denoise_sha256"] = sha256(final)
     res["denoise_sha256_all"] = distributed.gather_strings(res["denoise_sha256"])
@@ -141,9 +141,9 @@ def die(out, pid):
     import jax.numpy as jnp
     from flax import nnx
 
-    from difflet_tpu import distributed
+    from difflet_tpu.parallel import distributed
     from difflet_tpu.config import Config
-    from difflet_tpu.mesh import make_mesh
+    from difflet_tpu.parallel.mesh import make_mesh
     from difflet_tpu.runner import Runner
     from difflet_tpu.testing import register_toy_port
 
@@ -151,14 +151,14 @@ def die(out, pid):
     cfg = spec.config_from_diffusers(spec.presets["tiny"])
     run = Runner(spec.build(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), make_mesh(4), Config(), "sp")
     kw = spec.example_inputs(cfg, batch=1, seed=0)
-    distributed.fetch(run(**kw))  # both processes are here once
+    distributed.fetch(run(**kw).sample)  # both processes are here once
     if pid == 1:
         (out / "died_at").write_text(repr(time.time()))
         print("process 1: exiting abruptly", file=sys.stderr, flush=True)
         os._exit(17)
     for i in range(1000):
         try:
-            distributed.fetch(run(**kw))
+            distributed.fetch(run(**kw).sample)
         except Exception as e:  # noqa: BLE001 - the peer is gone
             if distributed.peer_failure(e):
                 (out / "error_at").write_text(repr(time.time()))

@@ -1,6 +1,6 @@
 """Test session set-up: 4 virtual CPU devices, the CPU platform only.
 
-Deviceless TPU compiles run in subprocesses (difflet_tpu.deviceless.run_python),
+Deviceless TPU compiles run in subprocesses (difflet_tpu.tools.deviceless.run_python),
 so their environment never reaches this process.
 """
 
@@ -14,7 +14,7 @@ for var in [v for v in os.environ if v.startswith("DIFFLET_TPU_")]:
 # by rank fails to trace. tests/test_conformance.py passes Config(check_vma=True).
 os.environ["DIFFLET_TPU_CHECK_VMA"] = "1"
 
-from difflet_tpu.mesh import use_cpu_devices  # noqa: E402
+from difflet_tpu.parallel.mesh import use_cpu_devices  # noqa: E402
 
 use_cpu_devices(4)
 

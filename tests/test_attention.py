@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from difflet_tpu import deviceless
-from difflet_tpu.attention import attention, reference_attention
+from difflet_tpu.tools import deviceless
+from difflet_tpu.layers.sdpa import attention, reference_attention
 
 
 def numpy_attention(q, k, v, mask):
@@ -70,8 +70,9 @@ def test_splash_compiles_for_v5e_at_a_real_shape():
     """10 heads x 4736 tokens x 128 (Wan2.1-14B self-attention per rank), bf16."""
     out = deviceless.run_python("""
 import json, jax, jax.numpy as jnp
-from difflet_tpu import deviceless, hlo
-from difflet_tpu.attention import attention
+from difflet_tpu.tools import deviceless
+from difflet_tpu.tools import hlo
+from difflet_tpu.layers.sdpa import attention
 dev = deviceless.topology_devices('v5e:2x2')[0]
 s = jax.sharding.SingleDeviceSharding(dev)
 a = jax.ShapeDtypeStruct((1, 4736, 10, 128), jnp.bfloat16, sharding=s)
@@ -94,7 +95,7 @@ def test_splash_under_shard_map_check_vma():
     and its output is typed varying over the ranks: declared replicated, it fails."""
     from jax.sharding import PartitionSpec as P
 
-    from difflet_tpu.mesh import TP, make_mesh
+    from difflet_tpu.parallel.mesh import TP, make_mesh
 
     q, k, v, mask = inputs(B=2, Sq=130, Skv=200, H=2, D=16, seed=2)
     heads = P(None, None, TP)
@@ -117,7 +118,7 @@ PORT_LENGTHS = (4608, 4224, 7017, 2310, 5280, 4680, 10496, 32760, 67576, 75600, 
 
 
 def test_splash_blocks_table_at_the_ports_lengths():
-    from difflet_tpu import attention as A
+    from difflet_tpu.layers import sdpa as A
 
     for n in PORT_LENGTHS:
         for skv in (n, 512, 1024):
@@ -162,7 +163,7 @@ def test_splash_interpret_mode_with_several_unequal_blocks(blocks):
     """Explicit block sizes (3 q blocks of 128, or 2 of 160 -- not a multiple of 128, like
     the exact q blocks of long sequences --, 3 kv blocks of 256 in 128- or 256-wide compute
     chunks, padded) give the same numbers: block sizes change the schedule, not the math."""
-    from difflet_tpu.attention import SplashBlocks, _splash
+    from difflet_tpu.layers.sdpa import SplashBlocks, _splash
 
     q, k, v, mask = inputs(B=2, Sq=300, Skv=520, H=1, D=128, seed=3)
     mask[1] = np.arange(520) < 500  # valid keys in the second and third kv blocks too
@@ -181,8 +182,8 @@ def test_splash_at_hunyuan_720p_materialises_no_s_squared_array():
     out = deviceless.run_python(f"""
 import json, re, time, math
 import jax, jax.numpy as jnp
-from difflet_tpu import deviceless
-from difflet_tpu.attention import attention, splash_blocks
+from difflet_tpu.tools import deviceless
+from difflet_tpu.layers.sdpa import attention, splash_blocks
 dev = deviceless.topology_devices('v5e:2x2')[0]
 s = jax.sharding.SingleDeviceSharding(dev)
 a = jax.ShapeDtypeStruct((1, {S}, {H}, {D}), jnp.bfloat16, sharding=s)

@@ -22,7 +22,6 @@ import dataclasses
 import importlib.util
 import json
 import logging
-import os
 import pathlib
 import re
 import shutil
@@ -35,12 +34,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from difflet_tpu import bench, checkpoint, weights
+from difflet_tpu.bench import cases, report, run as bench_run
+from difflet_tpu.bench import cli as bench_cli
+from difflet_tpu.loading import cache as checkpoint
+from difflet_tpu import loading
 from difflet_tpu.config import Config
-from difflet_tpu.mesh import make_mesh
+from difflet_tpu.parallel.mesh import make_mesh
 from difflet_tpu.models import REGISTRY
 from difflet_tpu.testing import read_fixture_io
-from difflet_tpu.weights import WeightsError
+from difflet_tpu.loading.checkpoint import WeightsError
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 WAN_T2V = FIXTURES / "wan_t2v" / "transformer"
@@ -88,7 +90,7 @@ def cli(*argv, code=2, setup=None):
             setup(c)
         args = [a.format(tmp=c.tmp) for a in argv]
         try:
-            rc = bench.main(args)
+            rc = bench_cli.main(args)
         except SystemExit as e:
             rc = e.code
         out = c.capsys.readouterr()
@@ -107,11 +109,11 @@ def loads(setup, **kwargs):
         def no_read(*a, **k):
             raise AssertionError("a tensor was read before the error")
 
-        c.monkeypatch.setattr(weights.Checkpoint, "read", no_read)
+        c.monkeypatch.setattr(loading.Checkpoint, "read", no_read)
         kw = {k: (v(c) if callable(v) and k == "cache_dir" else v) for k, v in kwargs.items()}
         kw.setdefault("config", Config())
         with pytest.raises(WeightsError) as e:
-            weights.load_transformer(path, **kw)
+            loading.load_transformer(path, **kw)
         return str(e.value)
 
     return run
@@ -151,9 +153,9 @@ def toy_index(names):
 
     def setup(c):
         path = toy(c, sharded=True)
-        index = json.loads((path / weights.INDEX_FILE).read_text())
+        index = json.loads((path / loading.INDEX_FILE).read_text())
         wm = {k: names.get(f, f).format(tmp=c.tmp) for k, f in index["weight_map"].items()}
-        (path / weights.INDEX_FILE).write_text(json.dumps({**index, "weight_map": wm}))
+        (path / loading.INDEX_FILE).write_text(json.dumps({**index, "weight_map": wm}))
         return path
 
     return setup
@@ -227,7 +229,7 @@ def sd3_dir(c):
 
 
 def small_host(c):
-    c.monkeypatch.setattr(bench, "host_memory_bytes", lambda: 16 * 2**30)
+    c.monkeypatch.setattr(bench_run, "host_memory_bytes", lambda: 16 * 2**30)
 
 
 def two_expert_toy_without_host_memory(c):
@@ -262,7 +264,7 @@ def nan_latents_fail_the_row(c: Ctx) -> str:
 
     c.monkeypatch.setattr(models, "_EXTRA", [dataclasses.replace(toy_spec, example_inputs=nan_inputs)])
     out = c.tmp / "r.json"
-    rc = bench.main(["--model", "toy:tiny", "--mode", "tp,sp", "--steps", "2", "--json", str(out)])
+    rc = bench_cli.main(["--model", "toy:tiny", "--mode", "tp,sp", "--steps", "2", "--json", str(out)])
     text = c.capsys.readouterr().out
     assert rc == 1
     data = json.loads(out.read_text(), parse_constant=lambda s: pytest.fail(f"bare {s} in the JSON"))
@@ -275,9 +277,9 @@ def nan_latents_fail_the_row(c: Ctx) -> str:
 
 def weights_without_model(c: Ctx) -> str:
     """`--weights DIR` without `--model` runs the checkpoint's model, not every port's."""
-    args = bench.parser().parse_args(["--weights", str(WAN_T2V)])
+    args = bench_cli.parser().parse_args(["--weights", str(WAN_T2V)])
     args.cpu = True
-    assert [(spec.name, preset) for spec, preset in bench.resolve_models(args)] == [("wan", "tiny")]
+    assert [(spec.name, preset) for spec, preset in cases.resolve_models(args)] == [("wan", "tiny")]
     return c.capsys.readouterr().err
 
 
@@ -286,7 +288,7 @@ def int8_is_refused_not_loaded(c: Ctx) -> str:
     t["proj_out.weight"] = np.round(t["proj_out.weight"] * 40).astype(np.int8)
     path = toy(c, t)
     with pytest.raises(WeightsError) as e:
-        weights.load_transformer(path, dtype=jnp.float32, config=Config())
+        loading.load_transformer(path, dtype=jnp.float32, config=Config())
     return str(e.value)
 
 
@@ -294,7 +296,7 @@ def float16_converts(c: Ctx) -> str:
     """Float kinds convert: an F16 tensor loads as the float32 of its values."""
     t = tw.torch_weights()
     t["proj_out.weight"] = t["proj_out.weight"].astype(np.float16)
-    model = weights.load_transformer(toy(c, t), dtype=jnp.float32, config=Config())
+    model = loading.load_transformer(toy(c, t), dtype=jnp.float32, config=Config())
     got = np.asarray(tw.flat_params(model)["proj_out.kernel"])
     np.testing.assert_array_equal(got, t["proj_out.weight"].astype(np.float32).T)
     return "F16 converted"
@@ -306,17 +308,17 @@ def _cached_toy(c: Ctx, damage):
     tensors = tw.torch_weights()
     path = toy(c, tensors)
     cache = c.tmp / "cache"
-    weights.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=cache)
+    loading.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=cache)
     (entry,) = [d for d in cache.iterdir() if not d.name.startswith(".")]
     data = max((f for f in (entry / checkpoint.PARAMS_DIR).rglob("*") if f.is_file() and "/d/" in str(f)),
                key=lambda f: f.stat().st_size)
     data.write_bytes(damage(bytearray(data.read_bytes())))
     reads = []
-    orig = weights.Checkpoint.read
-    c.monkeypatch.setattr(weights.Checkpoint, "read", lambda self, *a, **k: reads.append(1) or orig(self, *a, **k))
+    orig = loading.Checkpoint.read
+    c.monkeypatch.setattr(loading.Checkpoint, "read", lambda self, *a, **k: reads.append(1) or orig(self, *a, **k))
     c.caplog.clear()
     with c.caplog.at_level(logging.WARNING):
-        model = weights.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=cache)
+        model = loading.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=cache)
     tw.assert_loaded(model, tw.expected_params(tensors))  # right values, whatever the damage
     warnings = [r.getMessage() for r in c.caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "\n" not in warnings[0], warnings
@@ -402,14 +404,14 @@ def interrupted_save_never_restores(c: Ctx) -> str:
     with c.monkeypatch.context() as m:
         m.setattr(checkpoint, "data_digest", interrupt)
         with pytest.raises(KeyboardInterrupt):
-            weights.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=cache)
+            loading.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=cache)
     left = sorted(p.name for p in cache.iterdir())
     assert left and all(".partial-" in n for n in left), left
     opened = []
-    orig = weights.Checkpoint.__init__
-    c.monkeypatch.setattr(weights.Checkpoint, "__init__",
+    orig = loading.Checkpoint.__init__
+    c.monkeypatch.setattr(loading.Checkpoint, "__init__",
                           lambda self, *a, **k: opened.append(1) or orig(self, *a, **k))
-    tw.assert_loaded(weights.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=cache),
+    tw.assert_loaded(loading.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=cache),
                      tw.expected_params(tw.torch_weights()))
     assert opened == [1]
     entries = [p for p in cache.iterdir() if not p.name.startswith(".")]
@@ -426,19 +428,19 @@ def outside_shard_never_opened(c: Ctx) -> str:
     orig = checkpoint._file_fingerprint
     c.monkeypatch.setattr(checkpoint, "_file_fingerprint", lambda p: opened.append(p) or orig(p))
     with pytest.raises(WeightsError) as e:
-        weights.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=c.tmp / "cache")
+        loading.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=c.tmp / "cache")
     assert not [p for p in opened if "outside" in str(p)], opened
     return str(e.value)
 
 
 def explicit_restore_refuses_damage(c: Ctx) -> str:
     path = toy(c)
-    model = weights.load_transformer(path, dtype=jnp.float32, config=Config())
+    model = loading.load_transformer(path, dtype=jnp.float32, config=Config())
     out = checkpoint.save_params(c.tmp / "saved", model)
     data = max((f for f in pathlib.Path(out).rglob("*") if f.is_file() and "/d/" in str(f)),
                key=lambda f: f.stat().st_size)
     data.write_bytes(flip()(bytearray(data.read_bytes())))
-    abstract = weights.abstract_port_model(tw.TOY_PORT, tw._config_from_diffusers(tw.DIFFUSERS_CONFIG),
+    abstract = loading.abstract_port_model(tw.TOY_PORT, tw._config_from_diffusers(tw.DIFFUSERS_CONFIG),
                                            dtype=jnp.float32)
     with pytest.raises(WeightsError) as e:
         checkpoint.restore_params(out, abstract, None, tw.testing.PLAN)
@@ -449,9 +451,9 @@ def unwritable_cache_before_conversion(c: Ctx) -> str:
     path = toy(c)
     (c.tmp / "file").write_text("x")
     opened = []
-    c.monkeypatch.setattr(weights.Checkpoint, "__init__", lambda self, *a, **k: opened.append(1))
+    c.monkeypatch.setattr(loading.Checkpoint, "__init__", lambda self, *a, **k: opened.append(1))
     with pytest.raises(WeightsError) as e:
-        weights.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=c.tmp / "file" / "cache")
+        loading.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=c.tmp / "file" / "cache")
     assert not opened, "the checkpoint was opened before the cache_dir was refused"
     return str(e.value)
 
@@ -461,18 +463,18 @@ def wan_i2v_norm_added_q(c: Ctx) -> str:
     they load, with one notice, into the same parameters as without them."""
     path = c.tmp / "wan_i2v"
     shutil.copytree(WAN_I2V, path)
-    tensors = load_file(str(path / weights.SINGLE_FILE))
+    tensors = load_file(str(path / loading.SINGLE_FILE))
     cfg = json.loads((path / "config.json").read_text())
     dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     for i in range(cfg["num_layers"]):
         tensors[f"blocks.{i}.attn2.norm_added_q.weight"] = np.full((dim,), 1.5, np.float32)
-    save_file(tensors, str(path / weights.SINGLE_FILE))
+    save_file(tensors, str(path / loading.SINGLE_FILE))
     c.caplog.clear()
-    with c.caplog.at_level(logging.WARNING, logger="difflet_tpu.weights"):
-        model = weights.load_transformer(path, dtype=jnp.float32, config=Config())
-    notices = [r.getMessage() for r in c.caplog.records if r.name == "difflet_tpu.weights"]
+    with c.caplog.at_level(logging.WARNING, logger="difflet_tpu.loading"):
+        model = loading.load_transformer(path, dtype=jnp.float32, config=Config())
+    notices = [r.getMessage() for r in c.caplog.records if r.name.startswith("difflet_tpu.loading")]
     assert len(notices) == 1, notices
-    ref = weights.load_transformer(WAN_I2V, dtype=jnp.float32, config=Config())
+    ref = loading.load_transformer(WAN_I2V, dtype=jnp.float32, config=Config())
     got, want = tw.flat_params(model), tw.flat_params(ref)
     assert sorted(got) == sorted(want)
     for k in want:
@@ -486,8 +488,8 @@ def runner_finite_check(c: Ctx) -> str:
     from difflet_tpu.models import wan
 
     kwargs, _ = read_fixture_io(FIXTURES / "wan_t2v")
-    model = weights.load_transformer(WAN_T2V, dtype=jnp.float32, config=Config())
-    out = wan.Runner(model, None, Config())(**kwargs)
+    model = loading.load_transformer(WAN_T2V, dtype=jnp.float32, config=Config())
+    out = wan.Runner(model, None, Config())(**kwargs).sample
     checks.check_finite(out, "step output")  # finite: passes through
     with pytest.raises(checks.NonFiniteError) as e:
         checks.check_finite(out.at[0, 0, 0, 0, :3].set(jnp.nan), "step output")
@@ -510,7 +512,7 @@ def wan_runner(change):
         from difflet_tpu.models import wan
 
         kwargs, _ = read_fixture_io(FIXTURES / "wan_t2v")
-        model = weights.load_transformer(WAN_T2V, dtype=jnp.float32, config=Config())
+        model = loading.load_transformer(WAN_T2V, dtype=jnp.float32, config=Config())
         with pytest.raises(ValueError) as e:
             wan.Runner(model, None, Config())(**{**kwargs, **change})
         return str(e.value)
@@ -619,7 +621,7 @@ CASES = [
     Case("index-dotdot-shard-not-fingerprinted", "loader", outside_shard_never_opened,
          r"'../outside.safetensors' leaves the directory"),
     Case("index-weight-map-not-object", "loader",
-         loads(lambda c: (toy(c, sharded=True) / weights.INDEX_FILE).write_text('{"weight_map": [1]}')
+         loads(lambda c: (toy(c, sharded=True) / loading.INDEX_FILE).write_text('{"weight_map": [1]}')
                and c.tmp / "toy"),
          r"not a safetensors index \(weight_map is a list"),
     Case("heads-do-not-divide-tp", "loader", loads(toy_heads, mesh=make_mesh(4)),
@@ -719,7 +721,7 @@ def test_every_port_config_key_is_checked():
 def test_json_report_is_strict_json(tmp_path):
     """NaN -> null and inf -> "inf" in the bench's JSON (json.dump writes bare NaN / Infinity)."""
     out = tmp_path / "r.json"
-    bench.write_json(out, {"results": [{"psnr_db": float("inf"), "rel_l2": float("nan"), "x": np.float32("-inf"),
+    report.write_json(out, {"results": [{"psnr_db": float("inf"), "rel_l2": float("nan"), "x": np.float32("-inf"),
                                         "ok": np.float64(1.5), "n": np.int64(3), "t": (1.0, float("nan"))}]})
     data = json.loads(out.read_text(), parse_constant=lambda s: pytest.fail(f"bare {s}"))
     assert data["results"][0] == {"psnr_db": "inf", "rel_l2": None, "x": "-inf", "ok": 1.5, "n": 3,

@@ -1,4 +1,4 @@
-"""The batch axes of a mesh (`cfg`, `data`; difflet_tpu.mesh) on 4 CPU devices.
+"""The batch axes of a mesh (`cfg`, `data`; difflet_tpu.parallel.mesh) on 4 CPU devices.
 
 Every port marks the batch axis of its step inputs and outputs (`BATCH` in
 its PartitionSpecs); the Runner splits it over cfg x data, each group runs
@@ -21,10 +21,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from difflet_tpu import pipeline as PL
-from difflet_tpu import weights
+from difflet_tpu.pipeline import denoise as PL
+from difflet_tpu import loading
 from difflet_tpu.config import Config
-from difflet_tpu.mesh import make_mesh
+from difflet_tpu.parallel.mesh import make_mesh
 from difflet_tpu.port import Prepared
 from difflet_tpu.runner import Runner
 from difflet_tpu.testing import read_fixture_io, register_toy_port, rel_l2
@@ -59,16 +59,16 @@ def test_ports_split_the_batch_over_cfg_and_data(case, axes, mode, options):
     mesh = make_mesh(**axes)
     options = dict(options)
     config = Config(sp_cross_local=options.pop("sp_cross_local", True))
-    model = weights.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32, mesh=mesh, config=config)
+    model = loading.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32, mesh=mesh, config=config)
     run = Runner(model, mesh, config, mode, **options)
-    got = run(**kw)
+    got = run(**kw).sample
     if options.get("cache_text"):
         # with Config.sp_cross_local (SP) every rank runs cross-attention with every head, so
         # the cache holds all heads; otherwise its heads are split over tp
         heads = None if config.sp_cross_local else "tp"
         spec = tuple(run.state["text_kv"][2]["k"].sharding.spec)
         assert spec + (None,) * (4 - len(spec)) == (None, "cfg", None, heads)
-        got = run(**kw)  # the cached K/V step
+        got = run(**kw).sample  # the cached K/V step
     got = got if isinstance(got, tuple) else (got,)
     refs = [out[k] for k in ("sample", "audio_sample") if k in out]
     for g, r in zip(got, refs):
@@ -81,12 +81,12 @@ def test_ports_split_the_batch_over_cfg_and_data(case, axes, mode, options):
 def test_a_batch_that_does_not_split_is_refused_before_compiling():
     kw, _ = _batch2("wan_t2v_batch2")
     mesh = make_mesh(1, cfg=2, data=2)
-    model = weights.load_transformer(FIXTURES / "wan_t2v_batch2" / "transformer", dtype=jnp.float32, mesh=mesh,
+    model = loading.load_transformer(FIXTURES / "wan_t2v_batch2" / "transformer", dtype=jnp.float32, mesh=mesh,
                                      config=Config())
     run = Runner(model, mesh, Config(), "tp")
     before = PL.CompileCounter.count()
     with pytest.raises(ValueError, match=r"batch of 2 rows .* cfg=2 x data=2 = 4 groups"):
-        run(**kw)
+        run(**kw).sample
     assert PL.CompileCounter.count() == before
 
 
@@ -146,13 +146,15 @@ def test_the_guidance_combine_is_one_all_reduce_over_cfg():
 def test_the_guidance_combine_on_a_v5e_2x4_is_one_all_reduce_over_cfg():
     """Deviceless for v5e:2x4 (cfg=2 x tp=4): the compiled update holds one all-reduce
     over cfg of the Wan 480x832x9 latent (f32, 1.2 MB) and no other collective."""
-    from difflet_tpu import deviceless
+    from difflet_tpu.tools import deviceless
 
     out = deviceless.run_python("""
 import json, re, jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from difflet_tpu import deviceless, estimate as E, pipeline as PL
-from difflet_tpu.mesh import make_mesh
+from difflet_tpu.tools import deviceless
+from difflet_tpu.tools import estimate as E
+from difflet_tpu.pipeline import denoise as PL
+from difflet_tpu.parallel.mesh import make_mesh
 mesh = make_mesh(devices=deviceless.topology_devices("v5e:2x4"), cfg=2, tp=4)
 lat = (1, 16, 3, 60, 104)
 x = jax.ShapeDtypeStruct(lat, jnp.float32, sharding=NamedSharding(mesh, P()))

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from difflet_tpu import bench, models
+from difflet_tpu import models
+from difflet_tpu.bench import cases, cli, run
 
 ROW_FIELDS = ("model", "mode", "load_s", "compile_s", "step_ms", "denoise_s", "peak_memory_bytes", "sha256",
               "compilations_timed", "steps", "shape", "dtype")
@@ -16,7 +17,7 @@ ROW_FIELDS = ("model", "mode", "load_s", "compile_s", "step_ms", "denoise_s", "p
 
 def _run(tmp_path, *argv):
     out = tmp_path / "r.json"
-    rc = bench.main([*argv, "--json", str(out)])
+    rc = cli.main([*argv, "--json", str(out)])
     return rc, json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c} in the JSON"))
 
 
@@ -61,13 +62,13 @@ def test_port_tiny_presets_every_mode(tmp_path, family):
 
 def test_mode_default_follows_DIFFLET_TPU_SP(monkeypatch):
     monkeypatch.delenv("DIFFLET_TPU_SP", raising=False)
-    assert bench.parse_modes(None) == ["tp", "sp"]
+    assert cli.parse_modes(None) == ["tp", "sp"]
     monkeypatch.setenv("DIFFLET_TPU_SP", "1")
-    assert bench.parse_modes(None) == ["sp"]
+    assert cli.parse_modes(None) == ["sp"]
     monkeypatch.setenv("DIFFLET_TPU_SP", "0")
-    assert bench.parse_modes(None) == ["tp"]
-    assert bench.parse_modes("all") == ["tp", "sp", "sp-xla"]
-    assert bench.parse_modes("sp,tp") == ["sp", "tp"]
+    assert cli.parse_modes(None) == ["tp"]
+    assert cli.parse_modes("all") == ["tp", "sp", "sp-xla"]
+    assert cli.parse_modes("sp,tp") == ["sp", "tp"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -91,27 +92,27 @@ def test_mode_default_follows_DIFFLET_TPU_SP(monkeypatch):
 ])
 def test_bad_flags_are_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        bench.main(argv)
+        cli.main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_mesh_choice():
     wan, flux = models.spec("wan"), models.spec("flux")
-    wcfg = bench.build_config(wan, wan.released)
-    fcfg = bench.build_config(flux, flux.released)
-    assert bench.mesh_axes_for(wan, wcfg, 16, 2, None, True) == dict(cfg=2, data=1, tp=8)  # 40 heads: no 16-ring
-    assert bench.mesh_axes_for(wan, wcfg, 8, 2, None, True) == dict(cfg=1, data=1, tp=8)   # one ring over all
-    assert bench.mesh_axes_for(wan, wcfg, 8, 2, {"cfg": 2}, True) == dict(cfg=2, data=1, tp=4)
-    assert bench.mesh_axes_for(flux, fcfg, 16, 1, None) == dict(cfg=1, data=1, tp=8)
-    assert bench.mesh_axes_for(flux, fcfg, 16, 2, None) == dict(cfg=1, data=2, tp=8)
-    assert bench.mesh_axes_for(wan, wcfg, 16, 4, {"cfg": 2, "data": 2, "tp": 4}, True) == dict(cfg=2, data=2, tp=4)
-    with pytest.raises(bench.BenchError, match="do not divide over tp=16"):
-        bench.mesh_axes_for(wan, wcfg, 16, 2, {"tp": 16}, True)
-    with pytest.raises(bench.BenchError, match="do not split over cfg x data = 4"):
-        bench.mesh_axes_for(wan, wcfg, 16, 2, {"cfg": 2, "data": 2}, True)
-    with pytest.raises(bench.BenchError, match="no CFG batch"):
-        bench.mesh_axes_for(flux, fcfg, 8, 2, {"cfg": 2})
+    wcfg = cases.build_config(wan, wan.released)
+    fcfg = cases.build_config(flux, flux.released)
+    assert cases.mesh_axes_for(wan, wcfg, 16, 2, None, True) == dict(cfg=2, data=1, tp=8)  # 40 heads: no 16-ring
+    assert cases.mesh_axes_for(wan, wcfg, 8, 2, None, True) == dict(cfg=1, data=1, tp=8)   # one ring over all
+    assert cases.mesh_axes_for(wan, wcfg, 8, 2, {"cfg": 2}, True) == dict(cfg=2, data=1, tp=4)
+    assert cases.mesh_axes_for(flux, fcfg, 16, 1, None) == dict(cfg=1, data=1, tp=8)
+    assert cases.mesh_axes_for(flux, fcfg, 16, 2, None) == dict(cfg=1, data=2, tp=8)
+    assert cases.mesh_axes_for(wan, wcfg, 16, 4, {"cfg": 2, "data": 2, "tp": 4}, True) == dict(cfg=2, data=2, tp=4)
+    with pytest.raises(cases.BenchError, match="do not divide over tp=16"):
+        cases.mesh_axes_for(wan, wcfg, 16, 2, {"tp": 16}, True)
+    with pytest.raises(cases.BenchError, match="do not split over cfg x data = 4"):
+        cases.mesh_axes_for(wan, wcfg, 16, 2, {"cfg": 2, "data": 2}, True)
+    with pytest.raises(cases.BenchError, match="no CFG batch"):
+        cases.mesh_axes_for(flux, fcfg, 8, 2, {"cfg": 2})
 
 
 def test_cfg_mesh_on_cpu(tmp_path, monkeypatch):
@@ -126,11 +127,11 @@ def test_cfg_mesh_on_cpu(tmp_path, monkeypatch):
 
 
 def test_unknown_model_and_impossible_shape(capsys):
-    assert bench.main(["--model", "sdxl"]) == 2
+    assert cli.main(["--model", "sdxl"]) == 2
     assert "unknown model 'sdxl'" in capsys.readouterr().err
-    assert bench.main(["--model", "toy:huge"]) == 2
+    assert cli.main(["--model", "toy:huge"]) == 2
     assert "no preset 'huge'" in capsys.readouterr().err
-    assert bench.main(["--model", "flux:tiny", "--frames", "9"]) == 2
+    assert cli.main(["--model", "flux:tiny", "--frames", "9"]) == 2
     assert "--frames must be 1" in capsys.readouterr().err
 
 
@@ -140,8 +141,8 @@ def test_compile_only_on_a_small_config(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "DIFFLET_TPU_"))}
     argv = ["--compile-only", "--topology", "v5e:2x2", "--model", "toy:toy-small", "--mode", "tp,sp,sp-xla",
             "--json", str(out)]
-    script = ("import sys; from difflet_tpu import bench, testing; testing.register_toy_port(); "
-              f"sys.exit(bench.main({argv!r}))")
+    script = ("import sys; from difflet_tpu import testing; from difflet_tpu.bench import cli; testing.register_toy_port(); "
+              f"sys.exit(cli.main({argv!r}))")
     proc = subprocess.run([sys.executable, "-c", script],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -157,7 +158,7 @@ def test_compile_only_on_a_small_config(tmp_path):
     assert "all-reduce" in rows["tp"]["breakdown"]["collectives"]
     cp = rows["sp"]["breakdown"]["collectives"]["collective-permute"]
     assert cp["count"] > 0 and cp["overlapped"] == cp["count"]
-    assert rows["sp-xla"]["compiler_options"] == bench.XLA_CM_FLAGS
+    assert rows["sp-xla"]["compiler_options"] == run.XLA_CM_FLAGS
     assert "ESTIMATES for v5e:2x2" in proc.stdout
 
 
@@ -165,7 +166,7 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 
 def test_weights_of_another_family_are_refused(capsys):
-    assert bench.main(["--model", "flux:tiny", "--weights", os.path.join(FIXTURES, "wan_t2v", "transformer")]) == 2
+    assert cli.main(["--model", "flux:tiny", "--weights", os.path.join(FIXTURES, "wan_t2v", "transformer")]) == 2
     assert "not a flux transformer" in capsys.readouterr().err
 
 
@@ -191,7 +192,7 @@ def test_no_arguments_runs_every_tiny_preset_in_tp_and_sp(tmp_path, monkeypatch,
     monkeypatch.delenv("DIFFLET_TPU_SP", raising=False)
     monkeypatch.chdir(tmp_path)
     t0 = time.perf_counter()
-    assert bench.main([]) == 0
+    assert cli.main([]) == 0
     print(f"no-argument run: {time.perf_counter() - t0:.1f} s")  # README's main command; < 2 min on 2 idle cores
     out = capsys.readouterr().out
     for fam in models.PORTS:
@@ -215,11 +216,11 @@ def test_compare_and_sha256():
 
     a = {"hidden_states": np.linspace(-1, 1, 100, dtype=np.float32)}
     b = {"hidden_states": a["hidden_states"] + 1e-3}
-    c = bench.compare(b, a)
+    c = run.compare(b, a)
     assert c["rel_l2"] == pytest.approx(1e-3 / np.sqrt(np.mean(a["hidden_states"] ** 2)), rel=1e-3)
     assert c["psnr_db"] == pytest.approx(10 * np.log10(4 / 1e-6), rel=1e-3)  # range 2, mse 1e-6
-    assert bench.compare(a, a)["psnr_db"] == float("inf")
-    assert bench.sha256(a) == bench.sha256({"hidden_states": a["hidden_states"].copy()}) != bench.sha256(b)
+    assert run.compare(a, a)["psnr_db"] == float("inf")
+    assert run.sha256(a) == run.sha256({"hidden_states": a["hidden_states"].copy()}) != run.sha256(b)
 
 
 def test_bytes_per_device_counts_each_shard():
@@ -233,13 +234,13 @@ def test_bytes_per_device_counts_each_shard():
     from flax import nnx
 
     from difflet_tpu import runtime
-    from difflet_tpu.mesh import make_mesh
-    from difflet_tpu.parallel import param_specs
+    from difflet_tpu.parallel.mesh import make_mesh
+    from difflet_tpu.parallel.modes import param_specs
 
     spec = models.spec("wan")
     mesh = make_mesh(4)
     for preset in ("tiny", "Wan2.2-T2V-A14B"):
-        cfg = bench.build_config(spec, preset)
+        cfg = cases.build_config(spec, preset)
         build = lambda: spec.build(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
         state = nnx.state(nnx.eval_shape(build))
         specs = param_specs(state, spec.plan)

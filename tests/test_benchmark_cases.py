@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-from difflet_tpu import bench
-from difflet_tpu import pipeline as PL
+from difflet_tpu.bench import cases, cli
+from difflet_tpu.pipeline import denoise as PL
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("_difflet_estimates", _ROOT / "benchmark" / "estimates.py")
@@ -21,12 +21,12 @@ LONG = ("wan_81", "wan_720p_81", "hunyuan_video_544p", "hunyuan_video_720p", "lt
 def test_estimates_case_command_parses(name, tmp_path):
     cmd = estimates.command(name, "v5e:2x2", tmp_path, hlo_dir=tmp_path / "hlo")
     assert cmd[1:3] == ["-m", "difflet_tpu.bench"]
-    ap = bench.parser()
+    ap = cli.parser()
     args = ap.parse_args(cmd[3:])
-    bench.validate(args, ap)  # exits (SystemExit) on a bad flag or combination
+    cli.validate(args, ap)  # exits (SystemExit) on a bad flag or combination
     assert args.compile_only and args.topology == "v5e:2x2"
     spec, preset = PL.resolve_model(args.model[0])
-    shape = bench.shape_for(spec, preset, args)
+    shape = cases.shape_for(spec, preset, args)
     if name in LONG:  # TP and SP side by side at the long shapes
         assert {"tp", "sp-pallas"} <= set(args.modes) and "sp" in args.modes
         assert shape["frames"] > 49

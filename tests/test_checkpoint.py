@@ -12,11 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from difflet_tpu import checkpoint, testing, weights
+from difflet_tpu import testing
+from difflet_tpu.loading import cache as checkpoint
+from difflet_tpu import loading
 from difflet_tpu.config import Config
-from difflet_tpu.mesh import make_mesh
+from difflet_tpu.parallel.mesh import make_mesh
 from difflet_tpu.models import REGISTRY
-from difflet_tpu.weights import WeightsError
+from difflet_tpu.loading.checkpoint import WeightsError
 
 # The toy port and checkpoint writer live in test_weights.py (tests are not a package).
 _spec = importlib.util.spec_from_file_location("_difflet_toy_port",
@@ -34,7 +36,7 @@ def toy_registered(monkeypatch):
 def counts(monkeypatch):
     """How often the safetensors are opened (Checkpoint built) and read."""
     n = {"open": 0, "read": 0}
-    orig_init, orig_read = weights.Checkpoint.__init__, weights.Checkpoint.read
+    orig_init, orig_read = loading.Checkpoint.__init__, loading.Checkpoint.read
 
     def init(self, *a, **k):
         n["open"] += 1
@@ -44,13 +46,13 @@ def counts(monkeypatch):
         n["read"] += 1
         return orig_read(self, *a, **k)
 
-    monkeypatch.setattr(weights.Checkpoint, "__init__", init)
-    monkeypatch.setattr(weights.Checkpoint, "read", read)
+    monkeypatch.setattr(loading.Checkpoint, "__init__", init)
+    monkeypatch.setattr(loading.Checkpoint, "read", read)
     return n
 
 
 def load(path, cache, *, mesh=None, dtype=jnp.float32, split_rope=True):
-    return weights.load_transformer(path, dtype=dtype, mesh=mesh, config=Config(split_rope=split_rope),
+    return loading.load_transformer(path, dtype=dtype, mesh=mesh, config=Config(split_rope=split_rope),
                                     cache_dir=cache)
 
 
@@ -99,10 +101,10 @@ def test_cache_misses_when_anything_differs(tmp_path, counts):
     assert len(list(cache.iterdir())) == 3
 
     # New weights with the same header (same names, shapes, offsets): the mtime differs.
-    st = os.stat(path / weights.SINGLE_FILE)
+    st = os.stat(path / loading.SINGLE_FILE)
     tensors2 = tw.torch_weights(seed=1)
     tw.write_checkpoint(path, tensors2)
-    os.utime(path / weights.SINGLE_FILE, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    os.utime(path / loading.SINGLE_FILE, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     tw.assert_loaded(load(path, cache), tw.expected_params(tensors2))
     assert counts["open"] == 4
 
@@ -120,7 +122,7 @@ def test_cache_misses_when_anything_differs(tmp_path, counts):
 def test_cache_key_covers_source_config_dtype_and_format(tmp_path):
     path = tw.write_checkpoint(tmp_path / "transformer", sharded=True)
     cfg = tw._config_from_diffusers(tw.DIFFUSERS_CONFIG)
-    abstract = weights.abstract_port_model(tw.TOY_PORT, cfg, dtype=jnp.float32)
+    abstract = loading.abstract_port_model(tw.TOY_PORT, cfg, dtype=jnp.float32)
     km = tw._key_map(cfg, abstract)
     key = checkpoint.cache_key(path, tw.TOY_PORT, cfg, dtype=jnp.bfloat16, key_map=km)
     assert key["format"] == checkpoint.FORMAT_VERSION and key["dtype"] == "bfloat16"
@@ -155,22 +157,22 @@ def test_damaged_cache_entry_is_converted_again(tmp_path, counts):
 def test_explicit_save_restore_pair(tmp_path):
     tensors = tw.torch_weights()
     path = tw.write_checkpoint(tmp_path / "transformer", tensors)
-    model = weights.load_transformer(path, mesh=make_mesh(4), config=Config())  # bf16, fp32 norms
+    model = loading.load_transformer(path, mesh=make_mesh(4), config=Config())  # bf16, fp32 norms
     out = tmp_path / "converted"
     checkpoint.save_params(out, model)
     cfg = tw._config_from_diffusers(tw.DIFFUSERS_CONFIG)
     for tp in (4, 2, None):
         mesh = None if tp is None else make_mesh(tp)
-        abstract = weights.abstract_port_model(tw.TOY_PORT, cfg, dtype=jnp.bfloat16)
+        abstract = loading.abstract_port_model(tw.TOY_PORT, cfg, dtype=jnp.bfloat16)
         restored = checkpoint.restore_params(out, abstract, mesh, testing.PLAN)
         tw.assert_loaded(restored, tw.expected_params(tensors), mesh=mesh, dtype=jnp.bfloat16,
                          kept=tw.KEPT_FP32)
 
     # A model that expects un-permuted q/k (or other shapes) is refused, not silently loaded.
-    plain = weights.abstract_port_model(tw.TOY_PORT, tw.ToyPortConfig(split_rope=False), dtype=jnp.bfloat16)
+    plain = loading.abstract_port_model(tw.TOY_PORT, tw.ToyPortConfig(split_rope=False), dtype=jnp.bfloat16)
     with pytest.raises(WeightsError, match=r"config differs .* split_rope \(saved True, model False\)"):
         checkpoint.restore_params(out, plain, make_mesh(4), testing.PLAN)
-    wide = weights.abstract_port_model(tw.TOY_PORT, tw.ToyPortConfig(ffn=128), dtype=jnp.bfloat16)
+    wide = loading.abstract_port_model(tw.TOY_PORT, tw.ToyPortConfig(ffn=128), dtype=jnp.bfloat16)
     with pytest.raises(WeightsError, match=r"wrong shape for blocks.ff.net.0.proj.kernel(.|\n)*ffn"):
         checkpoint.restore_params(out, wide, None, testing.PLAN)
     with pytest.raises(WeightsError, match="no difflet_meta.json"):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from difflet_tpu import collective_matmul as cm
-from difflet_tpu.mesh import TP, make_mesh
+from difflet_tpu.parallel import collective_matmul as cm
+from difflet_tpu.parallel.mesh import TP, make_mesh
 from difflet_tpu.testing import rel_l2
 
 
@@ -163,7 +163,7 @@ def test_head_major_epilogue_follows_the_assembled_rows(impl, assemble):
 def test_nn_epilogue_is_a_kernel_epilogue_for_bias_and_gelu_tanh_only():
     from flax import nnx
 
-    from difflet_tpu import nn
+    from difflet_tpu.layers import nn
     from difflet_tpu.layers.feedforward import ACTIVATIONS, gelu_tanh
 
     lin = nn.Linear(8, 16, dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -272,9 +272,9 @@ def test_nn_column_sum_squares_feeds_rms_norm_across_heads():
     # ssq equals the norm computing it (the same values, bit for bit)
     from flax import nnx
 
-    from difflet_tpu import nn
+    from difflet_tpu.layers import nn
     from difflet_tpu.layers.normalization import rms_norm_across_heads
-    from difflet_tpu.parallel import Parallel
+    from difflet_tpu.parallel.modes import Parallel
 
     par = Parallel()
     lins = [nn.Linear(8, 16, dtype=jnp.bfloat16, rngs=nnx.Rngs(i), bias=i == 0) for i in range(3)]

@@ -5,12 +5,14 @@ a scanned model's Pallas kernels read their layer out of the stacked weights
 
 import pytest
 
-from difflet_tpu import deviceless
+from difflet_tpu.tools import deviceless
 
 CODE = """
 import json, jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from difflet_tpu import collective_matmul as cm, deviceless, hlo
+from difflet_tpu.parallel import collective_matmul as cm
+from difflet_tpu.tools import deviceless
+from difflet_tpu.tools import hlo
 mesh = deviceless.topology_mesh('v5e:2x2')
 S, K, N = 4736, 5120, 1280 * 4
 sd = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
@@ -43,7 +45,9 @@ def test_rings_overlap_transfers_with_matmuls_on_v5e(assemble):
 STACKED = """
 import json, jax, jax.numpy as jnp
 from flax import nnx
-from difflet_tpu import deviceless, hlo, runtime, testing
+from difflet_tpu import runtime, testing
+from difflet_tpu.tools import deviceless
+from difflet_tpu.tools import hlo
 from difflet_tpu.config import Config
 from difflet_tpu.runner import Runner
 spec = testing.register_toy_port()

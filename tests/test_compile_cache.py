@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from difflet_tpu import bench, runtime
+from difflet_tpu import runtime
+from difflet_tpu.bench import cli
 from difflet_tpu.config import Config, ConfigError
 
 
@@ -82,12 +83,12 @@ def test_bench_flag_errors(tmp_path, capsys):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     stats = runtime.compile_stats()
-    assert bench.main(["--model", "toy:tiny", "--compile-cache", str(a_file)]) == 2
+    assert cli.main(["--model", "toy:tiny", "--compile-cache", str(a_file)]) == 2
     err = capsys.readouterr().err
     assert "compile cache" in err and str(a_file) in err
     assert runtime.stats_since(stats)["compiles"] == 0  # refused before anything compiled
     with pytest.raises(SystemExit):
-        bench.main(["--compile-only", "--topology", "v5e:2x2", "--compile-cache", str(tmp_path)])
+        cli.main(["--compile-only", "--topology", "v5e:2x2", "--compile-cache", str(tmp_path)])
     assert "--compile-cache cannot be combined with --compile-only" in capsys.readouterr().err
 
 

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from difflet_tpu import estimate
+from difflet_tpu.parallel import chips
 from difflet_tpu.config import ENV_VARS, Config, ConfigError
 
 TILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "kernel_tiles_cpu.json")
@@ -55,7 +55,7 @@ def test_defaults():
 
 def test_rs_kernel_auto_is_the_ring_off_tpu():
     c = Config()
-    v5e = estimate.CHIPS["v5e"]
+    v5e = chips.CHIPS["v5e"]
     assert (c.rs_kernel("tpu", v5e), c.rs_kernel("cpu", None), c.rs_kernel("tpu", None)) == ("auto", "jax", "jax")
     assert Config(sp_rs_kernel="pallas").rs_kernel("cpu", None) == "pallas"  # explicit: interpreted off TPU
 

@@ -2,7 +2,7 @@
 
 Every diffusers fixture case (tests/fixtures/<case>/: `transformer/` whose
 config.json `_class_name` names the port, `io.npz` with the forward kwargs and
-diffusers' float32 outputs) is loaded by `weights.load_transformer` and run by
+diffusers' float32 outputs) is loaded by `loading.load_transformer` and run by
 `difflet_tpu.runner.Runner` with `Config(check_vma=True)` (so an output declared
 replicated that differs by rank fails to trace), and must match diffusers at
 relative L2 <= 1e-5 in float32:
@@ -36,10 +36,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from difflet_tpu import deviceless, models, weights
+from difflet_tpu import models
+from difflet_tpu.tools import deviceless
+from difflet_tpu import loading
 from difflet_tpu.config import Config
-from difflet_tpu.mesh import make_mesh
-from difflet_tpu.pipeline import CompileCounter
+from difflet_tpu.parallel.mesh import make_mesh
+from difflet_tpu.pipeline.denoise import CompileCounter
 from difflet_tpu.runner import Runner
 from difflet_tpu.testing import read_fixture_io, rel_l2
 
@@ -99,7 +101,7 @@ def _model_key(case):
 
 @functools.lru_cache(maxsize=None)
 def _load(key, case, tp):
-    return weights.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32, mesh=mesh(tp))
+    return loading.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32, mesh=mesh(tp))
 
 
 def model(case, tp=None):
@@ -219,10 +221,10 @@ def test_errors_before_compilation(port):
         r = Runner(model(case, tp), mesh(tp), VMA, mode, compiler_options=FAST)
         for what, hs in _bad_hidden_states(kwargs["hidden_states"]).items():
             with pytest.raises(ValueError, match="hidden_states"):
-                r(**{**kwargs, "hidden_states": hs})
+                r(**{**kwargs, "hidden_states": hs}).sample
         assert not r._steps, f"{port} {mode}: a step was built for a bad input"
     with pytest.raises(ValueError, match=r"cannot split \d+ .* over tp=4"):
-        Runner(m4, mesh(4), VMA, "sp", pad=False, compiler_options=FAST)(**kwargs)
+        Runner(m4, mesh(4), VMA, "sp", pad=False, compiler_options=FAST)(**kwargs).sample
     with pytest.raises(ValueError, match="heads do not divide over tp=3"):
         Runner(model(case), make_mesh(3), VMA, "tp")
     assert CompileCounter.count() == before, "an XLA compile ran before the error"
@@ -244,7 +246,7 @@ def test_check_vma_refuses_sp_rows_declared_replicated(port):
 
     r.prepare = lying
     with pytest.raises(ValueError, match=r"out_specs.*replicated"):
-        r(**kwargs)
+        r(**kwargs).sample
 
 
 # --------------------------------------------------------------------------
@@ -255,7 +257,8 @@ DEVICELESS = """
 import json, time
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
-from difflet_tpu import deviceless, models, runtime
+from difflet_tpu import models, runtime
+from difflet_tpu.tools import deviceless
 from difflet_tpu.config import Config
 from difflet_tpu.runner import Runner
 

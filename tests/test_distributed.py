@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from difflet_tpu import distributed, weights
+from difflet_tpu.parallel import distributed
+from difflet_tpu import loading
 from difflet_tpu.config import Config
 from difflet_tpu.runner import Runner
 from difflet_tpu.testing import read_fixture_io, rel_l2
@@ -92,7 +93,7 @@ def _show(res):
 def one_process(case):
     """The one-process, one-device result of a fixture case."""
     kw, out = read_fixture_io(FIXTURES / case)
-    model = weights.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32, config=Config())
+    model = loading.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32, config=Config())
     return np.asarray(Runner(model, None, Config())(**kw)), out["sample"]
 
 
@@ -118,7 +119,7 @@ def test_sp_and_cfg_parallel_across_processes_equal_one_process(two_processes):
 def test_cfg_denoise_steps_agree_on_every_process_and_with_one_process(two_processes):
     import dataclasses  # noqa: F401
 
-    from difflet_tpu import pipeline as PL
+    from difflet_tpu.pipeline import denoise as PL
     from difflet_tpu.models import wan
 
     out, res = two_processes
@@ -126,7 +127,7 @@ def test_cfg_denoise_steps_agree_on_every_process_and_with_one_process(two_proce
     assert r0["denoise_sha256_all"] == [r0["denoise_sha256"], r1["denoise_sha256"]]
     assert r0["denoise_sha256"] == r1["denoise_sha256"]
     kw2, _ = read_fixture_io(FIXTURES / "wan_t2v_batch2")
-    model = weights.load_transformer(FIXTURES / "wan_t2v_batch2" / "transformer", dtype=jnp.float32, config=Config())
+    model = loading.load_transformer(FIXTURES / "wan_t2v_batch2" / "transformer", dtype=jnp.float32, config=Config())
     inputs = {"hidden_states": kw2["hidden_states"][:1], "timestep": kw2["timestep"][:1],
               "encoder_hidden_states": kw2["encoder_hidden_states"][1:]}
     cfg_inputs = dict(inputs, hidden_states=kw2["hidden_states"][[0, 0]],
@@ -146,7 +147,7 @@ def test_each_process_reads_only_its_own_slices(two_processes):
     out, res = two_processes
     from safetensors import safe_open
 
-    path = FIXTURES / "wan_t2v" / "transformer" / weights.SINGLE_FILE
+    path = FIXTURES / "wan_t2v" / "transformer" / loading.SINGLE_FILE
     with safe_open(str(path), framework="np") as f:
         sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}
     nbytes = {k: 4 * math.prod(s) for k, s in sizes.items()}

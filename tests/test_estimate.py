@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from difflet_tpu import estimate as E
+from difflet_tpu.tools import calibration, estimate as E
 
 V5E = E.CHIPS["v5e"]
 
@@ -380,7 +380,7 @@ def test_fit_recovers_a_known_nonmatmul_scale():
     for nonmm, rest in [(0.05, 0.2), (0.08, 0.1), (0.02, 0.3)]:
         e = E.Estimate(total=nonmm + rest, nonmatmul=nonmm, invalid=nonmm)
         rows.append((e, rest + 0.63 * nonmm))
-    assert E.fit_nonmatmul_scale(rows) == pytest.approx(0.63)
+    assert calibration.fit_nonmatmul_scale(rows) == pytest.approx(0.63)
 
 
 # --------------------------------------------------------------------------
@@ -391,7 +391,8 @@ KNOWN = """
 import json, jax, jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
-from difflet_tpu import deviceless, estimate as E
+from difflet_tpu.tools import deviceless
+from difflet_tpu.tools import calibration, estimate as E
 mesh = deviceless.topology_mesh('v5e:2x2')
 sd = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
 out = {}
@@ -412,7 +413,7 @@ print(json.dumps(out))
 
 
 def test_known_answers_on_compiled_v5e_programs(monkeypatch):
-    from difflet_tpu import deviceless
+    from difflet_tpu.tools import deviceless
 
     # several engineers' deviceless compiles share this machine's libtpu lockfile
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -434,7 +435,8 @@ def test_known_answers_on_compiled_v5e_programs(monkeypatch):
 KERNELS = """
 import json, jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from difflet_tpu import deviceless, estimate as E
+from difflet_tpu.tools import deviceless
+from difflet_tpu.tools import calibration, estimate as E
 from difflet_tpu.kernels import all_gather_matmul_stream as agk, matmul_reduce_scatter_stream as rsk
 mesh = deviceless.topology_mesh('v5e:2x2')
 sd = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
@@ -456,7 +458,7 @@ print(json.dumps(out))
 def test_known_answers_on_compiled_collective_matmul_kernels(monkeypatch):
     """Both kernels compiled for v5e:2x2: the estimator finds them, reads P and their
     shapes from the compiled text and prices them hop by hop."""
-    from difflet_tpu import deviceless
+    from difflet_tpu.tools import deviceless
 
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     out = deviceless.run_python(KERNELS)

@@ -1,6 +1,6 @@
-"""difflet_tpu.hlo on a hand-written scheduled module."""
+"""difflet_tpu.tools.hlo on a hand-written scheduled module."""
 
-from difflet_tpu import hlo
+from difflet_tpu.tools import hlo
 
 TEXT = """HloModule m
 

@@ -5,7 +5,7 @@ videos of issue 14) is traced, not compiled, at its released model size on a
 4-device `tp` ring with both Pallas kernels forced (`sp_kernel` and
 `sp_rs_kernel` "pallas"), bf16, abstract weights: the tile sweep's walk
 (`sweep_tiles.model_sites`), which records every kernel call the dispatch
-(difflet_tpu.collective_matmul) makes; a site the kernels do not take would fall back to
+(difflet_tpu.parallel.collective_matmul) makes; a site the kernels do not take would fall back to
 the ring with a notice (`collective_matmul._NOTICED`). The kernels' plans are
 chip-independent but for VMEM, 128 MiB on both v5e and v6e (the default of
 `_common.vmem_capacity_bytes` off TPU), so one walk covers both. A long
@@ -18,10 +18,11 @@ import pathlib
 import jax.numpy as jnp
 import pytest
 
-from difflet_tpu import bench, sweep_tiles
-from difflet_tpu import collective_matmul as cm
-from difflet_tpu import pipeline as PL
-from difflet_tpu.mesh import make_mesh
+from difflet_tpu.bench import cases, cli
+from difflet_tpu.tools import sweep_tiles
+from difflet_tpu.parallel import collective_matmul as cm
+from difflet_tpu.pipeline import denoise as PL
+from difflet_tpu.parallel.mesh import make_mesh
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("_difflet_estimates", _ROOT / "benchmark" / "estimates.py")
@@ -35,9 +36,9 @@ CASES = sorted(n for n, (_, _, modes) in estimates.CASES.items() if modes == "al
 @pytest.mark.parametrize("name", CASES)
 def test_every_kernel_site_runs_the_kernel(name):
     cmd = estimates.command(name, "v5e:2x2", "/nonexistent")
-    args = bench.parser().parse_args(cmd[3:])
+    args = cli.parser().parse_args(cmd[3:])
     spec, preset = PL.resolve_model(args.model[0])
-    shape = bench.shape_for(spec, preset, args)
+    shape = cases.shape_for(spec, preset, args)
     batch = 2 if name.endswith("_cfg") else 1  # the CFG cases' step is one batch-2 call
     cm._NOTICED.clear()
     # the sweep's walk: the SP step traced with both kernels forced, every kernel call recorded

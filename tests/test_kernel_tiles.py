@@ -1,4 +1,4 @@
-"""Column tiles per kernel site (difflet_tpu.kernel_tiles, difflet_tpu.sweep_tiles).
+"""Column tiles per kernel site (difflet_tpu.kernels.tiles, difflet_tpu.tools.sweep_tiles).
 
 The table: validated on load, refused on another device kind, carried by
 `Parallel` from `Config.kernel_tiles` into every collective-matmul call. The
@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from difflet_tpu import collective_matmul as cm, kernel_tiles as KT
+from difflet_tpu.parallel import collective_matmul as cm
+from difflet_tpu.kernels import tiles as KT
 from difflet_tpu.config import Config
-from difflet_tpu.mesh import make_mesh
-from difflet_tpu.parallel import Parallel
+from difflet_tpu.parallel.mesh import make_mesh
+from difflet_tpu.parallel.modes import Parallel
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "kernel_tiles_cpu.json")
 AG = KT.Site("ag", [(1, 32, 128)], [(128, 256), (128, 256)], "float32", 4, [(3, "float32"), None],
@@ -112,7 +113,7 @@ def test_the_dispatch_runs_the_table_tile_and_the_same_numbers():
 
 @pytest.mark.slow
 def test_the_sweep_times_every_candidate_and_keeps_the_fastest(tmp_path):
-    from difflet_tpu import sweep_tiles as SW
+    from difflet_tpu.tools import sweep_tiles as SW
 
     mesh = make_mesh(4)
     rows = SW.sweep([(AG, 1), (RS, 2)], mesh, repeats=1, max_col_tile=2048, compile_only=False, interpret=True,
@@ -140,7 +141,7 @@ def test_the_sweep_times_every_candidate_and_keeps_the_fastest(tmp_path):
     (["--model", "flux", "--out", "t.json", "--repeats", "0"], "--repeats"),
 ])
 def test_sweep_refuses_bad_flags_before_any_work(argv, words, capsys):
-    from difflet_tpu import sweep_tiles as SW
+    from difflet_tpu.tools import sweep_tiles as SW
 
     with pytest.raises(SystemExit) as e:
         SW.main(argv)

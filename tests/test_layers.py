@@ -10,10 +10,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from difflet_tpu import layers, layout, runtime
+from difflet_tpu import layers, testing
+from difflet_tpu.layers.rope import rope_permutation
 from difflet_tpu.layers import mmdit
-from difflet_tpu.mesh import TP, make_mesh
-from difflet_tpu.parallel import COLUMN, ROW, Parallel
+from difflet_tpu.parallel.mesh import TP, make_mesh
+from difflet_tpu.parallel.modes import COLUMN, ROW, Parallel
 from difflet_tpu.testing import rel_l2
 
 
@@ -29,12 +30,12 @@ def run(module, fn, mode, *inputs, tp=2, plan=None, rows_axis=None):
     """`fn(module, par, *inputs)` on one device (mode "single") or over `tp` devices, parameters
     placed by `plan`; under SP the inputs with `rows_axis` are sharded on it (and the output)."""
     if mode == "single":
-        step, state = runtime.compile_step(module, fn, Parallel())
+        step, state = testing.compile_step(module, fn, Parallel())
         return step(state, *inputs)
     mesh = make_mesh(tp)
     par = Parallel(mode=mode, size=tp, interpret=True)
     rows = P(*([None] * rows_axis + [TP])) if mode != "tp" and rows_axis is not None else P()
-    step, state = runtime.compile_step(module, fn, par, mesh, plan or {}, in_specs=tuple(rows for _ in inputs),
+    step, state = testing.compile_step(module, fn, par, mesh, plan or {}, in_specs=tuple(rows for _ in inputs),
                                        out_specs=rows)
     return step(state, *inputs)
 
@@ -378,7 +379,7 @@ def test_rotary_emb_interleaved_and_split_halves():
     want = _rope_numpy(f64(x), ang)
     inter = layers.apply_rotary_emb(x, cos[:, None], sin[:, None], split=False)
     np.testing.assert_allclose(inter, want, rtol=1e-5, atol=1e-5)
-    perm = layout.rope_permutation(D)
+    perm = rope_permutation(D)
     split = layers.apply_rotary_emb(x[..., perm], cos[:, None, perm], sin[:, None, perm], split=True)
     np.testing.assert_allclose(split, want[..., perm], rtol=1e-5, atol=1e-5)
     assert np.abs(np.asarray(split) - np.asarray(inter)[..., perm]).max() < 1e-6  # same products and sums
@@ -538,7 +539,7 @@ def test_double_block_parallel(mode, context_first):
     mesh = make_mesh(2)
     par = Parallel(mode=mode, size=2, interpret=True)
     rows = P(None, TP) if mode == "sp" else P()
-    step, state = runtime.compile_step(block, _double_fn, par, mesh, mmdit_plan("transformer_blocks"),
+    step, state = testing.compile_step(block, _double_fn, par, mesh, mmdit_plan("transformer_blocks"),
                                        in_specs=(rows, rows, P(), P(), P()), out_specs=(rows, rows))
     for got, want in zip(step(state, *inputs), one):
         assert rel_l2(got, want) <= 1e-6
@@ -572,7 +573,7 @@ def test_single_block_parallel_and_packed_proj_out(mode):
     mesh = make_mesh(2)
     par = Parallel(mode=mode, size=2, interpret=True)
     rows = P(None, TP) if mode == "sp" else P()
-    step, state = runtime.compile_step(block, fn, par, mesh, mmdit_plan("single_transformer_blocks"),
+    step, state = testing.compile_step(block, fn, par, mesh, mmdit_plan("single_transformer_blocks"),
                                        in_specs=(rows, P(), P(), P()), out_specs=rows)
     assert rel_l2(step(state, x, temb, cos, sin), one) <= 1e-6
 

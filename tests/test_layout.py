@@ -3,28 +3,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from difflet_tpu import layers, layout
+from difflet_tpu import layers
+from difflet_tpu.parallel import padding
+from difflet_tpu.layers.rope import RopeLayout, heads_permutation, rope_permutation
 
 
 def test_pad_and_unpad_numpy_and_jax():
     x = np.arange(2 * 5 * 3, dtype=np.float32).reshape(2, 5, 3)
-    p, n = layout.pad_tokens(x, 8, axis=1)
+    p, n = padding.pad_tokens(x, 8, axis=1)
     assert p.shape == (2, 8, 3) and n == 3 and not p[:, 5:].any()
-    np.testing.assert_array_equal(layout.unpad(p, 5, axis=1), x)
-    pj, nj = layout.pad_tokens(jnp.asarray(x), 4, axis=1)
+    np.testing.assert_array_equal(padding.unpad(p, 5, axis=1), x)
+    pj, nj = padding.pad_tokens(jnp.asarray(x), 4, axis=1)
     assert pj.shape == (2, 8, 3) and nj == 3
-    same, zero = layout.pad_tokens(x, 5, axis=1)
+    same, zero = padding.pad_tokens(x, 5, axis=1)
     assert same is x and zero == 0
-    np.testing.assert_array_equal(layout.key_mask(5, 8), [1, 1, 1, 1, 1, 0, 0, 0])
-    assert layout.key_mask(5, 8, batch=2).shape == (2, 8)
+    np.testing.assert_array_equal(padding.key_mask(5, 8), [1, 1, 1, 1, 1, 0, 0, 0])
+    assert padding.key_mask(5, 8, batch=2).shape == (2, 8)
 
 
 def test_permutation():
-    np.testing.assert_array_equal(layout.rope_permutation(8), [0, 2, 4, 6, 1, 3, 5, 7])
-    np.testing.assert_array_equal(layout.heads_permutation(2, 4), [0, 2, 1, 3, 4, 6, 5, 7])
-    np.testing.assert_array_equal(layout.heads_permutation(1, 6, rope_dim=4), [0, 2, 1, 3, 4, 5])
+    np.testing.assert_array_equal(rope_permutation(8), [0, 2, 4, 6, 1, 3, 5, 7])
+    np.testing.assert_array_equal(heads_permutation(2, 4), [0, 2, 1, 3, 4, 6, 5, 7])
+    np.testing.assert_array_equal(heads_permutation(1, 6, rope_dim=4), [0, 2, 1, 3, 4, 5])
     with pytest.raises(ValueError):
-        layout.rope_permutation(5)
+        rope_permutation(5)
 
 
 def _interleaved_tables(S, D, rng):
@@ -48,8 +50,8 @@ def test_split_rope_gives_the_interleaved_attention_scores_float64():
         ki = layers.apply_rotary_emb(jnp.asarray(k), cos[:, None], sin[:, None], split=False)
         ref = jnp.einsum("bqhd,bkhd->bhqk", qi, ki)
 
-        rope = layout.RopeLayout(H, D)  # one object permutes the weights and the tables
-        assert rope.qk_channels == tuple(layout.heads_permutation(H, D))
+        rope = RopeLayout(H, D)  # one object permutes the weights and the tables
+        assert rope.qk_channels == tuple(heads_permutation(H, D))
         wq_p = np.take(wq, rope.qk_channels, axis=1)
         wk_p = np.take(wk, rope.qk_channels, axis=1)
         bq_p = np.take(bq, rope.qk_channels)
@@ -60,7 +62,7 @@ def test_split_rope_gives_the_interleaved_attention_scores_float64():
         assert got.dtype == jnp.float64
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-12, atol=1e-12)
         # The rotated q is the permuted interleaved q, channel for channel.
-        np.testing.assert_allclose(np.asarray(qs), np.asarray(qi)[..., layout.rope_permutation(D)], atol=1e-12)
+        np.testing.assert_allclose(np.asarray(qs), np.asarray(qi)[..., rope_permutation(D)], atol=1e-12)
         # Without permuting the weights the scores differ: the test can fail.
         bad = jnp.einsum("bqhd,bkhd->bhqk",
                          layers.apply_rotary_emb(jnp.asarray(q), cs[:, None], ss[:, None], split=True),

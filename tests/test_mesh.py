@@ -1,11 +1,9 @@
-import json
 
 import jax
 import pytest
 
-from difflet_tpu import deviceless
-from difflet_tpu.mesh import (CFG, DATA, TP, batch_axes, batch_ways, make_mesh, parse_mesh, ring_order,
-                               tp_groups, use_cpu_devices)
+from difflet_tpu.tools import deviceless
+from difflet_tpu.parallel.mesh import (CFG, DATA, TP, batch_axes, batch_ways, make_mesh, parse_mesh, tp_groups, use_cpu_devices)
 
 
 def test_make_mesh_cpu():
@@ -27,8 +25,8 @@ def test_use_cpu_devices_after_init_errors_when_too_few():
 def test_v5e_2x2_ring_is_all_direct_links():
     out = deviceless.run_python("""
 import json, numpy as np
-from difflet_tpu import deviceless
-from difflet_tpu.mesh import make_mesh, ring_order
+from difflet_tpu.tools import deviceless
+from difflet_tpu.parallel.mesh import make_mesh, ring_order
 devs = deviceless.topology_devices('v5e:2x2')
 m = make_mesh(devices=devs)
 coords = {d.id: list(d.coords) for d in devs}
@@ -84,8 +82,8 @@ def test_v5e_2x4_and_4x4_rings_are_all_direct_links():
     where jax.make_mesh's groups for the same shapes have diagonal or longer hops."""
     out = deviceless.run_python("""
 import json, jax
-from difflet_tpu import deviceless
-from difflet_tpu.mesh import _coords, make_mesh, ring_hops, tp_groups
+from difflet_tpu.tools import deviceless
+from difflet_tpu.parallel.mesh import _coords, make_mesh, ring_hops, tp_groups
 res = {}
 for topo, meshes in (("v5e:2x4", [dict(), dict(cfg=2), dict(cfg=2, data=2), dict(tp=4)]),
                      ("v5e:4x4", [dict(), dict(cfg=2), dict(cfg=2, data=2), dict(tp=8), dict(tp=4, cfg=4)])):

@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from difflet_tpu import bench, models, runtime
-from difflet_tpu import pipeline as PL
+from difflet_tpu import models, runtime
+from difflet_tpu.bench import cases, cli, compile_only, report
+from difflet_tpu.pipeline import denoise as PL
 from difflet_tpu.config import Config
-from difflet_tpu.mesh import make_mesh
-from difflet_tpu.parallel import Parallel
+from difflet_tpu.parallel.mesh import make_mesh
+from difflet_tpu.parallel.modes import Parallel
 from difflet_tpu.runner import Runner
 
 PRESET = "Wan2.2-T2V-A14B"  # its schedule and boundary; the experts have the tiny preset's shapes
@@ -29,7 +30,7 @@ STEPS = 6                   # timesteps 1000 .. 126: experts [0, 0, 0, 0, 1, 1] 
 
 def _wan_denoiser(n_devices, mode, offload, placed=False):
     spec = models.spec("wan")
-    cfg = bench.build_config(spec, "tiny")
+    cfg = cases.build_config(spec, "tiny")
     pipe = spec.pipeline
     inputs = spec.example_inputs(cfg, **spec.tiny_shape, batch=1, seed=0, dtype=np.float32)
     cfg_inputs = spec.example_inputs(cfg, **spec.tiny_shape, batch=2, seed=1, dtype=np.float32)
@@ -93,14 +94,14 @@ def test_runner_offload_contract():
     """offload/load move the Runner's own copy and never change the model given; the
     device memory is freed once the Runner holds the last reference."""
     spec = models.spec("wan")
-    cfg = bench.build_config(spec, "tiny")
+    cfg = cases.build_config(spec, "tiny")
     mesh = make_mesh(2)
     kw = spec.example_inputs(cfg, **spec.tiny_shape, batch=1, seed=0, dtype=np.float32)
     # a model already on the mesh (with the plan of the Runner's mode): the Runner shares its arrays
     plan = spec.plan_for(Parallel.for_mesh(mesh, Config(), mode="sp"))
     model = runtime.place(spec.build(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), mesh, plan)
     run = Runner(model, mesh, Config(), mode="sp", cache_text=True)
-    out = np.asarray(run(**kw))
+    out = np.asarray(run(**kw).sample)
     assert "text_kv" in run.state  # a cache derived from the parameters: dropped with them
     held = [weakref.ref(x) for x in _leaves(run)]
     assert all(a is b for a, b in zip(_leaves(run), jax.tree_util.tree_leaves(nnx.state(model))))
@@ -108,7 +109,7 @@ def test_runner_offload_contract():
         run.offload()
     assert run.resident == "host" and "text_kv" not in run.state
     with pytest.raises(ValueError, match="host memory .*load\\(\\)"):
-        run(**kw)
+        run(**kw).sample
     gc.collect()
     assert all(r() is not None for r in held)  # the caller's model still holds them: nothing changed
     params = jax.tree_util.tree_leaves(nnx.state(model))
@@ -118,9 +119,9 @@ def test_runner_offload_contract():
     assert all(r() is None for r in held)  # now the host copy is the only one
     run.load()
     assert run.resident == "device"
-    np.testing.assert_array_equal(np.asarray(run(**kw)), out)
+    np.testing.assert_array_equal(np.asarray(run(**kw).sample), out)
     run.offload(), run.offload(), run.load(), run.load()  # idempotent
-    np.testing.assert_array_equal(np.asarray(run(**kw)), out)
+    np.testing.assert_array_equal(np.asarray(run(**kw).sample), out)
     # a model on the default device: the Runner's own sharded copy is freed at offload
     model = spec.build(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
     run = Runner(model, mesh, Config(), mode="sp")
@@ -173,7 +174,7 @@ def test_bad_offload_requests(monkeypatch):
                                                                "timestep": np.zeros(1)},
                     None, guidance=1.0, offload="sometimes")
     spec = models.spec("wan")
-    cfg = bench.build_config(spec, "tiny")
+    cfg = cases.build_config(spec, "tiny")
     run = Runner(spec.build(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), make_mesh(2), Config(), mode="sp")
     with pytest.raises(ValueError, match="no pinned_host memory"):
         run.offload()
@@ -192,30 +193,30 @@ def test_bad_offload_requests(monkeypatch):
 
 
 def test_compile_only_memory_with_and_without_offload():
-    from difflet_tpu import estimate as E
+    from difflet_tpu.tools import estimate as E
 
     v5e = E.CHIPS["v5e"]
     gib = 2**30
     mem = dict(arguments=8 * gib, outputs=1, temporaries=2 * gib, aliased=0, code=0, total=10 * gib)
     other = 7 * gib
-    off, rep = bench.expert_memory(mem, other, "off", v5e)
+    off, rep = compile_only.expert_memory(mem, other, "off", v5e)
     assert off["total"] == 17 * gib and off["other_experts"] == other and not rep["enabled"]
-    on, rep = bench.expert_memory(mem, other, "on", v5e)
+    on, rep = compile_only.expert_memory(mem, other, "on", v5e)
     rep_on = rep
     assert on["total"] == 10 * gib and on["other_experts"] == 0 and on["host_experts"] == other
     assert rep["enabled"] and rep["idle_expert_bytes_per_chip"] == other and rep["all_resident_bytes"] == 17 * gib
     assert rep["host_bytes_per_chip"] == 2 * other  # each expert's host copy is kept
     assert rep["swap_ms_estimate"] == pytest.approx(1e3 * other / 1.5e10, abs=1e-3)  # ~501 ms
-    auto, rep = bench.expert_memory(mem, other, "auto", v5e)
+    auto, rep = compile_only.expert_memory(mem, other, "auto", v5e)
     assert auto == on and rep["enabled"]  # 17 GiB > 16 GiB
     small = dict(mem, total=8 * gib)
-    auto, rep = bench.expert_memory(small, other, "auto", v5e)
+    auto, rep = compile_only.expert_memory(small, other, "auto", v5e)
     assert auto["total"] == 15 * gib and not rep["enabled"]  # fits: no swaps
     import io
 
     row = dict(model="wan:Wan2.2-T2V-A14B", mode="sp-pallas", hbm=on, expert_offload=rep_on)
     out = io.StringIO()
-    bench.print_offload_notes([row], out)
+    report.print_offload_notes([row], out)
     text = out.getvalue()
     assert "7.00 GiB/chip not in HBM, 14.00 GiB/chip in host memory" in text and "ESTIMATED swap 501 ms" in text and "15 GB/s" in text
 
@@ -229,14 +230,14 @@ def test_bench_two_expert_run_with_offload(tmp_path, monkeypatch, capsys):
 
     toy = register_toy_port()
     monkeypatch.setitem(toy.experts, "tiny", 0.5)
-    cfg = bench.build_config(toy, "tiny")
+    cfg = cases.build_config(toy, "tiny")
     # one expert's parameters per chip on tp=4 (bytes_per_device: tests/test_bench.py checks it)
     expert = runtime.bytes_per_device(runtime.abstract_model(
         lambda: toy.build(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), make_mesh(4), toy.plan))
     rows = {}
     for setting in ("on", "off"):
         out = tmp_path / f"{setting}.json"
-        rc = bench.main(["--model", "toy:tiny", "--mode", "tp,sp", "--steps", "4", "--expert-offload", setting,
+        rc = cli.main(["--model", "toy:tiny", "--mode", "tp,sp", "--steps", "4", "--expert-offload", setting,
                          "--json", str(out)])
         assert rc == 0
         rows[setting] = json.loads(out.read_text())["results"]
@@ -248,5 +249,5 @@ def test_bench_two_expert_run_with_offload(tmp_path, monkeypatch, capsys):
         assert off["expert_offload"] == dict(setting="off", enabled=False, reason="off")
     assert "measured expert swaps ms" in capsys.readouterr().out
     monkeypatch.setattr(runtime, "host_memory_kind", lambda devices: None)
-    assert bench.main(["--model", "toy:tiny", "--mode", "tp", "--steps", "2", "--expert-offload", "on"]) == 2
+    assert cli.main(["--model", "toy:tiny", "--mode", "tp", "--steps", "2", "--expert-offload", "on"]) == 2
     assert "no pinned_host memory" in capsys.readouterr().err

@@ -32,7 +32,7 @@ import sys
 import zipfile
 
 import pytest
-import difflet_tpu.kernels, difflet_tpu.models, difflet_tpu.collective_matmul, difflet_tpu.parallel
+import difflet_tpu.kernels, difflet_tpu.models, difflet_tpu.parallel.collective_matmul, difflet_tpu.parallel.modes
 mine = [n for n, m in sys.modules.items()
         if (getattr(m, '__file__', None) or '').startswith(('{ROOT}/kernels', '{ROOT}/models'))]
 assert mine and all(n.startswith('difflet_tpu.') for n in mine), mine

@@ -9,10 +9,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from difflet_tpu import layout, runtime
+from difflet_tpu import runtime, testing
+from difflet_tpu.parallel import padding
 from difflet_tpu.config import Config
-from difflet_tpu.mesh import TP, make_mesh
-from difflet_tpu.parallel import COLUMN, ROW, SHARDED, Parallel, leaf_spec, param_specs
+from difflet_tpu.parallel.mesh import TP, make_mesh
+from difflet_tpu.parallel.modes import SHARDED, Parallel, leaf_spec, param_specs
 from difflet_tpu.testing import PLAN, ToyConfig, ToyModel, rel_l2
 
 
@@ -26,10 +27,10 @@ def toy_step(model, par, x, kv_mask):
 def run(model, mesh, mode, x, kv_mask):
     par = Parallel.for_mesh(mesh, Config(), mode=mode)
     if mesh is None:
-        step, state = runtime.compile_step(model, toy_step, par)
+        step, state = testing.compile_step(model, toy_step, par)
         return step(state, x, kv_mask)
     rows = P(None, TP, None) if par.seq_sharded else P()
-    step, state = runtime.compile_step(model, toy_step, par, mesh, PLAN, in_specs=(rows, P()), out_specs=rows)
+    step, state = testing.compile_step(model, toy_step, par, mesh, PLAN, in_specs=(rows, P()), out_specs=rows)
     return step(state, x, kv_mask)
 
 
@@ -43,13 +44,13 @@ def test_toy_model_parity_with_padding(tp, mode):
     x = rng.standard_normal((2, S, c.in_channels)).astype(np.float32)
     ref = run(model, None, "single", x, None)
 
-    xp, pad = layout.pad_tokens(x, 2 * tp)
-    mask = layout.key_mask(S, S + pad, batch=2)
-    got = layout.unpad(run(model, make_mesh(tp), mode, xp, mask), S)
+    xp, pad = padding.pad_tokens(x, 2 * tp)
+    mask = padding.key_mask(S, S + pad, batch=2)
+    got = padding.unpad(run(model, make_mesh(tp), mode, xp, mask), S)
     assert rel(got, ref) <= 1e-5
     if pad:
         # The pad-key cut matters: without the mask the padded run differs.
-        bad = layout.unpad(run(model, make_mesh(tp), mode, xp, None), S)
+        bad = padding.unpad(run(model, make_mesh(tp), mode, xp, None), S)
         assert rel(bad, ref) > 1e-3
 
 
@@ -85,11 +86,11 @@ def test_heads_must_divide():
 def test_rs_auto_takes_the_kernel_where_hops_are_ici_bound(chip, k, dtype, expect):
     """The rule against the hop arithmetic written out: per hop, both halves'
     matmul (2 B s k N flops at peak) vs one half of sums each way over a link."""
-    from difflet_tpu import estimate
+    from difflet_tpu.parallel import chips
 
     B, S, N, P_ = 1, 4736, 5120, 4
     s = S // P_
-    c = estimate.CHIPS[chip]
+    c = chips.CHIPS[chip]
     compute = 2 * B * s * k * N / c.bf16_flops
     transfer = jnp.dtype(dtype).itemsize * B * (s // 2) * N / c.ici_link_bw
     assert (transfer > compute) == (expect == "pallas")
@@ -121,10 +122,10 @@ def _m_star(chip, P_, k, n, w, b):
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
 @pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
 def test_plain_collective_boundary_from_chip_constants(chip, kind):
-    from difflet_tpu import estimate
-    from difflet_tpu.parallel import plain_collective_pays
+    from difflet_tpu.parallel import chips
+    from difflet_tpu.parallel.modes import plain_collective_pays
 
-    c = estimate.CHIPS[chip]
+    c = chips.CHIPS[chip]
     P_, k, n, b = 4, 3072, 3072, 2  # FLUX.1-dev's ff_context.net.0.proj / .2 at P = 4, bf16
     m = _m_star(c, P_, k, n, k if kind == "all_gather" else n, b)
     lo, hi = math.floor(m), math.floor(m) + 1
@@ -147,7 +148,7 @@ def test_plain_collective_boundary_from_chip_constants(chip, kind):
     ("rs", 1024, 3072, 3072, False, "jax"),     # FLUX image ff.net.2: compute-bound hops, the JAX ring
 ])
 def test_site_impl_takes_plain_collectives_for_few_rows(site, rows, k, n, heads, expect):
-    from difflet_tpu import collective_matmul as cm
+    from difflet_tpu.parallel import collective_matmul as cm
 
     P_, layers = 4, 19
     x = jax.ShapeDtypeStruct((1, rows if site == "ag" else rows * P_, k), jnp.bfloat16)
@@ -164,10 +165,10 @@ def test_site_impl_takes_plain_collectives_for_few_rows(site, rows, k, n, heads,
 def test_site_impl_prices_the_ring_that_would_run():
     """A row site the kernel keeps (to_add_out at 128 rows: 35 us against 42 us) goes plain
     when the JAX ring would run it (2P half-row dots, each reading the weight)."""
-    from difflet_tpu import estimate
-    from difflet_tpu.parallel import plain_collective_pays, plain_seconds, ring_seconds
+    from difflet_tpu.parallel import chips
+    from difflet_tpu.parallel.modes import plain_collective_pays, plain_seconds, ring_seconds
 
-    c = estimate.CHIPS["v5e"]
+    c = chips.CHIPS["v5e"]
     args = ("reduce_scatter", 128, 768, 3072, 2, 4, c)
     assert ring_seconds(*args, "pallas") < plain_seconds(*args) < ring_seconds(*args, "jax")
     assert not plain_collective_pays(*args, "pallas") and plain_collective_pays(*args, "jax")

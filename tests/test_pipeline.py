@@ -6,7 +6,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from difflet_tpu import schedulers as S
+from difflet_tpu.pipeline import schedules as S
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "schedulers" / "schedules.json"
 
@@ -51,9 +51,9 @@ def _toy_denoiser(mode="tp", steps=3, pipeline=None, guidance=1.0, runners=None,
     import jax.numpy as jnp
     from flax import nnx
 
-    from difflet_tpu import pipeline as PL
+    from difflet_tpu.pipeline import denoise as PL
     from difflet_tpu.config import Config
-    from difflet_tpu.mesh import make_mesh
+    from difflet_tpu.parallel.mesh import make_mesh
     from difflet_tpu.runner import Runner
     from difflet_tpu.testing import register_toy_port
 
@@ -75,7 +75,7 @@ def _toy_denoiser(mode="tp", steps=3, pipeline=None, guidance=1.0, runners=None,
 
 
 def test_the_step_compiles_once_and_the_timestep_is_a_runtime_value():
-    from difflet_tpu import pipeline as PL
+    from difflet_tpu.pipeline import denoise as PL
 
     den = _toy_denoiser(steps=5)
     den.warmup(2)
@@ -90,7 +90,6 @@ def test_the_step_compiles_once_and_the_timestep_is_a_runtime_value():
 def test_euler_update_matches_numpy_and_cfg_is_one_batch2_call():
     import dataclasses
 
-    from difflet_tpu import pipeline as PL
 
     calls = []
 
@@ -115,7 +114,6 @@ def test_euler_update_matches_numpy_and_cfg_is_one_batch2_call():
 
 
 def test_wan22_denoiser_switches_expert_once():
-    from difflet_tpu import pipeline as PL
 
     used = []
 
@@ -139,7 +137,7 @@ def test_wan22_denoiser_switches_expert_once():
 
 
 def test_embeddings_file_replaces_conditioning(tmp_path):
-    from difflet_tpu import pipeline as PL
+    from difflet_tpu.pipeline import denoise as PL
 
     inputs = {"hidden_states": np.zeros((2, 4, 3), np.float32), "timestep": np.zeros(2, np.float32),
               "encoder_hidden_states": np.zeros((2, 5, 6), np.float32),

@@ -22,12 +22,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
-from difflet_tpu import layout, testing, weights
+from difflet_tpu import testing
+from difflet_tpu.layers import rope
+from difflet_tpu import loading
 from difflet_tpu.config import Config
-from difflet_tpu.mesh import TP, make_mesh
+from difflet_tpu.parallel.mesh import TP, make_mesh
 from difflet_tpu.models import REGISTRY
-from difflet_tpu.parallel import Parallel
-from difflet_tpu.weights import Key, WeightsError
+from difflet_tpu.parallel.modes import Parallel
+from difflet_tpu.loading.checkpoint import Key, WeightsError
 
 CLASS_NAME = "ToyTransformer"
 DIFFUSERS_CONFIG = {
@@ -80,13 +82,13 @@ def _build(config, *, dtype, rngs):
 
 
 def _key_map(config, model):
-    km = weights.default_key_map(model, stacked={"blocks": config.layers})
+    km = loading.default_key_map(model, stacked={"blocks": config.layers})
     km["proj_in.kernel"] = Key("proj_in.weight", "conv_as_linear")  # a Conv3d patch embedding
     for n in ("norm_q", "norm_k"):  # kept fp32 whatever the load dtype
         km[f"blocks.attn.{n}.scale"] = dataclasses.replace(km[f"blocks.attn.{n}.scale"], dtype="float32")
     if config.split_rope:
-        hp = tuple(int(i) for i in layout.heads_permutation(config.heads, config.head_dim))
-        rp = tuple(int(i) for i in layout.rope_permutation(config.head_dim))
+        hp = tuple(int(i) for i in rope.heads_permutation(config.heads, config.head_dim))
+        rp = tuple(int(i) for i in rope.rope_permutation(config.head_dim))
         for n in ("to_q", "to_k"):
             for leaf in ("kernel", "bias"):
                 km[f"blocks.attn.{n}.{leaf}"] = dataclasses.replace(km[f"blocks.attn.{n}.{leaf}"], perm=hp)
@@ -131,7 +133,7 @@ def write_checkpoint(path, tensors=None, *, sharded=False, cfg=DIFFUSERS_CONFIG)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg))
     if not sharded:
-        save_file(tensors, str(path / weights.SINGLE_FILE))
+        save_file(tensors, str(path / loading.SINGLE_FILE))
         return path
     names = sorted(tensors)
     shards = {"diffusion_pytorch_model-00001-of-00002.safetensors": names[::2],
@@ -141,7 +143,7 @@ def write_checkpoint(path, tensors=None, *, sharded=False, cfg=DIFFUSERS_CONFIG)
         save_file({k: tensors[k] for k in keys}, str(path / f))
         weight_map.update({k: f for k in keys})
     total = sum(t.nbytes for t in tensors.values())
-    (path / weights.INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
+    (path / loading.INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
                                                        "weight_map": weight_map}))
     return path
 
@@ -149,8 +151,8 @@ def write_checkpoint(path, tensors=None, *, sharded=False, cfg=DIFFUSERS_CONFIG)
 def expected_params(tensors, *, split_rope=True, cfg=DIFFUSERS_CONFIG) -> dict[str, np.ndarray]:
     """The Flax parameters (float32) the loader must produce, by hand."""
     c = _config_from_diffusers(cfg, split_rope=split_rope)
-    hp = layout.heads_permutation(c.heads, c.head_dim)
-    rp = layout.rope_permutation(c.head_dim)
+    hp = rope.heads_permutation(c.heads, c.head_dim)
+    rp = rope.rope_permutation(c.head_dim)
     out = {"proj_in.kernel": tensors["proj_in.weight"].reshape(c.dim, -1).T,
            "proj_in.bias": tensors["proj_in.bias"],
            "proj_out.kernel": tensors["proj_out.weight"].T, "proj_out.bias": tensors["proj_out.bias"]}
@@ -228,7 +230,7 @@ def test_load_bit_identical_with_shardings(tmp_path, sharded, tp):
     tensors = torch_weights()
     path = write_checkpoint(tmp_path / "transformer", tensors, sharded=sharded)
     mesh = None if tp is None else make_mesh(tp)
-    model = weights.load_transformer(path, dtype=jnp.float32, mesh=mesh, config=Config())
+    model = loading.load_transformer(path, dtype=jnp.float32, mesh=mesh, config=Config())
     assert isinstance(model, testing.ToyModel) and model.config.split_rope
     assert_loaded(model, expected_params(tensors), mesh=mesh)
 
@@ -236,24 +238,24 @@ def test_load_bit_identical_with_shardings(tmp_path, sharded, tp):
 def test_bf16_cast_keeps_fp32_keys(tmp_path):
     tensors = torch_weights()
     path = write_checkpoint(tmp_path / "transformer", tensors)
-    model = weights.load_transformer(path, mesh=make_mesh(4), config=Config())  # default dtype bf16
+    model = loading.load_transformer(path, mesh=make_mesh(4), config=Config())  # default dtype bf16
     assert_loaded(model, expected_params(tensors), mesh=make_mesh(4), dtype=jnp.bfloat16, kept=KEPT_FP32)
 
 
 def test_split_rope_permutation_applied_once(tmp_path):
     tensors = torch_weights()
     path = write_checkpoint(tmp_path / "transformer", tensors)
-    plain = flat_params(weights.load_transformer(path, dtype=jnp.float32, config=Config(split_rope=False)))
-    split = flat_params(weights.load_transformer(path, dtype=jnp.float32, mesh=make_mesh(4),
+    plain = flat_params(loading.load_transformer(path, dtype=jnp.float32, config=Config(split_rope=False)))
+    split = flat_params(loading.load_transformer(path, dtype=jnp.float32, mesh=make_mesh(4),
                                                  config=Config(split_rope=True)))
-    hp = layout.heads_permutation(4, 8)
+    hp = rope.heads_permutation(4, 8)
     once = np.asarray(plain["blocks.attn.to_q.kernel"])[..., hp]
     np.testing.assert_array_equal(np.asarray(split["blocks.attn.to_q.kernel"]), once)
     assert not np.array_equal(once[..., hp], once)  # twice would differ
     np.testing.assert_array_equal(np.asarray(plain["blocks.attn.to_q.kernel"]),
                                   np.stack([tensors[f"blocks.{i}.attn.to_q.weight"].T for i in range(2)]))
     np.testing.assert_array_equal(np.asarray(split["blocks.attn.norm_k.scale"]),
-                                  np.asarray(plain["blocks.attn.norm_k.scale"])[..., layout.rope_permutation(8)])
+                                  np.asarray(plain["blocks.attn.norm_k.scale"])[..., rope.rope_permutation(8)])
     np.testing.assert_array_equal(np.asarray(split["blocks.attn.to_v.kernel"]),
                                   np.asarray(plain["blocks.attn.to_v.kernel"]))
 
@@ -263,15 +265,15 @@ def test_each_device_reads_only_its_slice(tmp_path, monkeypatch, tp):
     tensors = torch_weights()
     path = write_checkpoint(tmp_path / "transformer", tensors, sharded=True)
     reads = []
-    orig = weights.Checkpoint.read
+    orig = loading.Checkpoint.read
 
     def counting(self, key, index=None):
         out = orig(self, key, index)
         reads.append((key, out.nbytes))
         return out
 
-    monkeypatch.setattr(weights.Checkpoint, "read", counting)
-    weights.load_transformer(path, dtype=jnp.float32, mesh=make_mesh(tp), config=Config())
+    monkeypatch.setattr(loading.Checkpoint, "read", counting)
+    loading.load_transformer(path, dtype=jnp.float32, mesh=make_mesh(tp), config=Config())
     sharded = [k for k in tensors if any(f".{n}." in k for n in COLUMN_SHARDED + ("to_out.0", "net.2"))
                and k.endswith(".weight")]
     sharded += [k for k in tensors if any(f".{n}.bias" in k for n in COLUMN_SHARDED)]
@@ -288,7 +290,7 @@ def test_each_device_reads_only_its_slice(tmp_path, monkeypatch, tp):
 def test_loaded_model_runs(tmp_path):
     tensors = torch_weights()
     path = write_checkpoint(tmp_path / "transformer", tensors)
-    model = weights.load_transformer(path, dtype=jnp.float32, config=Config(split_rope=False))
+    model = loading.load_transformer(path, dtype=jnp.float32, config=Config(split_rope=False))
     ref = _build(_config_from_diffusers(DIFFUSERS_CONFIG, split_rope=False), dtype=None, rngs=nnx.Rngs(1))
     set_params(ref, expected_params(tensors, split_rope=False))
     x = jax.random.normal(jax.random.key(0), (1, 16, 8))
@@ -301,10 +303,10 @@ def test_load_params_api(tmp_path):
     tensors = torch_weights()
     path = write_checkpoint(tmp_path / "transformer", tensors, sharded=True)
     cfg = _config_from_diffusers(DIFFUSERS_CONFIG)
-    abstract = weights.abstract_port_model(TOY_PORT, cfg, dtype=jnp.float32)
-    assert set(weights.param_paths(abstract)) == set(expected_params(tensors))
-    ckpt = weights.Checkpoint(path)
-    model = weights.load_params(abstract, ckpt, _key_map(cfg, abstract), dtype=jnp.float32,
+    abstract = loading.abstract_port_model(TOY_PORT, cfg, dtype=jnp.float32)
+    assert set(loading.param_paths(abstract)) == set(expected_params(tensors))
+    ckpt = loading.Checkpoint(path)
+    model = loading.load_params(abstract, ckpt, _key_map(cfg, abstract), dtype=jnp.float32,
                                 mesh=make_mesh(4), plan=testing.PLAN)
     assert_loaded(model, expected_params(tensors), mesh=make_mesh(4))
 
@@ -316,13 +318,13 @@ def test_load_params_api(tmp_path):
 def test_unknown_class_name(tmp_path):
     path = write_checkpoint(tmp_path / "t", cfg={**DIFFUSERS_CONFIG, "_class_name": "NopeModel"})
     with pytest.raises(WeightsError, match=r"unknown _class_name 'NopeModel'.*ToyTransformer"):
-        weights.load_transformer(path)
+        loading.load_transformer(path)
 
 
 def test_unsupported_config_value(tmp_path):
     path = write_checkpoint(tmp_path / "t", cfg={**DIFFUSERS_CONFIG, "qk_norm": "layer_norm"})
     with pytest.raises(WeightsError) as e:
-        weights.load_transformer(path)
+        loading.load_transformer(path)
     msg = str(e.value)
     assert str(path / "config.json") in msg and "qk_norm" in msg and "layer_norm" in msg
 
@@ -331,7 +333,7 @@ def test_missing_config_json(tmp_path):
     path = write_checkpoint(tmp_path / "t")
     (path / "config.json").unlink()
     with pytest.raises(WeightsError, match="no config.json"):
-        weights.load_transformer(path)
+        loading.load_transformer(path)
 
 
 def test_no_safetensors(tmp_path):
@@ -339,7 +341,7 @@ def test_no_safetensors(tmp_path):
     path.mkdir()
     (path / "config.json").write_text(json.dumps(DIFFUSERS_CONFIG))
     with pytest.raises(WeightsError, match="no diffusion_pytorch_model.safetensors"):
-        weights.load_transformer(path)
+        loading.load_transformer(path)
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single_file", "index"])
@@ -353,7 +355,7 @@ def test_key_problems_listed_together(tmp_path, sharded):
     tensors["proj_in.weight"] = np.zeros((32, 3, 1, 2, 2), np.float32)  # conv: 12 != 8 inputs
     path = write_checkpoint(tmp_path / "t", tensors, sharded=sharded)
     with pytest.raises(WeightsError) as e:
-        weights.load_transformer(path)
+        loading.load_transformer(path)
     msg = str(e.value)
     assert str(path) in msg and "6 problem(s)" in msg, msg
     for part in ["missing key blocks.1.attn.to_k.weight", "missing key proj_out.bias",
@@ -369,17 +371,17 @@ def test_truncated_file(tmp_path):
     f = path / "diffusion_pytorch_model-00002-of-00002.safetensors"
     f.write_bytes(f.read_bytes()[:-100])
     with pytest.raises(WeightsError, match=r"00002-of-00002\.safetensors: cannot read.*truncated or corrupt"):
-        weights.load_transformer(path)
+        loading.load_transformer(path)
 
 
 def test_corrupt_header(tmp_path):
     path = write_checkpoint(tmp_path / "t")
-    f = path / weights.SINGLE_FILE
+    f = path / loading.SINGLE_FILE
     data = bytearray(f.read_bytes())
     data[8:16] = b"{garbage"
     f.write_bytes(bytes(data))
     with pytest.raises(WeightsError, match=r"diffusion_pytorch_model\.safetensors: cannot read.*header"):
-        weights.load_transformer(path)
+        loading.load_transformer(path)
 
 
 def test_index_names_missing_shard(tmp_path):
@@ -387,36 +389,36 @@ def test_index_names_missing_shard(tmp_path):
     (path / "diffusion_pytorch_model-00001-of-00002.safetensors").unlink()
     with pytest.raises(WeightsError, match=r"index\.json names shard\(s\) that do not exist: "
                                            r"diffusion_pytorch_model-00001-of-00002\.safetensors"):
-        weights.load_transformer(path)
+        loading.load_transformer(path)
 
 
 def test_index_maps_key_to_wrong_shard(tmp_path):
     path = write_checkpoint(tmp_path / "t", sharded=True)
-    index = json.loads((path / weights.INDEX_FILE).read_text())
+    index = json.loads((path / loading.INDEX_FILE).read_text())
     index["weight_map"]["proj_in.bias"] = "diffusion_pytorch_model-00002-of-00002.safetensors"
     index["weight_map"]["proj_in.weight"] = "diffusion_pytorch_model-00002-of-00002.safetensors"
-    (path / weights.INDEX_FILE).write_text(json.dumps(index))
+    (path / loading.INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(WeightsError, match="keys are not in the shard it names"):
-        weights.load_transformer(path)
+        loading.load_transformer(path)
 
 
 def test_mesh_that_does_not_divide(tmp_path):
     cfg = {**DIFFUSERS_CONFIG, "num_attention_heads": 3, "attention_head_dim": 6}  # dim 18
     path = write_checkpoint(tmp_path / "t", torch_weights(cfg=cfg), cfg=cfg)
     with pytest.raises(WeightsError, match=r"do not divide over the tp axis(.|\n)*to_q.kernel"):
-        weights.load_transformer(path, mesh=make_mesh(4))
+        loading.load_transformer(path, mesh=make_mesh(4))
 
 
 def test_port_module_that_cannot_be_imported(tmp_path, monkeypatch):
     monkeypatch.setitem(REGISTRY, "GhostModel", "difflet_tpu.models.ghost_port_that_does_not_exist")
     path = write_checkpoint(tmp_path / "t", cfg={**DIFFUSERS_CONFIG, "_class_name": "GhostModel"})
     with pytest.raises(WeightsError, match="GhostModel.*cannot be imported"):
-        weights.load_transformer(path)
+        loading.load_transformer(path)
 
 
 def test_key_map_errors():
     cfg = _config_from_diffusers(DIFFUSERS_CONFIG)
-    abstract = weights.abstract_port_model(TOY_PORT, cfg, dtype=jnp.float32)
+    abstract = loading.abstract_port_model(TOY_PORT, cfg, dtype=jnp.float32)
 
     class Empty:
         where = {}
@@ -427,10 +429,10 @@ def test_key_map_errors():
     km = _key_map(cfg, abstract)
     km["blocks.attn.typo.kernel"] = Key("x.weight", "linear")
     with pytest.raises(WeightsError, match="typo.kernel names no parameter"):
-        weights.validate(Empty(), km, weights.param_paths(abstract), "here")
+        loading.validate(Empty(), km, loading.param_paths(abstract), "here")
     del km["proj_out.bias"]
     with pytest.raises(WeightsError, match=r"no entry for parameters \['proj_out.bias'\]"):
-        weights.load_params(abstract, Empty(), km, dtype=None)
+        loading.load_params(abstract, Empty(), km, dtype=None)
 
 
 class Buffer(nnx.Variable):
@@ -447,7 +449,7 @@ def test_non_param_state_is_materialised(tmp_path, monkeypatch):
     tensors = torch_weights()
     path = write_checkpoint(tmp_path / "t", tensors)
     for cache in (None, tmp_path / "cache", tmp_path / "cache"):  # converted, saved, restored
-        model = weights.load_transformer(path, dtype=jnp.float32, mesh=make_mesh(4), config=Config(),
+        model = loading.load_transformer(path, dtype=jnp.float32, mesh=make_mesh(4), config=Config(),
                                          cache_dir=cache)
         table = model.table.get_value()
         assert isinstance(table, jax.Array) and table.sharding.is_fully_replicated
@@ -458,7 +460,7 @@ def test_non_param_state_is_materialised(tmp_path, monkeypatch):
 def test_top_level_entry_point():
     import difflet_tpu
 
-    assert difflet_tpu.load_transformer is weights.load_transformer
+    assert difflet_tpu.load_transformer is loading.load_transformer
 
 
 # --------------------------------------------------------------------------
@@ -473,7 +475,7 @@ A_IN, B_IN, OUT, PACKED_LAYERS = 8, 24, 16, 2
 
 class PackedProj(nnx.Module):
     def __init__(self, rngs):
-        from difflet_tpu import nn
+        from difflet_tpu.layers import nn
 
         self.a = nn.Linear(A_IN, OUT, bias=False, rngs=rngs)
         self.b = nn.Linear(B_IN, OUT, rngs=rngs)
@@ -484,7 +486,7 @@ class PackedProj(nnx.Module):
 
 class PackedToy(nnx.Module):
     def __init__(self, rngs):
-        from difflet_tpu import nn
+        from difflet_tpu.layers import nn
 
         self.head = PackedProj(rngs)
         self.blocks = nn.stacked(PackedProj, PACKED_LAYERS, rngs)
@@ -524,18 +526,18 @@ def test_packed_linear_into_two_kernels(tmp_path, monkeypatch, tp):
     rows), every byte once overall, and the packed key is expected (not unexpected)."""
     tensors = packed_tensors()
     tmp_path.mkdir(exist_ok=True)
-    save_file(tensors, str(tmp_path / weights.SINGLE_FILE))
+    save_file(tensors, str(tmp_path / loading.SINGLE_FILE))
     reads = []
-    orig = weights.Checkpoint.read
+    orig = loading.Checkpoint.read
 
     def recording(self, key, index=None):
         out = orig(self, key, index)
         reads.append((key, None if index is None else tuple((s.start, s.stop) for s in index), out.shape))
         return out
 
-    monkeypatch.setattr(weights.Checkpoint, "read", recording)
+    monkeypatch.setattr(loading.Checkpoint, "read", recording)
     mesh = None if tp is None else make_mesh(tp)
-    model = weights.load_params(packed_abstract(), weights.Checkpoint(tmp_path), packed_key_map(),
+    model = loading.load_params(packed_abstract(), loading.Checkpoint(tmp_path), packed_key_map(),
                                 dtype=jnp.float32, mesh=mesh, plan=PACKED_PLAN)
     got = flat_params(model)
     stack = lambda name: np.stack([tensors[f"blocks.{i}.{name}"] for i in range(PACKED_LAYERS)])
@@ -564,16 +566,16 @@ def test_packed_linear_forward_matches_torch(tmp_path):
     """x_a @ a + x_b @ b + bias == cat([x_a, x_b]) @ W.T + bias, one device and the two
     pairs summed in one all-reduce (TP) / reduce-scatter (SP) on 4 devices."""
     tensors = packed_tensors()
-    save_file(tensors, str(tmp_path / weights.SINGLE_FILE))
+    save_file(tensors, str(tmp_path / loading.SINGLE_FILE))
     rng = np.random.default_rng(1)
     xa = rng.standard_normal((1, 8, A_IN), dtype=np.float32)
     xb = rng.standard_normal((1, 8, B_IN), dtype=np.float32)
     ref = np.concatenate([xa, xb], -1) @ tensors["head.weight"].T + tensors["head.bias"]
-    plain = weights.load_params(packed_abstract(), weights.Checkpoint(tmp_path), packed_key_map(),
+    plain = loading.load_params(packed_abstract(), loading.Checkpoint(tmp_path), packed_key_map(),
                                 dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(plain.head(Parallel(), xa, xb)), ref, rtol=1e-5, atol=1e-5)
     mesh = make_mesh(4)
-    model = weights.load_params(packed_abstract(), weights.Checkpoint(tmp_path), packed_key_map(),
+    model = loading.load_params(packed_abstract(), loading.Checkpoint(tmp_path), packed_key_map(),
                                 dtype=jnp.float32, mesh=mesh, plan=PACKED_PLAN)
     graphdef, state = nnx.split(model.head)
     specs = jax.tree.map(lambda x: x.sharding.spec, state)
@@ -601,10 +603,10 @@ def test_packed_linear_forward_matches_torch(tmp_path):
     (dict(a_range=(3, 1)), {}, ["in_range (3, 1) is not a tuple (a, b) with 0 <= a < b"]),
 ])
 def test_packed_linear_wrong_ranges_reported(tmp_path, change, tensors_kw, messages):
-    save_file(packed_tensors(**tensors_kw), str(tmp_path / weights.SINGLE_FILE))
+    save_file(packed_tensors(**tensors_kw), str(tmp_path / loading.SINGLE_FILE))
     with pytest.raises(WeightsError) as e:
-        weights.validate(weights.Checkpoint(tmp_path), packed_key_map(**change),
-                         weights.param_paths(packed_abstract()), "here")
+        loading.validate(loading.Checkpoint(tmp_path), packed_key_map(**change),
+                         loading.param_paths(packed_abstract()), "here")
     msg = str(e.value)
     for m in messages:
         assert m in msg, (m, msg)
@@ -616,23 +618,23 @@ def test_packed_linear_other_problems(tmp_path):
     reading the packed weight whole next to ranged ones, are refused."""
     tensors = packed_tensors()
     del tensors["head.weight"]
-    save_file(tensors, str(tmp_path / weights.SINGLE_FILE))
-    shapes = weights.param_paths(packed_abstract())
+    save_file(tensors, str(tmp_path / loading.SINGLE_FILE))
+    shapes = loading.param_paths(packed_abstract())
     with pytest.raises(WeightsError) as e:
-        weights.validate(weights.Checkpoint(tmp_path), packed_key_map(), shapes, "here")
+        loading.validate(loading.Checkpoint(tmp_path), packed_key_map(), shapes, "here")
     assert str(e.value).count("missing key head.weight") == 1 and "1 problem(s)" in str(e.value), str(e.value)
 
-    save_file(packed_tensors(), str(tmp_path / weights.SINGLE_FILE))
+    save_file(packed_tensors(), str(tmp_path / loading.SINGLE_FILE))
     km = packed_key_map()
     km["head.b.bias"] = Key("head.bias", in_range=(0, 16))
     with pytest.raises(WeightsError, match=r"head.b.bias: in_range \(0, 16\) applies only to transform 'linear'"):
-        weights.validate(weights.Checkpoint(tmp_path), km, shapes, "here")
+        loading.validate(loading.Checkpoint(tmp_path), km, shapes, "here")
 
 
 def test_key_map_digest_sees_in_range():
-    """The orbax cache (difflet_tpu.checkpoint) is keyed by a hash of the key map: a
+    """The orbax cache (difflet_tpu.loading.cache) is keyed by a hash of the key map: a
     different in_range must be a different conversion."""
-    from difflet_tpu import checkpoint
+    from difflet_tpu.loading import cache as checkpoint
 
     base = packed_key_map()
     assert checkpoint.key_map_digest(base) == checkpoint.key_map_digest(packed_key_map())

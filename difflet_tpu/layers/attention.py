@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from difflet_tpu import nn
-from difflet_tpu.attention import attention, reference_attention
+from difflet_tpu.layers import nn
+from difflet_tpu.layers.sdpa import attention, reference_attention
 
 from .normalization import rms_norm
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from difflet_tpu import nn
+from difflet_tpu.layers import nn
 
 from .feedforward import gelu_tanh
 

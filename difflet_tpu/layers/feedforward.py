@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from difflet_tpu import collective_matmul, nn
+from difflet_tpu.parallel import collective_matmul
+from difflet_tpu.layers import nn
 
 
 # diffusers' "gelu-approximate" / "gelu_tanh": the one the Pallas all-gather kernel

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from difflet_tpu import nn
-from difflet_tpu.parallel import COLUMN, ROW
+from difflet_tpu.layers import nn
+from difflet_tpu.parallel.modes import COLUMN, ROW
 
 from .attention import HeadsOut, apply_rotary_emb, attend, merge_heads, split_heads
 from .feedforward import FeedForward, gelu_tanh

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from difflet_tpu import nn
+from difflet_tpu.layers import nn
 
 
 def row_moments(x):

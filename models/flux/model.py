@@ -10,7 +10,7 @@ the joint sequence `[txt | img]`.
 
 Every forward runs inside one `shard_map` over the mesh's `tp` axis (or plain
 `jit` on one device) and talks to the other ranks only through `Parallel`
-(`difflet_tpu/parallel.py`):
+(`difflet_tpu/parallel/modes.py`):
 
 * one device: everything local;
 * TP: weights sharded by `PLAN`, activations replicated, a psum after each
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from difflet_tpu import nn
+from difflet_tpu.layers import nn
 from difflet_tpu.layers import (AdaLayerNormContinuous, AdaLN, CombinedTimestepTextProjEmbeddings,
                                 PixArtAlphaTextProjection, TimestepEmbedding, get_timestep_embedding)
 from difflet_tpu.layers.mmdit import PLAN as MMDIT_PLAN
@@ -227,5 +227,5 @@ class FluxTransformer2DModel(nnx.Module):
 
 
 def build(config: FluxConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> FluxTransformer2DModel:
-    """The model with random parameters (load a checkpoint with difflet_tpu.weights.load_transformer)."""
+    """The model with random parameters (load a checkpoint with difflet_tpu.loading.load_transformer)."""
     return FluxTransformer2DModel(config, dtype=dtype, rngs=rngs)

@@ -15,7 +15,8 @@ import hashlib
 import jax
 import numpy as np
 
-from difflet_tpu import layout
+from difflet_tpu.parallel import padding
+from difflet_tpu.layers.rope import RopeLayout
 from difflet_tpu.port import (Prepared, call_model, check_per_sample, packed_image_grid, packed_streams, randn,
                               returned_sample, shape)
 from jax.sharding import PartitionSpec as P
@@ -88,7 +89,7 @@ def _tables(run, txt_ids, img_ids, n_txt_pad, n_img_pad):
             ct, st = rope_tables(ids, c.axes_dims_rope)
             cos[start:start + len(ids)] = ct
             sin[start:start + len(ids)] = st
-        rope = layout.RopeLayout(c.num_attention_heads, hd, c.split_rope)
+        rope = RopeLayout(c.num_attention_heads, hd, c.split_rope)
         return rope.table(cos), rope.table(sin)
 
     return run.constant(("rope", h.hexdigest(), n_txt_pad, n_img_pad), make)
@@ -106,8 +107,8 @@ def prepare(run, kw: dict) -> Prepared:
 
     rows = run.row_spec()
     inputs = dict(
-        hidden_states=layout.pad_tokens(kw["hidden_states"], n_img_pad)[0],
-        encoder_hidden_states=layout.pad_tokens(kw["encoder_hidden_states"], n_txt_pad)[0],
+        hidden_states=padding.pad_tokens(kw["hidden_states"], n_img_pad)[0],
+        encoder_hidden_states=padding.pad_tokens(kw["encoder_hidden_states"], n_txt_pad)[0],
         pooled_projections=kw["pooled_projections"],
         timesteps_proj=proj(kw["timestep"]),
         guidance_proj=proj(kw["guidance"]) if kw.get("guidance") is not None else np.zeros((B, 256), np.float32))

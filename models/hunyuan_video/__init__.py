@@ -4,7 +4,7 @@ conditioning types) on TPU slices: one device, TP, SP.
 Run it with `difflet_tpu.Runner(model, mesh, config)`; notes: docs/models/hunyuan_video.md.
 """
 
-from difflet_tpu import schedulers
+from difflet_tpu.pipeline import schedules as schedulers
 from difflet_tpu.port import Pipeline, port_spec
 from difflet_tpu.runner import Runner
 

@@ -1,5 +1,5 @@
 """Checkpoint keys of the HunyuanVideo port: parameter path -> diffusers key and
-transform, for `difflet_tpu.weights.load_transformer`.
+transform, for `difflet_tpu.loading.load_transformer`.
 
 Everything follows `weights.default_key_map` (Linear kernel = torch weight
 transposed, norm `scale` = `weight`, stacked blocks `name.{i}.`), except:
@@ -22,8 +22,8 @@ transposed, norm `scale` = `weight`, stacked blocks `name.{i}.`), except:
 
 from __future__ import annotations
 
-from difflet_tpu import layout
-from difflet_tpu.weights import Key, default_key_map
+from difflet_tpu.layers.rope import RopeLayout
+from difflet_tpu.loading.checkpoint import Key, default_key_map
 
 from .config import HunyuanVideoConfig
 
@@ -43,7 +43,7 @@ def key_map(config: HunyuanVideoConfig, model) -> dict[str, Key]:
     out["single_transformer_blocks.proj_out.mlp.kernel"] = Key(f"{packed}.weight", "linear", layers=Ls,
                                                                in_range=(D, D + F))
     out["single_transformer_blocks.proj_out.mlp.bias"] = Key(f"{packed}.bias", layers=Ls)
-    rope = layout.RopeLayout(c.num_attention_heads, c.attention_head_dim, c.split_rope)
+    rope = RopeLayout(c.num_attention_heads, c.attention_head_dim, c.split_rope)
     for prefix, names, norms in (
             ("transformer_blocks", ("to_q", "to_k", "add_q_proj", "add_k_proj"),
              ("norm_q", "norm_k", "norm_added_q", "norm_added_k")),

@@ -4,7 +4,7 @@ dual- and single-stream blocks are the MMDiT family shared with FLUX
 (`difflet_tpu/layers/mmdit.py`), the joint sequence `[image | text]`.
 
 Every module is written once for the three ways to run over the `tp` axis
-(`difflet_tpu.parallel.Parallel`): one device, TP, SP. Column-parallel groups
+(`difflet_tpu.parallel.modes.Parallel`): one device, TP, SP. Column-parallel groups
 go through `nn.column` / `par.column`, row-parallel outputs through
 `nn.row` / `par.row`; adaLN outputs are column-sharded and gathered with
 `par.gather_columns`.
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from difflet_tpu import nn
+from difflet_tpu.layers import nn
 from difflet_tpu.layers import (AdaLayerNormContinuous, AdaLN, CombinedTimestepTextProjEmbeddings, FeedForward,
                                 LayerNorm, PixArtAlphaTextProjection, TimestepEmbedding, attend,
                                 get_timestep_embedding, merge_heads, split_heads)
@@ -346,5 +346,5 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
 
 
 def build(config: HunyuanVideoConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> HunyuanVideoTransformer3DModel:
-    """The model with random parameters (load real ones with `difflet_tpu.weights.load_transformer`)."""
+    """The model with random parameters (load real ones with `difflet_tpu.loading.load_transformer`)."""
     return HunyuanVideoTransformer3DModel(config, dtype=dtype, rngs=rngs)

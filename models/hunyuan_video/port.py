@@ -2,7 +2,7 @@
 -> the step's inputs.
 
 `prepare` validates the kwargs against the config (errors before anything
-compiles), cuts the latent into patches (`layout.patchify`, the Conv3d patch
+compiles), cuts the latent into patches (`padding.patchify`, the Conv3d patch
 embedder as a Linear), pads both token streams eagerly under SP
 (`Runner.rows`; the text mask pads with invalid tokens) and builds the RoPE
 tables on the host (`rope.py`; cached per geometry). `forward` is the step;
@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from difflet_tpu import layout
-from difflet_tpu.layout import patchify
+from difflet_tpu.parallel import padding
+from difflet_tpu.parallel.padding import patchify
 from difflet_tpu.port import Prepared, returned_sample
 
 from .config import HunyuanVideoConfig
@@ -88,11 +88,11 @@ def prepare(run, kw: dict) -> Prepared:
 
     patches = patchify(kw["hidden_states"], (c.patch_size_t, c.patch_size, c.patch_size))
     inputs = dict(
-        patches=_cast(layout.pad_tokens(patches, geom.n_img_pad)[0], dtype),
+        patches=_cast(padding.pad_tokens(patches, geom.n_img_pad)[0], dtype),
         timestep=vec(kw["timestep"]),
-        encoder_hidden_states=_cast(layout.pad_tokens(kw["encoder_hidden_states"], geom.n_txt_pad)[0], dtype),
+        encoder_hidden_states=_cast(padding.pad_tokens(kw["encoder_hidden_states"], geom.n_txt_pad)[0], dtype),
         # pad text tokens are invalid: zeros in the mask
-        encoder_attention_mask=_cast(layout.pad_tokens(kw["encoder_attention_mask"], geom.n_txt_pad)[0],
+        encoder_attention_mask=_cast(padding.pad_tokens(kw["encoder_attention_mask"], geom.n_txt_pad)[0],
                                      np.float32),
         pooled_projections=_cast(kw["pooled_projections"], dtype),
         guidance=vec(kw.get("guidance")))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from difflet_tpu import layout
+from difflet_tpu.layers.rope import RopeLayout, rope_inv_freqs
 
 from .config import HunyuanVideoConfig
 
@@ -27,7 +27,7 @@ def rope_tables(c: HunyuanVideoConfig, frames: int, height: int, width: int):
     cos_parts, sin_parts = [], []
     sizes = (frames, height, width)
     for i, (dim, n) in enumerate(zip(c.rope_axes_dim, sizes)):
-        ang = np.arange(n, dtype=np.float32)[:, None] * layout.rope_inv_freqs(dim, c.rope_theta)[None, :]
+        ang = np.arange(n, dtype=np.float32)[:, None] * rope_inv_freqs(dim, c.rope_theta)[None, :]
         shape = [1, 1, 1, dim // 2]
         shape[i] = n
         cos_parts.append(np.broadcast_to(np.cos(ang).reshape(shape), (*sizes, dim // 2)))
@@ -50,5 +50,5 @@ def joint_tables(c: HunyuanVideoConfig, frames: int, height: int, width: int, n_
     """cos, sin `[n_joint, head_dim]` float32 of the step's joint rows: the image rows'
     tables (split-halves order if `c.split_rope`), identity on the rest."""
     cos, sin = rope_tables(c, frames, height, width)
-    rope = layout.RopeLayout(c.num_attention_heads, c.attention_head_dim, c.split_rope)
+    rope = RopeLayout(c.num_attention_heads, c.attention_head_dim, c.split_rope)
     return pad_rope(rope.table(cos), rope.table(sin), n_joint)

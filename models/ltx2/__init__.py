@@ -5,7 +5,7 @@ Run it with `difflet_tpu.Runner(model, mesh, config)` (also exported here as
 docs/models/ltx2.md (the parallel plan and the model-specific mechanisms).
 """
 
-from difflet_tpu import schedulers
+from difflet_tpu.pipeline import schedules as schedulers
 from difflet_tpu.port import Pipeline, port_spec
 from difflet_tpu.runner import Runner
 
@@ -21,7 +21,7 @@ SPEC = port_spec(
                      "audio_num_attention_heads": c.audio_num_attention_heads},
     released="ltx-2.0", bench_shape=dict(height=480, width=704, frames=49),
     tiny_shape=dict(height=96, width=128, frames=9),
-    # The bench's LTX-2 pipeline (difflet_tpu/pipeline.py, bench.py): 30 steps,
+    # The bench's LTX-2 pipeline (difflet_tpu/pipeline/denoise.py, bench.py): 30 steps,
     # classifier-free guidance (batch-2 calls) 3.0 on the video and 7.0 on the
     # audio latents, schedulers.ltx2_schedule shifted by the video token count.
     pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedulers.ltx2_schedule(

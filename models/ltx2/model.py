@@ -29,13 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from difflet_tpu import nn
+from difflet_tpu.layers import nn
 from difflet_tpu.layers import (FeedForward, PixArtAlphaTextProjection, RMSNorm, TimestepEmbedding, Weight, attend,
                                 get_timestep_embedding, merge_heads, modulate, rms_norm, rms_norm_across_heads,
                                 split_heads)
 from difflet_tpu.layers import apply_rotary_emb as rotate
 from difflet_tpu.layers.attention import rotation_matrix
-from difflet_tpu.parallel import COLUMN, REPLICATED, ROW, SHARDED
+from difflet_tpu.parallel.modes import COLUMN, REPLICATED, ROW, SHARDED
 
 from .config import LTX2Config
 

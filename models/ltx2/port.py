@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from difflet_tpu import layout
-from difflet_tpu.mesh import BATCH, TP
-from difflet_tpu.port import Prepared
+from difflet_tpu.parallel import padding
+from difflet_tpu.parallel.mesh import BATCH, TP
+from difflet_tpu.port import Prepared, returned
 
 from . import rope
 from .config import LTX2Config, config_from_diffusers
@@ -263,7 +263,7 @@ def prepare(run, kwargs: dict) -> Prepared:
 
     def finish(out):
         sample, audio_sample = out
-        return layout.unpad(sample, nv), audio_sample
+        return returned(kwargs.get("return_dict", True), padding.unpad(sample, nv), audio_sample)
 
     return Prepared(key=bool(kw["isolate_modalities"]), inputs=inputs, specs=specs,
                     out_specs=(rows, batch), finish=finish)

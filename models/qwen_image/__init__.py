@@ -6,7 +6,7 @@ Run it with `difflet_tpu.Runner(model, mesh, config)`; notes: docs/models/qwen_i
 
 import numpy as np
 
-from difflet_tpu import schedulers
+from difflet_tpu.pipeline import schedules as schedulers
 from difflet_tpu.port import Pipeline, port_spec
 from difflet_tpu.runner import Runner
 

@@ -28,7 +28,7 @@ Every forward runs inside one `shard_map` over the mesh's `tp` axis (or plain
   in and a reduce-scatter out. No row reordering: the joint sequence is gathered
   stream by stream. Each site's collective is fused into its matmuls (the Pallas
   AG kernel, TPU default, or the JAX rings) or, where a rank's rows are too few
-  for a ring to pay, plain (`difflet_tpu.parallel.plain_collective_pays`: on TPU,
+  for a ring to pay, plain (`difflet_tpu.parallel.modes.plain_collective_pays`: on TPU,
   the short text stream's MLP).
 """
 
@@ -38,11 +38,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from difflet_tpu import nn
+from difflet_tpu.layers import nn
 from difflet_tpu.layers import AdaLayerNormContinuous, AdaLN, FeedForward, TimestepEmbedding, Weight, modulate, rms_norm
 from difflet_tpu.layers.embeddings import timestep_frequencies
 from difflet_tpu.layers.mmdit import JointAttention, clip_fp16, joint_attention_plan, stream_rope
-from difflet_tpu.parallel import COLUMN, ROW
+from difflet_tpu.parallel.modes import COLUMN, ROW
 
 from .config import EPS, QwenImageConfig
 
@@ -222,5 +222,5 @@ class QwenImageTransformer2DModel(nnx.Module):
 
 
 def build(config: QwenImageConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> QwenImageTransformer2DModel:
-    """The model with random parameters (load a checkpoint with difflet_tpu.weights.load_transformer)."""
+    """The model with random parameters (load a checkpoint with difflet_tpu.loading.load_transformer)."""
     return QwenImageTransformer2DModel(config, dtype=dtype, rngs=rngs)

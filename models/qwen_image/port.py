@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from difflet_tpu import layout
+from difflet_tpu.parallel import padding
 from difflet_tpu.port import (Prepared, call_model, check_per_sample, packed_image_grid, packed_streams, randn,
                               returned_sample, shape)
 
@@ -118,8 +118,8 @@ def prepare(run, kw: dict) -> Prepared:
 
     rows = run.row_spec()
     inputs = dict(
-        hidden_states=layout.pad_tokens(kw["hidden_states"], n_img_pad)[0],
-        encoder_hidden_states=layout.pad_tokens(kw["encoder_hidden_states"], n_txt_pad)[0],
+        hidden_states=padding.pad_tokens(kw["hidden_states"], n_img_pad)[0],
+        encoder_hidden_states=padding.pad_tokens(kw["encoder_hidden_states"], n_txt_pad)[0],
         timestep=np.broadcast_to(np.asarray(kw["timestep"], np.float32).reshape(-1), (B,)).copy())
     specs = dict(hidden_states=rows, encoder_hidden_states=rows, timestep=run.batch_spec())
     inputs["freqs_cos"], inputs["freqs_sin"] = run.constant(

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from difflet_tpu import layout
+from difflet_tpu.layers import rope
 
 from .config import ROPE_TABLE, ROPE_THETA, QwenImageConfig
 
@@ -69,9 +69,9 @@ def check_shapes(shapes, n_txt: int, layer3d: bool = False):
 
 
 def angles(positions, axes_dim) -> np.ndarray:
-    """float32 angles `[S, sum(axes_dim) / 2]`: per axis `position * inv` (`layout.rope_inv_freqs`)."""
+    """float32 angles `[S, sum(axes_dim) / 2]`: per axis `position * inv` (`rope.rope_inv_freqs`)."""
     positions = np.asarray(positions)
-    return np.concatenate([(positions[:, i].astype(np.float32)[:, None] * layout.rope_inv_freqs(d, ROPE_THETA)[None, :])
+    return np.concatenate([(positions[:, i].astype(np.float32)[:, None] * rope.rope_inv_freqs(d, ROPE_THETA)[None, :])
                            .astype(np.float32) for i, d in enumerate(axes_dim)], axis=1)
 
 
@@ -91,6 +91,6 @@ def joint_tables(c: QwenImageConfig, shapes, n_txt: int, n_txt_pad: int, n_img_p
     valid[n_txt_pad:n_txt_pad + len(img_pos)] = True
     cos[~valid], sin[~valid] = 1.0, 0.0
     if c.split_rope:
-        perm = layout.rope_permutation(c.attention_head_dim)
+        perm = rope.rope_permutation(c.attention_head_dim)
         cos, sin = cos[:, perm], sin[:, perm]
     return np.ascontiguousarray(cos), np.ascontiguousarray(sin)

@@ -7,7 +7,7 @@ port adds the text K/V cache (`Runner.encode_text`, `Runner.text_kv_shapes`,
 Notes: docs/models/wan.md.
 """
 
-from difflet_tpu import schedulers
+from difflet_tpu.pipeline import schedules as schedulers
 from difflet_tpu.port import Pipeline, port_spec
 from difflet_tpu.runner import Runner
 

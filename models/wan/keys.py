@@ -1,6 +1,6 @@
 """Checkpoint keys of the Wan port: parameter path -> diffusers key and transform.
 
-Everything follows diffusers' names (`weights.default_key_map`, as in
+Everything follows diffusers' names (`loading.default_key_map`, as in
 diffusers' `transformer_wan.py`): Linear `kernel` = torch `weight`
 transposed, `bias`, norm `scale` = torch `weight`, stacked blocks
 `blocks.{i}.`, except:
@@ -11,7 +11,7 @@ transposed, `bias`, norm `scale` = torch `weight`, stacked blocks
   `KEEP_FP32`) keep the model's float32 dtype whatever the load dtype.
 * split-halves RoPE (`config.split_rope`): self-attention's q/k rows, biases
   and across-heads `norm_q/norm_k` weights are permuted per head
-  (`layout.RopeLayout`; the norm's sum of squares is invariant to a channel
+  (`RopeLayout`; the norm's sum of squares is invariant to a channel
   permutation applied to it and its weight). Cross-attention has no RoPE.
 """
 
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from difflet_tpu import layout, nn, weights
+from difflet_tpu.layers.rope import RopeLayout
+from difflet_tpu.layers import nn
+from difflet_tpu import loading
 
 from .config import WanConfig
 
@@ -32,14 +34,14 @@ SPLIT_ROPE_PARAMS = ("blocks.attn1.to_q.kernel", "blocks.attn1.to_q.bias", "bloc
                      "blocks.attn1.to_k.bias", "blocks.attn1.norm_q.scale", "blocks.attn1.norm_k.scale")
 
 
-def key_map(config: WanConfig, model) -> dict[str, weights.Key]:
+def key_map(config: WanConfig, model) -> dict[str, loading.Key]:
     """Parameter path -> diffusers key (the Conv3d patch embedding, the float32-kept
     parameters and the split-halves RoPE permutation included)."""
-    km = weights.default_key_map(model, stacked={"blocks": config.num_layers})
-    km["patch_embedding.kernel"] = weights.Key("patch_embedding.weight", "conv_as_linear")
+    km = loading.default_key_map(model, stacked={"blocks": config.num_layers})
+    km["patch_embedding.kernel"] = loading.Key("patch_embedding.weight", "conv_as_linear")
     fp32 = str(nn.fp32(model.dtype))  # the model builds these with nn.fp32(dtype)
     for path in km:
         if any(path == p or path.startswith(p) for p in KEEP_FP32):
             km[path] = dataclasses.replace(km[path], dtype=fp32)
-    rope = layout.RopeLayout(config.num_attention_heads, config.attention_head_dim, config.split_rope)
+    rope = RopeLayout(config.num_attention_heads, config.attention_head_dim, config.split_rope)
     return rope.permute_keys(km, qk=SPLIT_ROPE_PARAMS)

@@ -2,7 +2,7 @@
 
 Reads top to bottom like diffusers' `transformer_wan.py` (same submodule
 names, so checkpoint keys map by renaming leaves only). Every function takes
-`par` (`difflet_tpu.parallel.Parallel`): column-parallel groups go through
+`par` (`difflet_tpu.parallel.modes.Parallel`): column-parallel groups go through
 `nn.column`, row-parallel outputs through `nn.row`, so under SP the residual
 stream holds this rank's rows and every column input is an all-gather fused
 into its matmul, every row output a reduce-scatter fused into its matmul.
@@ -24,14 +24,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from difflet_tpu import nn
+from difflet_tpu.layers import nn
 from difflet_tpu.layers import (FeedForward, LayerNorm, PixArtAlphaTextProjection, TimestepEmbedding, Weight,
                                 attend, get_timestep_embedding, merge_heads, modulate, rms_norm_across_heads,
                                 rms_norm_rope, rms_scale_across_heads, row_moments)
 from difflet_tpu.kernels.cross_attention import rms_cross_attention
 from difflet_tpu.kernels.cross_attention import unsupported_reason as cross_attention_unsupported
 from difflet_tpu.layers.normalization import few_rows_linear
-from difflet_tpu.parallel import COLUMN, REPLICATED, ROW, SHARDED, Parallel
+from difflet_tpu.parallel.modes import COLUMN, REPLICATED, ROW, SHARDED, Parallel
 
 from difflet_tpu.models.wan.config import WanConfig
 

@@ -37,11 +37,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from difflet_tpu import layout
+from difflet_tpu.parallel import padding
 from difflet_tpu.config import Config
-from difflet_tpu.layout import patchify
-from difflet_tpu.mesh import BATCH, TP
-from difflet_tpu.port import Prepared
+from difflet_tpu.parallel.padding import patchify
+from difflet_tpu.parallel.mesh import BATCH, TP
+from difflet_tpu.port import Prepared, returned
 from difflet_tpu.runner import Runner
 
 from .config import NUM_TRAIN_TIMESTEPS, TEXT_LEN_I2V, WanConfig
@@ -182,9 +182,9 @@ def prepare(run, kw: dict) -> Prepared:
     t = kw["timestep"]
     t = _xp(t).asarray(t).astype(jnp.promote_types(run.dtype, jnp.float32))
     if rows > N:
-        patches = layout.pad_tokens(patches, rows, axis=1)[0]
+        patches = padding.pad_tokens(patches, rows, axis=1)[0]
         if per_token:
-            t = layout.pad_tokens(t, rows, axis=1)[0]
+            t = padding.pad_tokens(t, rows, axis=1)[0]
     inputs = dict(patches=patches, timestep=t)
     specs = dict(patches=row_spec, timestep=run.row_spec(2, 1) if per_token else run.batch_spec())
     inputs["freqs_cos"], inputs["freqs_sin"] = run.constant(("rope", grid, rows),
@@ -208,8 +208,8 @@ def prepare(run, kw: dict) -> Prepared:
         if img is not None:
             inputs["encoder_hidden_states_image"], specs["encoder_hidden_states_image"] = img, run.batch_spec()
 
-    def finish(out):  # return_dict is accepted; the sample is returned either way
-        return unpatchify(layout.unpad(out, N, axis=1), grid, c.patch_size)
+    def finish(out):
+        return returned(kw.get("return_dict", True), unpatchify(padding.unpad(out, N, axis=1), grid, c.patch_size))
 
     return Prepared(key=key, inputs=inputs, specs=specs, out_specs=row_spec, finish=finish)
 
@@ -324,13 +324,13 @@ def load_experts(pipeline_path, *, dtype=jnp.bfloat16, mesh=None, config: Config
     Reads `model_index.json`'s `boundary_ratio`; with one, loads both
     `transformer` (high noise) and `transformer_2` (low noise).
     """
-    from difflet_tpu import weights
+    from difflet_tpu import loading
 
     path = pathlib.Path(pipeline_path)
     index = path / "model_index.json"
     info = json.loads(index.read_text()) if index.exists() else {}
     boundary = info.get("boundary_ratio")
-    load = lambda sub: weights.load_transformer(path / sub, dtype=dtype, mesh=mesh, config=config, **overrides)
+    load = lambda sub: loading.load_transformer(path / sub, dtype=dtype, mesh=mesh, config=config, **overrides)
     high = Runner(load("transformer"), mesh, config, mode)
     if boundary is None:
         return WanExperts(high)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from difflet_tpu import layout
+from difflet_tpu.layers.rope import RopeLayout
 
 from .config import WanConfig
 
@@ -41,5 +41,5 @@ def rope_tables(config: WanConfig, grid, rows: int | None = None, split: bool | 
     sin = np.zeros((rows, config.attention_head_dim), np.float32)
     cos[:n] = np.concatenate(parts_cos, axis=-1).reshape(n, -1)
     sin[:n] = np.concatenate(parts_sin, axis=-1).reshape(n, -1)
-    rope = layout.RopeLayout(config.num_attention_heads, config.attention_head_dim, split)
+    rope = RopeLayout(config.num_attention_heads, config.attention_head_dim, split)
     return rope.table(cos), rope.table(sin)

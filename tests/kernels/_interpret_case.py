@@ -106,10 +106,10 @@ def run(spec):
     from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import PartitionSpec as P
 
-    from difflet_tpu import collective_matmul as cm
+    from difflet_tpu.parallel import collective_matmul as cm
     from difflet_tpu.kernels import all_gather_matmul_stream as agk
     from difflet_tpu.kernels import matmul_reduce_scatter_stream as rsk
-    from difflet_tpu.mesh import make_mesh
+    from difflet_tpu.parallel.mesh import make_mesh
 
     global P_RING, AG_KERNEL, RS_KERNEL
     P_RING = spec.get("ring", 4)
@@ -138,7 +138,7 @@ def run(spec):
         def emit(self, record):
             warnings.append(record.getMessage())
 
-    logging.getLogger("difflet_tpu.collective_matmul").addHandler(Count(level=logging.WARNING))
+    logging.getLogger("difflet_tpu.parallel.collective_matmul").addHandler(Count(level=logging.WARNING))
     result = {}
     if chunks is not None:
         result["chunks"] = chunks
@@ -160,7 +160,7 @@ def run(spec):
         nw = len(ws)
         if kind == "ag":
             f = lambda x, *w: AG_KERNEL(x, list(w), interpret=params)
-        else:  # the dispatch in difflet_tpu.collective_matmul (kernel, or the ring on fallback)
+        else:  # the dispatch in difflet_tpu.parallel.collective_matmul (kernel, or the ring on fallback)
             f = lambda x, *w: cm.all_gather_matmul(x, list(w), impl="pallas", interpret=params)
         g = lambda: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(*lead, "tp", None),) + (P(None, "tp"),) * nw,
                                           out_specs=[P(*lead, None, "tp")] * nw))
@@ -235,7 +235,7 @@ def stacked(spec, kind, params, mesh, dt, rng, lead):
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from difflet_tpu import collective_matmul as cm
+    from difflet_tpu.parallel import collective_matmul as cm
 
     if kind.startswith("ag"):
         x, ws = inputs(spec, rng)
@@ -326,7 +326,7 @@ def epilogues(spec, params, mesh, dt, rng, lead):
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from difflet_tpu import collective_matmul as cm
+    from difflet_tpu.parallel import collective_matmul as cm
 
     x, ws = inputs(dict(spec, kind="ag"), rng)
     nw = len(ws)
@@ -424,7 +424,8 @@ def heads_case(spec, params, mesh, dt, rng, lead):
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from difflet_tpu import collective_matmul as cm, kernel_tiles
+    from difflet_tpu.parallel import collective_matmul as cm
+    from difflet_tpu.kernels import tiles as kernel_tiles
     from difflet_tpu.kernels import all_gather_matmul_stream as ags
     from difflet_tpu.layers.attention import HeadsOut
 

@@ -1,6 +1,6 @@
 """Both kernels compiled by the real TPU compiler (Mosaic included) for a v5e-4
 (v5e:2x2, deviceless) at the released model shapes, through the dispatch the
-models call (difflet_tpu.collective_matmul, impl="pallas"). Each shape runs in
+models call (difflet_tpu.parallel.collective_matmul, impl="pallas"). Each shape runs in
 a subprocess of its own (libtpu's environment must not leak into this one).
 
 Checks: the shape is supported (or, where not by design, says why and the
@@ -14,13 +14,14 @@ stays under 2 MiB (issue 17: one runtime step loop, the depth in chunks).
 
 import pytest
 
-from difflet_tpu import deviceless
+from difflet_tpu.tools import deviceless
 
 CODE = r"""
 import json, time
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from difflet_tpu import collective_matmul as cm, deviceless
+from difflet_tpu.parallel import collective_matmul as cm
+from difflet_tpu.tools import deviceless
 from difflet_tpu.kernels import _common, all_gather_matmul_stream as ags, matmul_reduce_scatter_stream as rss
 mesh = deviceless.topology_mesh("v5e:2x2")
 kind, S, K, widths, N, B = {kind!r}, {S}, {K}, {widths!r}, {N}, {B}

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from difflet_tpu import deviceless
-from difflet_tpu.attention import attention, reference_attention
+from difflet_tpu.tools import deviceless
+from difflet_tpu.layers.sdpa import attention
 from difflet_tpu.kernels import _common
 from difflet_tpu.kernels import cross_attention as ca
 from difflet_tpu.layers import rms_norm_across_heads
-from difflet_tpu.parallel import Parallel
+from difflet_tpu.parallel.modes import Parallel
 from difflet_tpu.testing import rel_l2
 
 EPS = 1e-6
@@ -99,7 +99,7 @@ CODE = r"""
 import json
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from difflet_tpu import deviceless
+from difflet_tpu.tools import deviceless
 from difflet_tpu.kernels import _common, cross_attention as ca
 mesh = deviceless.topology_mesh("v5e:2x2")
 bf = jnp.bfloat16

@@ -1,6 +1,6 @@
 """Both collective-matmul kernels in TPU interpret mode on 4 CPU devices, race
 detector on, against numpy; a racy variant (one credit too few) must be
-flagged; the dispatch in difflet_tpu.collective_matmul must use the kernel when
+flagged; the dispatch in difflet_tpu.parallel.collective_matmul must use the kernel when
 it can and fall back to the ring (one warning per shape) when it cannot.
 
 Each case runs in a process of its own (_interpret_case.py): one process that

@@ -26,14 +26,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from difflet_tpu.testing import read_fixture_io, rel_l2
-from difflet_tpu import weights
+from difflet_tpu import loading
 from difflet_tpu.config import Config
 from difflet_tpu.layers import mmdit
 from difflet_tpu.layers.normalization import MATMUL_ROWS, few_rows
-from difflet_tpu.mesh import TP, make_mesh
+from difflet_tpu.parallel.mesh import TP, make_mesh
 from difflet_tpu.models import flux
 from difflet_tpu.models.flux import model as tf
-from difflet_tpu.parallel import Parallel
+from difflet_tpu.parallel.modes import Parallel
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 FAST = {"xla_backend_optimization_level": 0}
@@ -56,7 +56,7 @@ def fixture(case):
 
 def load(case, tp=None, *, split_rope=True, dtype=jnp.float32):
     mesh = None if tp is None else make_mesh(tp)
-    model = weights.load_transformer(FIXTURES / case / "transformer", dtype=dtype, mesh=mesh,
+    model = loading.load_transformer(FIXTURES / case / "transformer", dtype=dtype, mesh=mesh,
                                      config=Config(split_rope=split_rope))
     return model, mesh
 
@@ -110,8 +110,8 @@ def test_pallas_kernels_fall_back_at_fixture_sizes(caplog):
     assert (r.par.ag_impl, r.par.rs_impl) == ("pallas", "pallas")
     assert r.row_multiple() == 64
     kwargs, ref = fixture("flux")
-    with caplog.at_level(logging.WARNING, logger="difflet_tpu.collective_matmul"):
-        out = r(**kwargs)
+    with caplog.at_level(logging.WARNING, logger="difflet_tpu.parallel.collective_matmul"):
+        out = r(**kwargs).sample
     assert rel(out, ref) <= TOL
     assert not caplog.records or any("using the JAX ring" in m.getMessage() for m in caplog.records)
 
@@ -123,7 +123,7 @@ def test_sp_pallas_kernels_run_in_the_model(caplog, monkeypatch):
     (D = 256 = 4 heads x 64, so 128-wide q/k/v shards; MLP 1024 -> 512 a rank), 32
     image + 24 text tokens (text padded to 32: 8-row halves a rank); SP on 2 devices
     equals one device, every collective matmul ran a kernel and none fell back."""
-    from difflet_tpu import collective_matmul as cm
+    from difflet_tpu.parallel import collective_matmul as cm
     from difflet_tpu.kernels import all_gather_matmul_stream as ag_kernel
     from difflet_tpu.kernels import matmul_reduce_scatter_stream as rs_kernel
 
@@ -150,8 +150,8 @@ def test_sp_pallas_kernels_run_in_the_model(caplog, monkeypatch):
     r = runner(model, make_mesh(2), "sp", Config(sp=True, sp_kernel="pallas", sp_rs_kernel="pallas"))
     assert (r.par.ag_impl, r.par.rs_impl, r.par.interpret) == ("pallas", "pallas", True)
     assert r.row_multiple() == 32
-    with caplog.at_level(logging.WARNING, logger="difflet_tpu.collective_matmul"):
-        out = np.asarray(r(**kwargs))
+    with caplog.at_level(logging.WARNING, logger="difflet_tpu.parallel.collective_matmul"):
+        out = np.asarray(r(**kwargs).sample)
     assert not [rec for rec in caplog.records if "unsupported" in rec.getMessage()], caplog.text
     assert not cm._NOTICED, f"a kernel fell back to the ring: {cm._NOTICED}"
     # double block: 2 AG (qkv, add_qkv) + 2 AG (ff, ff_context), 4 RS; single block: 1 AG, 1 RS
@@ -190,14 +190,14 @@ def plain64():
     with jax.enable_x64(True):
         model, _ = load("flux", dtype=jnp.float64)
         r = runner(model, None)
-        return {case: np.asarray(r(**f64_kwargs(case))) for case in ("flux", "flux_pad")}
+        return {case: np.asarray(r(**f64_kwargs(case)).sample) for case in ("flux", "flux_pad")}
 
 
 def run64(case, tp, mode, **kw):
     with jax.enable_x64(True):
         model, mesh = load(case, tp, dtype=jnp.float64)
         r = runner(model, mesh, mode, **kw)
-        return np.asarray(r(**f64_kwargs(case))), r
+        return np.asarray(r(**f64_kwargs(case)).sample), r
 
 
 def test_plain64_matches_diffusers(plain64):
@@ -212,7 +212,7 @@ def test_sp_pad_key_mask_float64(plain64):
     assert rel(out, plain64["flux_pad"]) <= TOL64
     with jax.enable_x64(True):
         r.mask_pad_keys = False
-        bad = np.asarray(r(**f64_kwargs("flux_pad")))
+        bad = np.asarray(r(**f64_kwargs("flux_pad")).sample)
     assert rel(bad, plain64["flux_pad"]) > 1e-4
 
 
@@ -341,11 +341,11 @@ def test_runner_leaves_params_alone_cache_restores_on_other_mesh(tmp_path, monke
     run by a 4-device SP Runner keeps its loaded values; saved then (the orbax cache of
     load_transformer) and restored onto 2 devices without reading the safetensors, it
     matches diffusers under SP and TP on 2 devices."""
-    from difflet_tpu import checkpoint
+    from difflet_tpu.loading import cache as checkpoint
 
     path = FIXTURES / "flux" / "transformer"
     mesh4 = make_mesh(4)
-    model = weights.load_transformer(path, dtype=jnp.float32, mesh=mesh4, config=Config())
+    model = loading.load_transformer(path, dtype=jnp.float32, mesh=mesh4, config=Config())
     loaded = {p: np.asarray(v) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     kwargs, ref = fixture("flux")
     assert rel(runner(model, mesh4, "sp")(**kwargs), ref) <= TOL
@@ -353,15 +353,15 @@ def test_runner_leaves_params_alone_cache_restores_on_other_mesh(tmp_path, monke
     assert sorted(after) == sorted(loaded)
     for p in loaded:
         np.testing.assert_array_equal(after[p], loaded[p], err_msg=str(p))
-    port = weights.port_for("FluxTransformer2DModel")
+    port = loading.port_for("FluxTransformer2DModel")
     assert checkpoint.save(tmp_path, path, port, model.config, model, dtype=jnp.float32) is not None
 
     def no_read(*a, **k):
         raise AssertionError("read the safetensors instead of restoring the cache")
 
-    monkeypatch.setattr(weights.Checkpoint, "read", no_read)
+    monkeypatch.setattr(loading.Checkpoint, "read", no_read)
     mesh2 = make_mesh(2)
-    restored = weights.load_transformer(path, dtype=jnp.float32, mesh=mesh2, config=Config(), cache_dir=tmp_path)
+    restored = loading.load_transformer(path, dtype=jnp.float32, mesh=mesh2, config=Config(), cache_dir=tmp_path)
     kernel = restored.single_transformer_blocks.proj_out.mlp.kernel.get_value()
     assert kernel.sharding.mesh.shape[TP] == 2
     for mode in ("sp", "tp"):
@@ -411,7 +411,7 @@ def test_input_errors_before_compilation():
     ]
     for change, msg in bad:
         with pytest.raises(ValueError, match=msg):
-            r(**{**kwargs, **change})
+            r(**{**kwargs, **change}).sample
     with pytest.raises(ValueError, match="4 heads do not divide over tp=3"):
         flux.Runner(model, make_mesh(3), Config(), mode="tp")
 
@@ -438,7 +438,7 @@ def test_config_presets_and_errors():
 def test_released_parameter_count(preset, count):
     c = flux.config_from_diffusers(flux.PRESETS[preset])
     abstract = nnx.eval_shape(lambda: flux.build(c, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
-    assert sum(int(np.prod(s)) for s in weights.param_paths(abstract).values()) == count
+    assert sum(int(np.prod(s)) for s in loading.param_paths(abstract).values()) == count
 
 
 def test_flops_match_the_brief():

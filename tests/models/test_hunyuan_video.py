@@ -25,10 +25,10 @@ import pytest
 from flax import nnx
 
 from difflet_tpu.testing import read_fixture_io, rel_l2
-from difflet_tpu import weights
+from difflet_tpu import loading
 from difflet_tpu.config import Config
 from difflet_tpu.layers import mmdit
-from difflet_tpu.mesh import make_mesh
+from difflet_tpu.parallel.mesh import make_mesh
 from difflet_tpu.models import hunyuan_video as hv
 from difflet_tpu.models.hunyuan_video import model as hv_model
 from difflet_tpu.models.hunyuan_video import rope as hv_rope
@@ -54,7 +54,7 @@ def fixture(case):
 
 def load(case, tp=None, *, split_rope=True, dtype=jnp.float32):
     mesh = make_mesh(tp) if tp else None
-    return weights.load_transformer(FIXTURES / case / "transformer", dtype=dtype, mesh=mesh,
+    return loading.load_transformer(FIXTURES / case / "transformer", dtype=dtype, mesh=mesh,
                                     config=Config(split_rope=split_rope))
 
 
@@ -79,7 +79,7 @@ def run32(case, tp=None, mode=None, config=Config()):
 
 def run(model, kwargs, tp=None, mode=None, config=Config()):
     mesh = make_mesh(tp) if tp else None
-    return np.asarray(hv.Runner(model, mesh, config, mode=mode)(**kwargs))
+    return np.asarray(hv.Runner(model, mesh, config, mode=mode)(**kwargs).sample)
 
 
 # --------------------------------------------------------------------------
@@ -98,7 +98,7 @@ def test_pallas_kernels_fall_back_at_fixture_sizes(caplog):
     reject its widths (64, not a multiple of 128), the ring runs, the result holds."""
     case = "hunyuan_video"
     _, ref = fixture(case)
-    with caplog.at_level(logging.WARNING, logger="difflet_tpu.collective_matmul"):
+    with caplog.at_level(logging.WARNING, logger="difflet_tpu.parallel.collective_matmul"):
         out = run32(case, 2, "sp", Config(sp_kernel="pallas", sp_rs_kernel="pallas"))
     assert rel(out, ref) <= TOL
 
@@ -132,7 +132,7 @@ def test_pallas_kernels_interpret_mode(caplog):
     model = hv.build(c, dtype=jnp.float32, rngs=nnx.Rngs(0))
     kwargs = random_inputs(c, (2, 8, 8), 32, 20)
     ref = run(model, kwargs)
-    with caplog.at_level(logging.WARNING, logger="difflet_tpu.collective_matmul"):
+    with caplog.at_level(logging.WARNING, logger="difflet_tpu.parallel.collective_matmul"):
         out = run(model, kwargs, 2, "sp", Config(sp_kernel="pallas", sp_rs_kernel="pallas"))
     assert not [r for r in caplog.records if "unsupported" in r.getMessage()], caplog.text
     assert rel(out, ref) <= TOL
@@ -179,7 +179,7 @@ def test_sp_padding_and_single_stream_rows_float64(f64_masks):
         runner = hv.Runner(mesh_model, make_mesh(2), Config(), mode="sp")
         geom = runner.geometry(**kwargs)
         assert (geom.n_img_pad, geom.n_txt_pad, geom.n_joint // 2) == (48, 12, 30)
-        assert rel(runner(**kwargs), plain) <= 1e-12
+        assert rel(runner(**kwargs).sample, plain) <= 1e-12
         assert rel(run(mesh_model, kwargs, 2, "sp", Config(sp_single=False)), plain) <= 1e-12
 
 
@@ -317,7 +317,7 @@ def test_refiner_positional_mask_float64(monkeypatch):
     (float64), with a mask whose first token is padding and one with a hole; without
     column 0 forced valid, or with padded query rows attending like valid ones
     (mechanism removed), it differs."""
-    from difflet_tpu.parallel import Parallel
+    from difflet_tpu.parallel.modes import Parallel
 
     c = hv.config_from_diffusers(hv.PRESETS["tiny"])
     mask = np.array([[0, 1, 1, 0, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0]], np.float32)
@@ -344,7 +344,7 @@ def test_token_replace_modulates_first_frame_rows():
     fixture is not reproduced (the mechanism matters at these sizes)."""
     case = "hunyuan_video_i2v_token_replace"
     kwargs, ref = fixture(case)
-    plain = weights.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32,
+    plain = loading.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32,
                                      image_condition_type=None)
     assert not plain.config.token_replace
     assert rel(run(plain, kwargs), ref) > 1e-3
@@ -369,7 +369,7 @@ def test_input_errors_before_compilation():
     ]
     for change, match in bad:
         with pytest.raises(ValueError, match=match):
-            runner(**{**kwargs, **change})
+            runner(**{**kwargs, **change}).sample
     assert not runner._steps  # nothing was compiled
 
 
@@ -378,7 +378,7 @@ def test_sp_errors_before_compilation():
     kwargs, _ = fixture(case)
     runner = hv.Runner(_model32(case, 4), make_mesh(4), Config(), mode="sp", pad=False)
     with pytest.raises(ValueError, match=r"SP cannot split 45 image tokens.*multiple of 2\*P = 8"):
-        runner(**kwargs)
+        runner(**kwargs).sample
     c = hv.config_from_diffusers(dict(hv.PRESETS["tiny"], num_attention_heads=3, attention_head_dim=16))
     abstract = nnx.eval_shape(lambda: hv.build(c, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="3 heads do not divide over tp=2"):

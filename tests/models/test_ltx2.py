@@ -18,10 +18,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from difflet_tpu.testing import read_fixture_io, rel_l2
-from difflet_tpu import weights
+from difflet_tpu import loading
 from difflet_tpu.config import Config
 from difflet_tpu.layers import rms_norm
-from difflet_tpu.mesh import TP, make_mesh
+from difflet_tpu.parallel.mesh import TP, make_mesh
 from difflet_tpu.models import ltx2
 from difflet_tpu.models.ltx2 import model as ltx2_model
 from difflet_tpu.models.ltx2 import rope as ltx2_rope
@@ -43,7 +43,7 @@ def fixture(case):
 
 def load(case, tp=None, dtype=jnp.float32, split_rope=True):
     mesh = None if tp is None else make_mesh(tp)
-    model = weights.load_transformer(FIXTURES / case / "transformer", dtype=dtype, mesh=mesh,
+    model = loading.load_transformer(FIXTURES / case / "transformer", dtype=dtype, mesh=mesh,
                                      config=Config(split_rope=split_rope))
     return model, mesh
 
@@ -77,13 +77,13 @@ def runner_f64(case, tp=None, mode=None, split_rope=True, cache=True):
 
 def run_f64(case, tp=None, mode=None, kwargs=None, **runner_kw):
     r = runner_kw.pop("runner", None) or runner_f64(case, tp, mode, **runner_kw)
-    s, a = r(**f64(fixture(case)[0] if kwargs is None else kwargs))
+    s, a = r(**f64(fixture(case)[0] if kwargs is None else kwargs)).to_tuple()
     return np.asarray(s), np.asarray(a)
 
 
 def check_fixture(case, run):
     kw, ref_s, ref_a = fixture(case)
-    s, a = run(**kw)
+    s, a = run(**kw).to_tuple()
     assert s.shape == ref_s.shape and a.shape == ref_a.shape
     assert s.dtype == jnp.float32
     assert rel(s, ref_s) <= 1e-5, rel(s, ref_s)
@@ -103,7 +103,7 @@ def test_fixture_sp_pallas_kernels_interpreted(caplog):
     assert (r.par.ag_impl, r.par.rs_impl, r.par.interpret) == ("pallas", "pallas", True)
     assert r.row_multiple() == 2 * 2 * 8  # whole f32 sublane tiles per half, so a kernel could run
     assert r.prepare(fixture("ltx2_pad")[0]).inputs["hidden_states"].shape[1] == 32
-    with caplog.at_level("WARNING", logger="difflet_tpu.collective_matmul"):
+    with caplog.at_level("WARNING", logger="difflet_tpu.parallel.collective_matmul"):
         check_fixture("ltx2_pad", r)
     assert any("not a multiple of 128" in rec.getMessage() for rec in caplog.records)
 
@@ -118,12 +118,12 @@ def test_sp_pallas_kernels_run_in_the_model(caplog):
         ltx2.PRESETS["tiny"], num_attention_heads=4, attention_head_dim=64, cross_attention_dim=256,
         audio_num_attention_heads=4, audio_attention_head_dim=64, audio_cross_attention_dim=256, num_layers=1))
     kw = ltx2.example_inputs(cfg, height=128, width=128, frames=17, text_tokens=8)
-    ref_s, ref_a = ltx2.Runner(ltx2.build(cfg, rngs=nnx.Rngs(0)), None, Config())(**kw)
+    ref_s, ref_a = ltx2.Runner(ltx2.build(cfg, rngs=nnx.Rngs(0)), None, Config())(**kw).to_tuple()
     r = ltx2.Runner(ltx2.build(cfg, rngs=nnx.Rngs(0)), make_mesh(2), Config(sp_kernel="pallas", sp_rs_kernel="pallas"),
                     mode="sp")
     assert kw["hidden_states"].shape[1] == 48 and r.prepare(kw).inputs["hidden_states"].shape[1] == 64
-    with caplog.at_level("WARNING", logger="difflet_tpu.collective_matmul"):
-        s, a = r(**kw)
+    with caplog.at_level("WARNING", logger="difflet_tpu.parallel.collective_matmul"):
+        s, a = r(**kw).to_tuple()
     assert not [rec for rec in caplog.records if "unsupported" in rec.getMessage()]
     assert rel(s, ref_s) <= 1e-5 and rel(a, ref_a) <= 1e-5
 
@@ -197,7 +197,7 @@ def test_sp_refuses_input_it_cannot_split():
     model, mesh = load("ltx2_pad", 4)
     r = ltx2.Runner(model, mesh, Config(), mode="sp", pad=False)
     with pytest.raises(ValueError, match=r"cannot split 27 video tokens over tp=4.*multiple of 2\*P = 8"):
-        r(**fixture("ltx2_pad")[0])
+        r(**fixture("ltx2_pad")[0]).sample
 
 
 @pytest.mark.slow
@@ -242,7 +242,7 @@ def test_bf16_split_rope_flat_rotation():
     full- and half-width tables, and bit-identical to the shared per-group
     rotation; a wrong rotation sign is caught."""
     from difflet_tpu.layers import apply_rotary_emb as rotate
-    from difflet_tpu.parallel import Parallel
+    from difflet_tpu.parallel.modes import Parallel
 
     rng = np.random.default_rng(3)
     n, c, g = 19, 512, 8
@@ -286,7 +286,7 @@ def test_orbax_cache_keeps_the_split_rope_layout(tmp_path):
     """A cached (converted) copy is restored as converted and never permuted twice:
     the cache key carries config.split_rope."""
     src = FIXTURES / "ltx2_interleaved_rope" / "transformer"
-    load_ = lambda split: weights.load_transformer(src, dtype=jnp.float32, cache_dir=tmp_path,
+    load_ = lambda split: loading.load_transformer(src, dtype=jnp.float32, cache_dir=tmp_path,
                                                    config=Config(split_rope=split))
     first, again, plain = load_(True), load_(True), load_(False)
     assert again.config.split_rope and not plain.config.split_rope
@@ -330,7 +330,7 @@ def test_rope_in_float64_breaks_parity(monkeypatch):
     kw, ref_s, _ = fixture("ltx2")
     monkeypatch.setattr(ltx2_rope, "angles", angles64)
     model, _ = load("ltx2")
-    s, _ = ltx2.Runner(model, None, Config())(**kw)
+    s, _ = ltx2.Runner(model, None, Config())(**kw).to_tuple()
     assert rel(s, ref_s) > 1e-5
 
 
@@ -413,9 +413,9 @@ def test_bad_inputs_are_refused():
     ]
     for change, match in bad:
         with pytest.raises((ValueError, NotImplementedError), match=match):
-            r(**dict(kw, **change))
+            r(**dict(kw, **change)).sample
     with pytest.raises(TypeError, match="unexpected"):
-        r(**dict(kw, bogus=1))
+        r(**dict(kw, bogus=1)).sample
     with pytest.raises(ValueError, match="sigma is required"):
         runner("ltx2_3")(**{k: v for k, v in fixture("ltx2_3")[0].items() if k != "sigma"})
 
@@ -450,7 +450,7 @@ def test_presets_and_param_counts():
 
 def test_plan_shards_the_big_linears():
     c = ltx2.config_from_diffusers(ltx2.PRESETS["tiny"])
-    from difflet_tpu.parallel import param_specs
+    from difflet_tpu.parallel.modes import param_specs
     from jax.sharding import PartitionSpec as P
 
     specs = param_specs(nnx.state(nnx.eval_shape(lambda: ltx2.build(c, rngs=nnx.Rngs(0)))), ltx2.PLAN)

@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from difflet_tpu import collective_matmul as cm
-from difflet_tpu import layout, weights
+from difflet_tpu.parallel import collective_matmul as cm
+from difflet_tpu.layers import rope as shared_rope
+from difflet_tpu import loading
 from difflet_tpu.config import Config
-from difflet_tpu.mesh import make_mesh
-from difflet_tpu.parallel import Parallel
+from difflet_tpu.parallel.mesh import make_mesh
+from difflet_tpu.parallel.modes import Parallel
 from difflet_tpu.models import qwen_image as qi
-from difflet_tpu.models.qwen_image import model as qm
 from difflet_tpu.models.qwen_image import rope
-from difflet_tpu.pipeline import CompileCounter
+from difflet_tpu.pipeline.denoise import CompileCounter
 from difflet_tpu.testing import read_fixture_io, rel_l2
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
@@ -49,7 +49,7 @@ def fixture(case):
 @functools.lru_cache(maxsize=None)
 def load(case, tp=None, split_rope=True):
     mesh = None if tp is None else make_mesh(tp)
-    model = weights.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32, mesh=mesh,
+    model = loading.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32, mesh=mesh,
                                      config=Config(split_rope=split_rope))
     return model, mesh
 
@@ -130,10 +130,10 @@ def test_masked_text_keys_are_bit_irrelevant(tp, mode):
     kwargs, ref = fixture("qwen_image")
     assert np.asarray(kwargs["encoder_hidden_states_mask"])[1].tolist() == [1, 1, 1, 0, 1, 1, 0, 0]
     r = _runner("qwen_image", tp, mode)
-    base = np.asarray(r(**kwargs))
-    changed = np.asarray(r(**_with_masked_text_replaced(kwargs)))
+    base = np.asarray(r(**kwargs).sample)
+    changed = np.asarray(r(**_with_masked_text_replaced(kwargs)).sample)
     assert np.array_equal(base, changed)
-    unmasked = np.asarray(r(**{**kwargs, "encoder_hidden_states_mask": None}))
+    unmasked = np.asarray(r(**{**kwargs, "encoder_hidden_states_mask": None}).sample)
     assert rel(unmasked[0], base[0]) <= 1e-6  # item 0: every token valid either way (another program)
     assert rel(unmasked[1], ref[1]) > 1e-3
 
@@ -146,10 +146,10 @@ def test_masked_tail_equals_the_shorter_prompt():
     mask = np.asarray(kwargs["encoder_hidden_states_mask"])
     assert mask[1].tolist() == [1] * 6 + [0] * 2
     r = _runner("qwen_image_edit", None, None)
-    full = np.asarray(r(**kwargs))
+    full = np.asarray(r(**kwargs).sample)
     one = {k: (v[1:] if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
     short = {**one, "encoder_hidden_states": one["encoder_hidden_states"][:, :6], "encoder_hidden_states_mask": None}
-    assert rel(np.asarray(r(**short)), full[1:]) <= 1e-6
+    assert rel(np.asarray(r(**short).sample), full[1:]) <= 1e-6
 
 
 def test_sp_pad_keys_are_masked():
@@ -159,7 +159,7 @@ def test_sp_pad_keys_are_masked():
     model, mesh = load("qwen_image_pad", 4)
     r = runner(model, mesh, "sp")
     r.mask_pad_keys = False
-    bad = np.asarray(r(**fixture("qwen_image_pad")[0]))
+    bad = np.asarray(r(**fixture("qwen_image_pad")[0]).sample)
     assert rel(run("qwen_image_pad", 4, "sp"), ref) <= TOL
     assert rel(bad, ref) > 1e-4
 
@@ -193,7 +193,7 @@ def test_additional_t_cond_picks_an_embedding_row():
     kwargs, ref = fixture("qwen_image_layered")
     assert np.asarray(kwargs["additional_t_cond"]).tolist() == [0, 1]
     r = _runner("qwen_image_layered", None, None)
-    swapped = np.asarray(r(**{**kwargs, "additional_t_cond": np.array([1, 0])}))
+    swapped = np.asarray(r(**{**kwargs, "additional_t_cond": np.array([1, 0])}).sample)
     assert rel(swapped, ref) > 1e-3
 
 
@@ -212,7 +212,7 @@ def test_rope_positions():
     # the tables: text row j rotates by max_vid + j on every axis, pad rows are identity
     c = qi.config_from_diffusers(qi.PRESETS["tiny"], split_rope=False)
     cos, sin = qi.joint_tables(c, ((1, 3, 4),), 5, 8, 16)
-    inv = np.concatenate([layout.rope_inv_freqs(d, 10000) for d in c.axes_dims_rope])
+    inv = np.concatenate([shared_rope.rope_inv_freqs(d, 10000) for d in c.axes_dims_rope])
     np.testing.assert_allclose(cos[3, ::2], np.cos(np.float32(2 + 3) * inv), atol=1e-7)
     assert np.all(cos[5:8] == 1) and np.all(sin[5:8] == 0) and np.all(cos[8 + 12:] == 1)
 
@@ -222,8 +222,8 @@ def test_rope_inverse_frequencies_are_torch_float32():
     torch 2.13's bits for d = 16 (bit-equal for d in 2..128 when the fixtures were made, and so
     are the float32 angles position * inv)."""
     torch_bits = [0x3f800000, 0x3ea1e89b, 0x3dcccccd, 0x3d0186e3, 0x3c23d70a, 0x3b4f3e38, 0x3a83126f, 0x39a5cb60]
-    assert layout.rope_inv_freqs(16, 10000).view(np.uint32).tolist() == torch_bits
-    assert layout.rope_inv_freqs(4, 10000).view(np.uint32).tolist() == [0x3f800000, 0x3c23d70a]
+    assert shared_rope.rope_inv_freqs(16, 10000).view(np.uint32).tolist() == torch_bits
+    assert shared_rope.rope_inv_freqs(4, 10000).view(np.uint32).tolist() == [0x3f800000, 0x3c23d70a]
     a = rope.angles(np.array([[-4096, 7, 4095]]), (2, 4, 16))
     assert a.dtype == np.float32 and a[0, 0] == -4096.0 and a[0, 2] == np.float32(7) * np.float32(0.01)
 
@@ -233,7 +233,7 @@ def test_layered_refuses_a_multi_frame_condition_image():
     r = _runner("qwen_image_layered", None, None)
     hs = np.concatenate([kwargs["hidden_states"], kwargs["hidden_states"][:, -6:]], axis=1)
     with pytest.raises(ValueError, match="condition image .* must have 1 frame"):
-        r(**{**kwargs, "hidden_states": hs, "img_shapes": [[(1, 3, 4), (1, 3, 4), (2, 2, 3)]] * 2})
+        r(**{**kwargs, "hidden_states": hs, "img_shapes": [[(1, 3, 4), (1, 3, 4), (2, 2, 3)]] * 2}).sample
 
 
 # --------------------------------------------------------------------------
@@ -272,8 +272,8 @@ def test_loader_refuses_guidance_embeds(tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "guidance_embeds": True}))
     (tmp_path / "diffusion_pytorch_model.safetensors").symlink_to(src / "diffusion_pytorch_model.safetensors")
-    with pytest.raises(weights.WeightsError, match="guidance_embeds"):
-        weights.load_transformer(tmp_path, dtype=jnp.float32)
+    with pytest.raises(loading.WeightsError, match="guidance_embeds"):
+        loading.load_transformer(tmp_path, dtype=jnp.float32)
 
 
 def test_key_map_renames_the_modulation_and_permutes_q_k():
@@ -317,16 +317,16 @@ def test_input_errors_before_compilation():
         r = runner(model, mesh, mode)
         for message, bad in _bad_inputs(kwargs):
             with pytest.raises(ValueError, match=message):
-                r(**bad)
+                r(**bad).sample
         with pytest.raises(TypeError, match="unexpected QwenImageTransformer2DModel forward kwargs"):
-            r(**kwargs, txt_seq_lens=[8, 8])
+            r(**kwargs, txt_seq_lens=[8, 8]).sample
         assert not r._steps
     model, _ = load("qwen_image_layered")
     r = runner(model, None)
     kw, _ = fixture("qwen_image_layered")
     for bad, message in ((None, "additional_t_cond is required"), (np.array([0, 2]), r"integers in \{0, 1\}")):
         with pytest.raises(ValueError, match=message):
-            r(**{**kw, "additional_t_cond": bad})
+            r(**{**kw, "additional_t_cond": bad}).sample
     model, mesh = load("qwen_image_pad", 4)
     with pytest.raises(ValueError, match=r"cannot split 15 image tokens over tp=4.*multiple of 2\*P = 8"):
         runner(model, mesh, "sp", pad=False)(**fixture("qwen_image_pad")[0])

@@ -21,11 +21,11 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from difflet_tpu.testing import read_fixture_io, rel_l2
-from difflet_tpu import collective_matmul as cm
-from difflet_tpu import weights
+from difflet_tpu.parallel import collective_matmul as cm
+from difflet_tpu import loading
 from difflet_tpu.config import Config
-from difflet_tpu.mesh import TP, make_mesh
-from difflet_tpu.parallel import COLUMN, ROW, role_of
+from difflet_tpu.parallel.mesh import TP, make_mesh
+from difflet_tpu.parallel.modes import COLUMN, ROW, role_of
 from difflet_tpu.models import wan
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
@@ -45,7 +45,7 @@ def fixture(case, dtype=np.float32):
 
 
 def load(case, dtype=jnp.float32, mesh=None, split_rope=True):
-    return weights.load_transformer(FIXTURES / case / "transformer", dtype=dtype, mesh=mesh,
+    return loading.load_transformer(FIXTURES / case / "transformer", dtype=dtype, mesh=mesh,
                                     config=Config(split_rope=split_rope))
 
 
@@ -57,7 +57,7 @@ def load_f32(case, tp=None):
 def run(case, tp=None, mode=None, config=None):
     kwargs, _ = fixture(case)
     mesh = None if tp is None else make_mesh(tp)
-    return wan.Runner(load_f32(case, tp), mesh, config or Config(), mode)(**kwargs)
+    return wan.Runner(load_f32(case, tp), mesh, config or Config(), mode)(**kwargs).sample
 
 
 def rows(runner, kwargs):
@@ -87,10 +87,10 @@ def test_sp_pallas_kernels_interpret_mode():
     c = wan.config_from_diffusers(dict(wan.PRESETS["tiny"], attention_head_dim=128, ffn_dim=512, num_layers=1))
     model = wan.build(c, dtype=jnp.float32, rngs=nnx.Rngs(0))
     kwargs = wan.example_inputs(c, height=64, width=96, frames=9, text_len=16)
-    ref = wan.Runner(model)(**kwargs)
+    ref = wan.Runner(model)(**kwargs).sample
     cm._NOTICED.clear()
     mesh = make_mesh(4)
-    out = wan.Runner(model, mesh, Config(sp_kernel="pallas", sp_rs_kernel="pallas"), "sp")(**kwargs)
+    out = wan.Runner(model, mesh, Config(sp_kernel="pallas", sp_rs_kernel="pallas"), "sp")(**kwargs).sample
     assert not cm._NOTICED, f"a kernel fell back to the ring: {cm._NOTICED}"
     assert rel(out, ref) <= 1e-5
 
@@ -101,13 +101,13 @@ def test_sp_cross_local_fused_kernel_interpret_mode(monkeypatch):
     cross-attention runs kernels/cross_attention.py (q's norm and every head in one
     kernel, once per block) and matches the one-device model and the unfused SP path;
     heads of 128 (the kernel's lane block), 16 text tokens (one key block)."""
-    from difflet_tpu import attention as attention_mod
+    from difflet_tpu.layers import sdpa as attention_mod
     from difflet_tpu.models.wan import model as wan_model
 
     c = wan.config_from_diffusers(dict(wan.PRESETS["tiny"], attention_head_dim=128, ffn_dim=512, num_layers=2))
     model = wan.build(c, dtype=jnp.float32, rngs=nnx.Rngs(0))
     kwargs = wan.example_inputs(c, height=64, width=128, frames=9, text_len=16)  # 24 rows a rank
-    ref = wan.Runner(model)(**kwargs)
+    ref = wan.Runner(model)(**kwargs).sample
     mesh = make_mesh(4)
     calls = []
 
@@ -125,7 +125,7 @@ def test_sp_cross_local_fused_kernel_interpret_mode(monkeypatch):
         attention_mod._splash_kernel.cache_clear()
         r = wan.Runner(model, mesh, Config(sp_cross_local=True, check_vma=True), "sp")
         r.par = dataclasses.replace(r.par, attn_impl="splash")
-        outs[fused] = r(**kwargs)
+        outs[fused] = r(**kwargs).sample
     assert len(calls) == 1 and calls[0][-1] == c.inner_dim, calls  # traced once: the blocks' scan body
     assert rel(outs[True], ref) <= 1e-5
     assert rel(outs[True], outs[False]) <= 1e-5
@@ -139,14 +139,14 @@ def test_sp_row_padding_float64():
     """SP with row padding equals the unpadded one-device model; pad keys must be dropped."""
     with jax.enable_x64(True):
         kwargs, expected = fixture("wan_t2v_pad", np.float64)
-        ref = wan.Runner(load("wan_t2v_pad", jnp.float64))(**kwargs)
+        ref = wan.Runner(load("wan_t2v_pad", jnp.float64))(**kwargs).sample
         assert rel(ref, expected) <= 1e-5
         mesh = make_mesh(4)
         runner = wan.Runner(load("wan_t2v_pad", jnp.float64, mesh), mesh, Config(), "sp")
         assert rows(runner, kwargs) == 48  # each ring half: 6 rows
-        assert rel(runner(**kwargs), ref) <= 1e-12
+        assert rel(runner(**kwargs).sample, ref) <= 1e-12
         runner.mask_pad_keys = False  # mechanism removed: pad keys attended to
-        assert rel(runner(**kwargs), ref) > 1e-3
+        assert rel(runner(**kwargs).sample, ref) > 1e-3
 
 
 def test_sp_without_row_padding():
@@ -155,11 +155,11 @@ def test_sp_without_row_padding():
     kwargs, ref = fixture("wan_t2v")  # 72 tokens = 8 * 9
     runner = wan.Runner(load_f32("wan_t2v", 4), mesh, Config(sp_pad=False), "sp")
     assert rows(runner, kwargs) == 72
-    assert rel(runner(**kwargs), ref) <= 1e-5
+    assert rel(runner(**kwargs).sample, ref) <= 1e-5
     kwargs, _ = fixture("wan_t2v_pad")  # 45 tokens
     runner = wan.Runner(load_f32("wan_t2v_pad", 4), mesh, Config(sp_pad=False), "sp")
     with pytest.raises(ValueError, match=r"cannot split 45 patch tokens over tp=4.*multiple of 2\*P = 8.*pad=True"):
-        runner(**kwargs)
+        runner(**kwargs).sample
 
 
 def test_rope_tables_pad_rows_and_split_order():
@@ -184,9 +184,9 @@ def test_sharded_model_float64(mode):
     against the one-device model in float64 on the per-token TI2V case."""
     with jax.enable_x64(True):
         kwargs, _ = fixture("wan_ti2v", np.float64)
-        ref = wan.Runner(load("wan_ti2v", jnp.float64))(**kwargs)
+        ref = wan.Runner(load("wan_ti2v", jnp.float64))(**kwargs).sample
         mesh = make_mesh(4)
-        out = wan.Runner(load("wan_ti2v", jnp.float64, mesh), mesh, Config(), mode)(**kwargs)
+        out = wan.Runner(load("wan_ti2v", jnp.float64, mesh), mesh, Config(), mode)(**kwargs).sample
         assert rel(out, ref) <= 1e-12
 
 
@@ -199,7 +199,7 @@ def test_sp_cross_local_float64(case):
     Broken gathers or rows would not match to 1e-12."""
     with jax.enable_x64(True):
         kwargs, _ = fixture(case, np.float64)
-        ref = wan.Runner(load(case, jnp.float64))(**kwargs)
+        ref = wan.Runner(load(case, jnp.float64))(**kwargs).sample
         mesh = make_mesh(4)
         model = load(case, jnp.float64, mesh)
         for local in (True, False):
@@ -208,10 +208,10 @@ def test_sp_cross_local_float64(case):
             to_q, to_out = r.model.blocks.attn2.to_q.kernel[...], r.model.blocks.attn2.to_out["0"].kernel[...]
             assert to_q.sharding.spec == (P() if local else P(None, None, TP))
             assert to_out.sharding.spec == (P() if local else P(None, TP, None))
-            assert rel(r(**kwargs), ref) <= 1e-12
+            assert rel(r(**kwargs).sample, ref) <= 1e-12
             kv = r.encode_text(kwargs["encoder_hidden_states"], kwargs.get("encoder_hidden_states_image"))
             assert kv["k"].sharding.spec == (P() if local else P(None, None, None, TP))
-            assert rel(r(kwargs["hidden_states"], kwargs["timestep"], text_kv=kv), ref) <= 1e-12
+            assert rel(r(kwargs["hidden_states"], kwargs["timestep"], text_kv=kv).sample, ref) <= 1e-12
         # TP ignores the setting
         assert not wan.Runner(model, mesh, Config(sp_cross_local=True), "tp").par.cross_local
 
@@ -224,8 +224,8 @@ def test_split_rope_float64():
         split = load("wan_t2v", jnp.float64, split_rope=True)
         plain = load("wan_t2v", jnp.float64, split_rope=False)
         assert split.config.split_rope and not plain.config.split_rope
-        ref = wan.Runner(plain)(**kwargs)
-        assert rel(wan.Runner(split)(**kwargs), ref) <= 1e-12
+        ref = wan.Runner(plain)(**kwargs).sample
+        assert rel(wan.Runner(split)(**kwargs).sample, ref) <= 1e-12
         wq_split = np.asarray(split.blocks.attn1.to_q.kernel[...])
         wq_plain = np.asarray(plain.blocks.attn1.to_q.kernel[...])
         assert not np.array_equal(wq_split, wq_plain)
@@ -235,21 +235,21 @@ def test_split_rope_float64():
         grid, n = (3, 4, 6), 72  # wan_t2v's token grid, unpadded on one device
         # the port's RoPE constant (models/wan/port.py) cached with interleaved tables
         r.constant(("rope", grid, n), lambda: wan.rope_tables(split.config, grid, n, split=False))
-        assert rel(r(**kwargs), ref) > 1e-3
+        assert rel(r(**kwargs).sample, ref) > 1e-3
 
         # Removed: norm_q / norm_k weights not permuted with the q/k rows.
         abstract = nnx.eval_shape(lambda: wan.build(split.config, dtype=jnp.float64, rngs=nnx.Rngs(0)))
         km = wan.key_map(split.config, abstract)
         for p in ("blocks.attn1.norm_q.scale", "blocks.attn1.norm_k.scale"):
             km[p] = dataclasses.replace(km[p], perm=None)
-        ckpt = weights.Checkpoint(FIXTURES / "wan_t2v" / "transformer")
-        bad = weights.load_params(abstract, ckpt, km, dtype=jnp.float64)
-        assert rel(wan.Runner(bad)(**kwargs), ref) > 1e-3
+        ckpt = loading.Checkpoint(FIXTURES / "wan_t2v" / "transformer")
+        bad = loading.load_params(abstract, ckpt, km, dtype=jnp.float64)
+        assert rel(wan.Runner(bad)(**kwargs).sample, ref) > 1e-3
 
         # Removed: permuted weights run with the interleaved rotation.
         bad = load("wan_t2v", jnp.float64, split_rope=True)
         bad.config = dataclasses.replace(bad.config, split_rope=False)
-        assert rel(wan.Runner(bad)(**kwargs), ref) > 1e-3
+        assert rel(wan.Runner(bad)(**kwargs).sample, ref) > 1e-3
 
 
 def test_text_kv_cache():
@@ -260,11 +260,11 @@ def test_text_kv_cache():
     runner = wan.Runner(load_f32("wan_i2v"))
     kv = runner.encode_text(kwargs["encoder_hidden_states"], kwargs["encoder_hidden_states_image"])
     assert set(kv) == {"k", "v", "k_img", "v_img"} and kv["k"].shape == (2, 1, 512, 64)
-    cached = runner(kwargs["hidden_states"], kwargs["timestep"], text_kv=kv)
-    assert rel(cached, runner(**kwargs)) == 0.0 and rel(cached, ref) <= 1e-5
+    cached = runner(kwargs["hidden_states"], kwargs["timestep"], text_kv=kv).sample
+    assert rel(cached, runner(**kwargs).sample) == 0.0 and rel(cached, ref) <= 1e-5
     other_prompt = kwargs["encoder_hidden_states"] + np.random.default_rng(1).standard_normal((1, 512, 24)).astype(np.float32)
     other = runner.encode_text(other_prompt, kwargs["encoder_hidden_states_image"])
-    assert rel(runner(kwargs["hidden_states"], kwargs["timestep"], text_kv=other), ref) > 1e-3
+    assert rel(runner(kwargs["hidden_states"], kwargs["timestep"], text_kv=other).sample, ref) > 1e-3
 
     auto = wan.Runner(load_f32("wan_i2v"), cache_text=True)  # a denoise loop passing the same prompt
     for _ in range(2):
@@ -307,26 +307,26 @@ def test_i2v_needs_512_text_tokens():
     kwargs, _ = fixture("wan_i2v")
     runner = wan.Runner(load_f32("wan_i2v"))
     with pytest.raises(ValueError, match="512"):
-        runner(**dict(kwargs, encoder_hidden_states=kwargs["encoder_hidden_states"][:, :100]))
+        runner(**dict(kwargs, encoder_hidden_states=kwargs["encoder_hidden_states"][:, :100])).sample
     with pytest.raises(ValueError, match="needs encoder_hidden_states_image"):
-        runner(**{k: v for k, v in kwargs.items() if k != "encoder_hidden_states_image"})
+        runner(**{k: v for k, v in kwargs.items() if k != "encoder_hidden_states_image"}).sample
 
 
 def test_input_errors():
     kwargs, _ = fixture("wan_t2v")
     runner = wan.Runner(load_f32("wan_t2v"))
     with pytest.raises(ValueError, match="in_channels=4"):
-        runner(**dict(kwargs, hidden_states=np.zeros((1, 5, 3, 8, 12), np.float32)))
+        runner(**dict(kwargs, hidden_states=np.zeros((1, 5, 3, 8, 12), np.float32))).sample
     with pytest.raises(ValueError, match="not a multiple of the patch size"):
-        runner(**dict(kwargs, hidden_states=np.zeros((1, 4, 3, 7, 12), np.float32)))
+        runner(**dict(kwargs, hidden_states=np.zeros((1, 4, 3, 7, 12), np.float32))).sample
     with pytest.raises(ValueError, match="rope_max_seq_len"):
-        runner(**dict(kwargs, hidden_states=np.zeros((1, 4, 3, 8, 66), np.float32)))
+        runner(**dict(kwargs, hidden_states=np.zeros((1, 4, 3, 8, 66), np.float32))).sample
     with pytest.raises(ValueError, match=r"timestep must be \(1,\) or per token \(1, 72\)"):
-        runner(**dict(kwargs, timestep=np.zeros((1, 71), np.float32)))
+        runner(**dict(kwargs, timestep=np.zeros((1, 71), np.float32))).sample
     with pytest.raises(ValueError, match="text_dim=24"):
-        runner(**dict(kwargs, encoder_hidden_states=np.zeros((1, 10, 23), np.float32)))
+        runner(**dict(kwargs, encoder_hidden_states=np.zeros((1, 10, 23), np.float32))).sample
     with pytest.raises(ValueError, match="no image branch"):
-        runner(**kwargs, encoder_hidden_states_image=np.zeros((1, 6, 20), np.float32))
+        runner(**kwargs, encoder_hidden_states_image=np.zeros((1, 6, 20), np.float32)).sample
     with pytest.raises(ValueError, match="4 heads do not divide over tp=3"):
         wan.Runner(wan.build(wan.preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0)), make_mesh(3), Config())
 
@@ -401,7 +401,7 @@ def test_presets_build_the_released_sizes(name):
 def test_plan_covers_every_block_linear():
     model = nnx.eval_shape(lambda: wan.build(wan.preset("Wan2.1-I2V-14B-480P"), dtype=jnp.bfloat16,
                                              rngs=nnx.Rngs(0)))
-    paths = weights.param_paths(model)
+    paths = loading.param_paths(model)
     linears = {p.rsplit(".", 1)[0] for p in paths if p.startswith("blocks.") and p.endswith(".kernel")}
     roles = {p: role_of(p, wan.PLAN) for p in linears}
     assert all(r in (COLUMN, ROW) for r in roles.values()), roles

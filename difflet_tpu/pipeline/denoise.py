@@ -2,7 +2,7 @@
 
 A port's `PortSpec.pipeline` (difflet_tpu.port.Pipeline) says how its
 diffusers pipeline drives the transformer: the
-schedule (difflet_tpu.schedulers), how the timestep is scaled, whether
+schedule (difflet_tpu.pipeline.schedules), how the timestep is scaled, whether
 guidance is a classifier-free batch-2 call (Wan, LTX-2: unconditional and
 conditional rows in one call, combined as `u + g (c - u)`) or an embedding
 (FLUX.1-dev `guidance = g`, HunyuanVideo `guidance = 1000 g`), and for
@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from difflet_tpu import schedulers as S
+from difflet_tpu.pipeline import schedules as S
 
 
 def resolve_model(name: str):
@@ -362,8 +362,7 @@ class Denoiser:
         e = self.expert(t)
         kw = self.kwargs(latents, t)
         self.last_swap_s = self.activate(e, kw, i) if len(self.runners) > 1 else 0.0
-        out = self.runners[e](**kw)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
+        outs = self.runners[e](**kw, return_dict=False)
         update, update_cfg, update_cfg_rescaled = updates(self.mesh)
         fn = update if not self.cfg else update_cfg_rescaled if self.pipeline.cfg_rescale else update_cfg
         dt = np.float32(self.schedule.dt(i))

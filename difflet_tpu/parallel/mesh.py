@@ -11,7 +11,7 @@ A mesh has up to three axes, in this order (outermost first):
 
 * `cfg`: classifier-free guidance. The unconditional and the conditional rows
   of a CFG batch go to the two `cfg` groups; the guidance combine is the one
-  collective over it (`difflet_tpu.pipeline`).
+  collective over it (`difflet_tpu.pipeline.denoise`).
 * `data`: more batch rows (several prompts or videos per call).
 * `tp`: the tensor / sequence-parallel ring (`Parallel` names only this axis).
 
@@ -82,7 +82,7 @@ def make_mesh(tp: int | None = None, devices=None, *, cfg: int = 1, data: int = 
 
     Axes of size 1 other than `tp` are left out, so `make_mesh(4)` is the 1-D
     `tp` mesh. Each `tp` group is a ring in ICI order on TPU (`ring_groups`);
-    with several processes (`difflet_tpu.distributed`) `devices` defaults to
+    with several processes (`difflet_tpu.parallel.distributed`) `devices` defaults to
     every process's devices.
     """
     import jax

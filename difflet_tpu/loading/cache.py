@@ -59,8 +59,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from difflet_tpu import weights
-from difflet_tpu.parallel import check_divisible, param_specs, path_names
+from difflet_tpu.loading import checkpoint
+from difflet_tpu.parallel.modes import check_divisible, param_specs, path_names
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ def source_fingerprint(src_path) -> dict | None:
     src = pathlib.Path(src_path)
     try:
         config = (src / "config.json").read_bytes()
-        files, weight_map = weights.checkpoint_files(src)  # shard names checked: never outside `src`
-        index_hash = None if weight_map is None else _sha256((src / weights.INDEX_FILE).read_bytes())
+        files, weight_map = checkpoint.checkpoint_files(src)  # shard names checked: never outside `src`
+        index_hash = None if weight_map is None else _sha256((src / checkpoint.INDEX_FILE).read_bytes())
         return {"config_sha256": _sha256(config), "index_sha256": index_hash,
                 "files": [_file_fingerprint(src / f) for f in files]}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -201,12 +201,12 @@ def check_cache_dir(cache_dir, *, write: bool = False) -> None:
     try:
         s = os.fspath(cache_dir)
     except TypeError:
-        raise weights.WeightsError(f"cache_dir: {cache_dir!r} is not a path") from None
+        raise checkpoint.WeightsError(f"cache_dir: {cache_dir!r} is not a path") from None
     if "://" in s and not s.startswith(REMOTE_PREFIXES):
-        raise weights.WeightsError(f"cache_dir {s!r}: unsupported URL scheme {s.split('://', 1)[0] + '://'!r}; use "
+        raise checkpoint.WeightsError(f"cache_dir {s!r}: unsupported URL scheme {s.split('://', 1)[0] + '://'!r}; use "
                                    f"a local path or {' / '.join(REMOTE_PREFIXES)} (the stores orbax writes to)")
     if not _is_remote(s) and os.path.exists(s) and not os.path.isdir(s):
-        raise weights.WeightsError(f"cache_dir {s}: exists and is not a directory")
+        raise checkpoint.WeightsError(f"cache_dir {s}: exists and is not a directory")
     if not write:
         return
     hint = "; fix it, or pass cache_dir=None to load without caching"
@@ -214,14 +214,14 @@ def check_cache_dir(cache_dir, *, write: bool = False) -> None:
         try:
             checks.writable_dir(s, "cache_dir")
         except ValueError as e:
-            raise weights.WeightsError(f"{e}{hint}") from None
+            raise checkpoint.WeightsError(f"{e}{hint}") from None
         return
     probe = _path(s) / f".difflet-write-test-{uuid.uuid4().hex}"
     try:
         probe.write_text("")
         probe.unlink()
     except Exception as e:  # noqa: BLE001 - any store error
-        raise weights.WeightsError(f"cache_dir {s}: cannot write there ({_one_line(e)}){hint}") from None
+        raise checkpoint.WeightsError(f"cache_dir {s}: cannot write there ({_one_line(e)}){hint}") from None
 
 
 def _one_line(e: BaseException, limit: int = 200) -> str:
@@ -427,7 +427,7 @@ def restore_params(directory, abstract_model, mesh=None, plan=None, *, verify: b
     Each device reads only its own slice. The dtypes are the saved ones; the
     shapes must match `abstract_model`'s and, if both the saved and the given
     model have a dataclass `config`, those must be equal. Non-parameter state
-    is taken from `abstract_model` as is (see `weights.fill_state`).
+    is taken from `abstract_model` as is (see `checkpoint.fill_state`).
     verify: check the saved files against their recorded digest first (process
     0 reads every file once; the others follow its verdict); a mismatch is a
     WeightsError.
@@ -437,10 +437,10 @@ def restore_params(directory, abstract_model, mesh=None, plan=None, *, verify: b
     directory = _path(directory)
     meta = _read_meta(directory)
     if meta is None:
-        raise weights.WeightsError(f"{directory}: no {META_FILE} (not saved by save_params, "
+        raise checkpoint.WeightsError(f"{directory}: no {META_FILE} (not saved by save_params, "
                                    "or the save was interrupted)")
     if meta.get("format") != FORMAT_VERSION:
-        raise weights.WeightsError(f"{directory}: format {meta.get('format')}, this version reads "
+        raise checkpoint.WeightsError(f"{directory}: format {meta.get('format')}, this version reads "
                                    f"{FORMAT_VERSION}; convert the checkpoint again")
     graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
     saved, have = meta["params"], _param_table(params)
@@ -455,11 +455,11 @@ def restore_params(directory, abstract_model, mesh=None, plan=None, *, verify: b
                         + ", ".join(f"{k} (saved {meta['config'].get(k)!r}, model {cfg.get(k)!r})"
                                     for k in diff))
     if problems:
-        raise weights.WeightsError(f"{directory}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+        raise checkpoint.WeightsError(f"{directory}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
     if verify:
         problem = _data_problem(directory, meta) if jax.process_index() == 0 else None
         if not _agree_flag(problem is None):
-            raise weights.WeightsError(f"{directory}: {problem or 'data digest mismatch on process 0'}; "
+            raise checkpoint.WeightsError(f"{directory}: {problem or 'data digest mismatch on process 0'}; "
                                        "save it again")
 
     if mesh is not None:
@@ -543,7 +543,7 @@ def restore_if_cached(cache_dir, src_path, port, port_config, *, dtype, mesh, ab
     On several hosts, process 0's checkpoint identity and decision count for all.
     """
     if abstract is None:
-        abstract = weights.abstract_port_model(port, port_config, dtype=dtype)
+        abstract = checkpoint.abstract_port_model(port, port_config, dtype=dtype)
     key = cache_key(src_path, port, port_config, dtype=dtype, key_map=port.key_map(port_config, abstract))
     hit = False
     if key is not None and jax.process_index() == 0:  # only process 0's decision counts
@@ -564,11 +564,11 @@ def restore_if_cached(cache_dir, src_path, port, port_config, *, dtype, mesh, ab
             model = restore_params(d, abstract, mesh, port.PLAN, verify=False)  # verified above
     except Exception as e:  # a damaged entry the digest did not catch: convert again (and replace it)
         if _num_processes() > 1:  # the processes could disagree: stop instead
-            raise weights.WeightsError(f"cache entry {d} cannot be restored ({_one_line(e)}); delete it") from None
+            raise checkpoint.WeightsError(f"cache entry {d} cannot be restored ({_one_line(e)}); delete it") from None
         log.warning("cache entry %s cannot be restored (%s); converting %s again", d, _one_line(e), src_path)
         return None
     log.info("restored %s from the cache entry %s", src_path, d)
-    return weights.fill_state(model, port, port_config, dtype=dtype, mesh=mesh, plan=port.PLAN)
+    return checkpoint.fill_state(model, port, port_config, dtype=dtype, mesh=mesh, plan=port.PLAN)
 
 
 def clear(cache_dir) -> None:

@@ -21,6 +21,9 @@ import sys
 _GENERATION = {"v5e": "v5litepod-{n}", "v6e": "v6e-{n}", "v5p": "v5p-{n2}", "v4": "v4-{n2}"}
 
 
+from difflet_tpu.runtime import memory_report  # noqa: E402,F401 (re-exported for the tools)
+
+
 def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
     """"v5e:2x2" -> ("v5e", (2, 2))."""
     m = re.fullmatch(r"(v\d+[a-z]*):(\d+(?:x\d+)*)", topology)
@@ -62,7 +65,7 @@ def setup_process(topology: str = "v5e:2x2") -> None:
 
         if xla_bridge.backends_are_initialized():
             raise RuntimeError("deviceless compilation must be set up before jax initialises; "
-                               "use difflet_tpu.deviceless.run_python from a process that already did")
+                               "use difflet_tpu.tools.deviceless.run_python from a process that already did")
     os.environ.update({k: v for k, v in tpu_env(topology).items()
                        if k.startswith("TPU_")})
     os.environ.pop("JAX_PLATFORMS", None)
@@ -78,19 +81,9 @@ def topology_devices(topology: str = "v5e:2x2"):
 
 def topology_mesh(topology: str = "v5e:2x2", tp: int | None = None, *, cfg: int = 1, data: int = 1):
     """A (`cfg`, `data`,) `tp` mesh on the devices of a TPU topology, each `tp` ring in ICI order."""
-    from difflet_tpu.mesh import make_mesh
+    from difflet_tpu.parallel.mesh import make_mesh
 
     return make_mesh(tp, topology_devices(topology), cfg=cfg, data=data)
-
-
-def memory_report(compiled) -> dict:
-    """HBM per chip of a compiled program, in bytes."""
-    m = compiled.memory_analysis()
-    out = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
-               temporaries=m.temp_size_in_bytes, aliased=m.alias_size_in_bytes,
-               code=m.generated_code_size_in_bytes)
-    out["total"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"] + out["code"]
-    return out
 
 
 def run_python(code: str, topology: str = "v5e:2x2", timeout: float = 1800) -> dict:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from difflet_tpu.collective_matmul import KERNEL_ACTIVATIONS, Epilogue, LayerWeight, row_sum_squares
+from difflet_tpu.parallel.collective_matmul import KERNEL_ACTIVATIONS, Epilogue, LayerWeight, row_sum_squares
 
 
 def fp32(dtype):

@@ -25,7 +25,7 @@ Rules:
 
 * S must be a multiple of 2P (each shard splits into two equal halves).
   Padding is the caller's job and happens eagerly, before the compiled step
-  (`difflet_tpu.layout.pad_tokens`).
+  (`difflet_tpu.parallel.padding.pad_tokens`).
 * Every rank-dependent value (ring position, which rows an arrived chunk
   owns) comes from `lax.axis_index` at run time, never from a Python constant
   that differs by rank: every rank runs one identical program. (Programs that
@@ -42,7 +42,7 @@ Rules:
   sets the kernels' column tile per site.
 
 Weights are arrays, or `LayerWeight`s: one layer of a stacked `[L, K, N]`
-array, as `difflet_tpu.nn.scan_blocks` hands a scanned block its linears.
+array, as `difflet_tpu.layers.nn.scan_blocks` hands a scanned block its linears.
 The Pallas kernels take the stack and the layer index and DMA that layer's
 tiles straight out of it, so no per-layer copy of the weight is made; every
 other path slices the layer out (`as_array`), as `lax.scan` would have.
@@ -80,8 +80,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from difflet_tpu import kernel_tiles
-from difflet_tpu.mesh import TP
+from difflet_tpu.kernels import tiles as kernel_tiles
+from difflet_tpu.parallel.mesh import TP
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def split_rule(P: int) -> str:
     """The sequence-length rule of the rings, for error messages."""
     return (f"the sequence must be a multiple of 2*P = {2 * P} rows, so each rank's shard "
             f"splits into two equal halves that travel in opposite directions; pad it eagerly "
-            f"before the compiled step (difflet_tpu.layout.pad_tokens)")
+            f"before the compiled step (difflet_tpu.parallel.padding.pad_tokens)")
 
 
 def _check_impl(impl):

@@ -136,7 +136,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
-        raise DistributedError("difflet_tpu.distributed.initialize must run before any jax computation "
+        raise DistributedError("difflet_tpu.parallel.distributed.initialize must run before any jax computation "
                                "(jax has already created its backends in this process)")
     given = [v is not None for v in (coordinator_address, num_processes, process_id)]
     if any(given) and not all(given):
@@ -152,14 +152,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         if not isinstance(v, int) or v < 1:
             raise DistributedError(f"{name}={v!r} must be an int >= 1 (seconds)")
     if cpu_devices is not None:
-        from difflet_tpu.mesh import use_cpu_devices
+        from difflet_tpu.parallel.mesh import use_cpu_devices
 
         use_cpu_devices(cpu_devices)
     if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu" or cpu_devices is not None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     who = "this process" if process_id is None else f"process {process_id}/{num_processes}"
     where = coordinator_address or "the coordinator found by cluster detection"
-    print(f"difflet_tpu.distributed: {who} joining {where} (waiting up to {init_timeout_s} s for every "
+    print(f"difflet_tpu.parallel.distributed: {who} joining {where} (waiting up to {init_timeout_s} s for every "
           f"process; a silent process is declared dead after {heartbeat_timeout_s} s)", file=sys.stderr, flush=True)
     if process_id is not None and process_id != 0:
         wait_for_coordinator(coordinator_address, init_timeout_s)

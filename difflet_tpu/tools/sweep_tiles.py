@@ -1,6 +1,6 @@
 """Sweeps the collective-matmul kernels' column tile at every site of a model's SP step.
 
-    python -m difflet_tpu.sweep_tiles --model wan:Wan2.1-T2V-14B --height 480 --width 832 \\
+    python -m difflet_tpu.tools.sweep_tiles --model wan:Wan2.1-T2V-14B --height 480 --width 832 \\
         --frames 9 --out tiles-v5e.json
     DIFFLET_TPU_KERNEL_TILES=tiles-v5e.json python -m difflet_tpu.bench ...
 
@@ -31,7 +31,7 @@ import time
 
 
 def parser():
-    ap = argparse.ArgumentParser(prog="python -m difflet_tpu.sweep_tiles", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m difflet_tpu.tools.sweep_tiles", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="port, port:preset or a released preset (as the bench's)")
     ap.add_argument("--height", type=int)
@@ -67,16 +67,17 @@ def validate(args, ap):
 def model_sites(spec, preset, shape, batch, mesh, dtype):
     """The distinct kernel sites of the model's SP step on `mesh`, in trace order, with
     how often each was called while tracing (a block scan traces its body once)."""
-    from difflet_tpu import bench, kernel_tiles
+    from difflet_tpu.bench import cases, compile_only
+    from difflet_tpu.kernels import tiles as kernel_tiles
     from difflet_tpu.config import Config
 
-    cfg = bench.build_config(spec, preset)
+    cfg = cases.build_config(spec, preset)
     config = Config.from_env(sp=True, compile_cache=None, kernel_tiles=None)
     if mesh.devices.flat[0].platform != "tpu":  # off TPU the defaults are the JAX rings
         config = dataclasses.replace(config, sp_kernel="pallas", sp_rs_kernel="pallas")
     inputs = spec.example_inputs(cfg, **shape, batch=batch, seed=0, dtype=dtype)
     with kernel_tiles.recording() as seen:
-        bench.abstract_trace(spec, cfg, inputs, mesh, config, "sp", dtype)
+        compile_only.abstract_trace(spec, cfg, inputs, mesh, config, "sp", dtype)
     counts: dict = {}
     for site, _ in seen:
         counts[site] = counts.get(site, 0) + 1
@@ -122,8 +123,9 @@ def site_call(site, tn, mesh, interpret):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from difflet_tpu import collective_matmul as cm, kernel_tiles
-    from difflet_tpu.mesh import TP
+    from difflet_tpu.parallel import collective_matmul as cm
+    from difflet_tpu.kernels import tiles as kernel_tiles
+    from difflet_tpu.parallel.mesh import TP
 
     table = kernel_tiles.KernelTiles("", ((site.key(), tn),))
     dtype = jnp.dtype(site.dtype)
@@ -214,7 +216,7 @@ def time_call(fn, args, repeats):
 def traced_at(fn, shapes, site, tn):
     """`fn` traced for `shapes`, checked to call the kernel at `site` with column tile tn
     (a site key that drifted from the dispatch's would time the default tile instead)."""
-    from difflet_tpu import kernel_tiles
+    from difflet_tpu.kernels import tiles as kernel_tiles
 
     with kernel_tiles.recording() as seen:
         traced = fn.trace(*shapes)
@@ -268,7 +270,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     validate(args, ap)
     if args.compile_only:
-        from difflet_tpu import deviceless
+        from difflet_tpu.tools import deviceless
 
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         deviceless.setup_process(args.topology)
@@ -276,29 +278,30 @@ def main(argv=None):
 
         devices = deviceless.topology_devices(args.topology)
     else:
-        from difflet_tpu import bench
-        from difflet_tpu.mesh import use_cpu_devices
+        from difflet_tpu.bench import cases
+        from difflet_tpu.parallel.mesh import use_cpu_devices
 
-        if not bench.has_tpu():
+        if not cases.has_tpu():
             use_cpu_devices(args.cpu_devices)
         import jax
 
         devices = jax.devices()
     import jax.numpy as jnp
 
-    from difflet_tpu import bench, kernel_tiles
-    from difflet_tpu import pipeline as PL
-    from difflet_tpu.mesh import make_mesh
+    from difflet_tpu.bench import cases
+    from difflet_tpu.kernels import tiles as kernel_tiles
+    from difflet_tpu.pipeline import denoise as PL
+    from difflet_tpu.parallel.mesh import make_mesh
 
     if jax.process_count() > 1:  # the sweep's inputs are device_put from this process
         ap.error("the sweep runs in one process (a single-host slice, e.g. a v5e-4); "
                  f"this run has {jax.process_count()}")
     spec, preset = PL.resolve_model(args.model)
-    cfg = bench.build_config(spec, preset)
-    shape = bench.shape_for(spec, preset, args)
-    _, guided = bench.guidance_for(spec, args)
+    cfg = cases.build_config(spec, preset)
+    shape = cases.shape_for(spec, preset, args)
+    _, guided = cases.guidance_for(spec, args)
     batch = args.batch * (2 if guided else 1)
-    mesh = make_mesh(devices=devices, **bench.mesh_axes_for(spec, cfg, len(devices), batch, None, guided))
+    mesh = make_mesh(devices=devices, **cases.mesh_axes_for(spec, cfg, len(devices), batch, None, guided))
     dtype = jnp.dtype(args.dtype)
     sites = model_sites(spec, preset, shape, batch, mesh, dtype)
     print(f"{spec.name}:{preset} {shape} batch {batch}: {len(sites)} kernel sites", file=sys.stderr, flush=True)

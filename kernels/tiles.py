@@ -9,7 +9,7 @@ per tile, the float32 result Mosaic keeps per dot) that a compiled schedule
 does not show: the estimator prices a kernel by its flops and bytes, which do
 not depend on tn. So the tile is measured, per site:
 
-    python -m difflet_tpu.sweep_tiles --model wan:Wan2.1-T2V-14B --height 480 --width 832 \
+    python -m difflet_tpu.tools.sweep_tiles --model wan:Wan2.1-T2V-14B --height 480 --width 832 \
         --frames 9 --out tiles-v5e.json           # on the TPU slice, times every candidate
     DIFFLET_TPU_KERNEL_TILES=tiles-v5e.json ...   # the dispatch then uses the fastest
 
@@ -99,7 +99,7 @@ class KernelTiles:
         """This table, checked against the devices it is about to steer."""
         if device_kind != self.device_kind:
             raise ValueError(f"kernel tile table measured on {self.device_kind!r}, these devices are "
-                             f"{device_kind!r}: sweep again on this chip (python -m difflet_tpu.sweep_tiles)")
+                             f"{device_kind!r}: sweep again on this chip (python -m difflet_tpu.tools.sweep_tiles)")
         return self
 
 

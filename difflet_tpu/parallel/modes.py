@@ -37,10 +37,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from difflet_tpu import collective_matmul as cm
-from difflet_tpu import estimate, kernel_tiles
+from difflet_tpu.parallel import collective_matmul as cm
+from difflet_tpu.parallel import chips
+from difflet_tpu.kernels import tiles as kernel_tiles
 from difflet_tpu.config import Config
-from difflet_tpu.mesh import TP
+from difflet_tpu.parallel.mesh import TP
 
 MODES = ("single", "tp", "sp", "sp-xla")
 
@@ -60,7 +61,7 @@ class Parallel:
     size: int = 1
     ag_impl: str = "jax"
     rs_impl: str = "jax"      # "jax", "pallas", "xla", or "auto": per site by `rs_site_impl`
-    chip: str | None = None   # estimate.CHIPS key of the mesh's TPU (per-site choices); None off TPU
+    chip: str | None = None   # chips.CHIPS key of the mesh's TPU (per-site choices); None off TPU
     assemble: str = "concat"
     attn_impl: str = "xla"
     interpret: bool = False  # Pallas kernels interpreted (off TPU)
@@ -73,9 +74,9 @@ class Parallel:
             raise ValueError(f"parallel mode must be one of {MODES}, got {self.mode!r}")
         if self.mode == "single" and self.size != 1:
             raise ValueError("mode 'single' runs on one device (size 1)")
-        if self.rs_impl == "auto" and self.chip not in estimate.CHIPS:
+        if self.rs_impl == "auto" and self.chip not in chips.CHIPS:
             raise ValueError(f"rs_impl 'auto' chooses by the chip's constants: chip must be one of "
-                             f"{sorted(estimate.CHIPS)}, got {self.chip!r}")
+                             f"{sorted(chips.CHIPS)}, got {self.chip!r}")
 
     @classmethod
     def for_mesh(cls, mesh, config: Config | None = None, *, mode: str | None = None,
@@ -90,7 +91,7 @@ class Parallel:
             return cls(attn_impl="splash" if jax.default_backend() == "tpu" else "xla")
         device = mesh.devices.flat[0]
         platform = device.platform
-        chip = estimate.chip_for_device(device)
+        chip = chips.chip_for_device(device)
         mode = mode or ("sp" if config.sp else "tp")
         tiles = None if config.kernel_tiles is None else kernel_tiles.load(config.kernel_tiles).for_devices(
             device.device_kind)
@@ -183,7 +184,7 @@ class Parallel:
         if impl == "auto":
             from difflet_tpu.kernels import matmul_reduce_scatter_stream as rs_kernel
 
-            impl = "pallas" if rs_kernel.ici_bound(k, itemsize, estimate.CHIPS[self.chip]) else "jax"
+            impl = "pallas" if rs_kernel.ici_bound(k, itemsize, chips.CHIPS[self.chip]) else "jax"
         rows = math.prod(pairs[0][0].shape[:-1]) // self.size
         if self._plain_pays("reduce_scatter", rows, k, pairs[0][1].shape[-1], itemsize, impl):
             return "xla"
@@ -193,7 +194,7 @@ class Parallel:
         """`plain_collective_pays` on this chip and ring; False without chip constants
         (off TPU) or on one rank."""
         return (self.chip is not None and self.size > 1
-                and plain_collective_pays(kind, rows, k, n, itemsize, self.size, estimate.CHIPS[self.chip],
+                and plain_collective_pays(kind, rows, k, n, itemsize, self.size, chips.CHIPS[self.chip],
                                           ring, relayout))
 
     # ---- other collectives ----------------------------------------------
@@ -261,7 +262,7 @@ def weight_relayout_seconds(k: int, n: int, itemsize: int, chip) -> float:
 
 def ring_seconds(kind: str, rows: int, k: int, n: int, itemsize: int, P: int, chip,
                  impl: str = "pallas", relayout: bool = False) -> float:
-    """Modelled time of one collective-matmul ring on `chip` (an `estimate.Chip`).
+    """Modelled time of one collective-matmul ring on `chip` (an `chips.Chip`).
 
     `kind`: "all_gather" (a column site) or "reduce_scatter" (a row site); `rows`: this
     rank's rows m (all batch rows); `k`, `n`: the local matmul's contraction and output

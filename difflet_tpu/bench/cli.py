@@ -1,0 +1,229 @@
+"""`python -m difflet_tpu.bench`: the denoise benchmark, TP vs SP, and compile-only estimates.
+
+With no arguments on a machine without a TPU it sets up 4 virtual CPU
+devices and runs every port's tiny preset for a few steps under TP and
+SP (float32), printing a table: step times, the final latents' sha256, and
+SP vs TP relative L2 / PSNR. On a TPU VM the same command runs the ports'
+released presets at their benchmark shapes.
+
+`--compile-only --topology v5e:2x2` needs neither a TPU nor weights: it
+compiles the real config's step for that slice (deviceless) per mode and
+reports HBM per chip, FLOPs, collectives and a schedule-based ESTIMATE of the
+step time (difflet_tpu.tools.estimate; docs/benchmarks.md has the model and its
+constants).
+
+Meshes: `--mesh cfg=2,tp=4` (or DIFFLET_TPU_MESH) splits classifier-free
+guidance's [unconditional | conditional] rows over two `cfg` groups, each a
+`tp` ring; `data` splits more rows (`--batch` prompts). Default: one `tp`
+ring over every device when the heads divide it, else the largest ring that
+divides them with `cfg` / `data` groups for the rest.
+
+Multi-host (`--distributed`, or `--coordinator/--num-processes/--process-id`):
+every process runs the same command on the global mesh (difflet_tpu.parallel.distributed);
+process 0 prints the table and writes the JSON, and the final latents' sha256
+of every process must agree.
+
+Two-expert models (Wan2.2 A14B): `--expert-offload` / DIFFLET_TPU_EXPERT_OFFLOAD
+keeps the idle expert in host memory (difflet_tpu/config.py); --compile-only
+then leaves it out of HBM per chip and estimates the swap, the timed run
+measures it.
+
+Modes: tp, sp (JAX rings or Pallas kernels per the config / model default),
+sp-xla (plain all_gather / psum_scatter with XLA's collective-matmul
+decomposition switched on), all. Default: DIFFLET_TPU_SP (1 -> sp, 0 -> tp),
+unset -> tp and sp. Under --compile-only: tp, sp (the JAX rings), sp-pallas
+(the Pallas all-gather kernel), sp-xla; default and `all` = all four.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from difflet_tpu.bench.cases import BenchError, MODES
+from difflet_tpu.bench.compile_only import COMPILE_VARIANTS, run_compile_only
+from difflet_tpu.bench.run import run_bench
+
+
+def parser():
+    ap = argparse.ArgumentParser(prog="python -m difflet_tpu.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", help="port (" + ", ".join(_port_names()) + "), port:preset "
+                    "(wan:tiny, wan:Wan2.2-T2V-A14B) or a released preset name; repeatable; default: every "
+                    "port (tiny presets on CPU)")
+    ap.add_argument("--height", type=int)
+    ap.add_argument("--width", type=int)
+    ap.add_argument("--frames", type=int)
+    ap.add_argument("--steps", type=int, help="denoise steps (default: 4 on CPU, the pipeline's default on TPU)")
+    ap.add_argument("--mode", help="tp | sp | sp-xla | all, or a comma list (default: from DIFFLET_TPU_SP)")
+    ap.add_argument("--weights", help="a diffusers transformer directory (random init otherwise)")
+    ap.add_argument("--embeddings", help="precomputed text embeddings (.safetensors / .npz, diffusers argument names)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per expert before the timed loop (>= 1)")
+    ap.add_argument("--guidance", type=float, help="guidance scale (default: the pipeline's; 1 turns CFG off)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: float32 on CPU, bfloat16 on TPU")
+    ap.add_argument("--json", help="write the results as JSON to this path")
+    ap.add_argument("--profile", help="jax.profiler trace of the timed steps into DIR/<model>-<mode>")
+    ap.add_argument("--dump-hlo", help="write each compiled step's HLO text into DIR")
+    ap.add_argument("--compile-cache", metavar="DIR",
+                    help="JAX's persistent compilation cache in DIR (created if missing): a second run loads "
+                    "the compiled steps instead of compiling (default: DIFFLET_TPU_COMPILE_CACHE, else off)")
+    ap.add_argument("--compile-only", action="store_true", help="deviceless compile + estimate for --topology")
+    ap.add_argument("--topology", help="TPU topology for --compile-only, e.g. v5e:2x2, v5e:2x4, v6e:2x2")
+    ap.add_argument("--calibrated", choices=("yes", "no"), default="yes",
+                    help="--compile-only: apply the estimator's one fitted factor (default yes; both are reported)")
+    ap.add_argument("--mesh", help="device mesh AXIS=SIZE,... over cfg, data, tp, e.g. cfg=2,tp=4 (default: "
+                    "DIFFLET_TPU_MESH, else one tp ring over every device when the heads divide it)")
+    ap.add_argument("--batch", type=int, default=1, help="prompts per call (CFG doubles the rows; default 1)")
+    ap.add_argument("--expert-offload", choices=("auto", "on", "off"),
+                    help="where a two-expert model (Wan2.2 A14B) keeps its idle expert: host memory (on), the "
+                    "devices (off), or auto: host memory only when both experts do not fit the device memory "
+                    "(default: DIFFLET_TPU_EXPERT_OFFLOAD, else auto; docs in difflet_tpu/config.py)")
+    dist = ap.add_argument_group("multi-host (jax.distributed; docs/multi-host.md)")
+    dist.add_argument("--distributed", action="store_true",
+                      help="join a multi-process run found from the environment (a TPU VM slice: run the same "
+                      "command on every worker)")
+    dist.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (explicit multi-process run)")
+    dist.add_argument("--num-processes", type=int)
+    dist.add_argument("--process-id", type=int)
+    dist.add_argument("--cpu-devices", type=int, help="virtual CPU devices in this process (no TPU; default 4)")
+    dist.add_argument("--init-timeout", type=int, default=300,
+                      help="seconds to wait for the coordinator and every process (default 300)")
+    dist.add_argument("--heartbeat-timeout", type=int, default=100,
+                      help="seconds after which a silent process is declared dead (default 100)")
+    return ap
+
+
+def _port_names():
+    from difflet_tpu.models import PORTS
+
+    return PORTS
+
+
+def parse_modes(value: str | None) -> list[str]:
+    if value is None:
+        env = os.environ.get("DIFFLET_TPU_SP")
+        if env is None:
+            return ["tp", "sp"]
+        if env.strip() not in ("0", "1"):
+            raise BenchError(f"DIFFLET_TPU_SP={env!r} is not allowed; use 0 or 1")
+        return ["sp"] if env.strip() == "1" else ["tp"]
+    out = []
+    for m in value.split(","):
+        m = m.strip()
+        if m == "all":
+            out += [x for x in MODES if x not in out]
+        elif m in MODES or m == "sp-pallas":
+            if m not in out:
+                out.append(m)
+        else:
+            raise BenchError(f"--mode {value!r}: unknown mode {m!r}; use tp, sp, sp-xla or all")
+    return out
+
+
+def validate(args, ap):
+    if args.steps is not None and args.steps < 1:
+        ap.error("--steps must be >= 1")
+    if args.warmup < 1:
+        ap.error("--warmup must be >= 1 (the first call compiles; timed steps never include it)")
+    for name in ("height", "width", "frames"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            ap.error(f"--{name} must be positive")
+    if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 0):
+        ap.error(f"--guidance {args.guidance}: must be a finite number >= 0")
+    if not 0 <= args.seed < 2**32:
+        ap.error(f"--seed {args.seed}: must be in [0, 2**32)")
+    if args.compile_only:
+        if not args.topology:
+            ap.error("--compile-only needs --topology (e.g. v5e:2x2)")
+        for flag in ("weights", "embeddings", "profile"):
+            if getattr(args, flag):
+                ap.error(f"--{flag} cannot be combined with --compile-only (nothing runs)")
+        if args.compile_cache:  # jax 0.12 writes entries but cannot load them without a TPU client
+            ap.error("--compile-cache cannot be combined with --compile-only (a deviceless compile "
+                     "cannot load cached executables)")
+    elif args.topology:
+        ap.error("--topology only applies to --compile-only")
+    if args.weights and not os.path.isdir(args.weights):
+        ap.error(f"--weights {args.weights}: not a directory")
+    if args.weights and args.model and len(args.model) > 1:
+        ap.error("--weights loads one transformer: give one --model")
+    if args.embeddings and not os.path.isfile(args.embeddings):
+        ap.error(f"--embeddings {args.embeddings}: no such file")
+    if args.batch < 1:
+        ap.error("--batch must be >= 1")
+    from difflet_tpu.config import Config, ConfigError
+    from difflet_tpu.parallel.mesh import parse_mesh
+
+    if args.mesh is not None:
+        try:
+            args.mesh_axes = parse_mesh(args.mesh)
+        except ValueError as e:
+            ap.error(f"--mesh: {e}")
+    else:
+        try:
+            args.mesh_axes = Config.from_env().mesh_axes()
+        except ConfigError as e:
+            ap.error(str(e))
+    try:
+        args.offload = args.expert_offload or Config.from_env().expert_offload
+    except ConfigError as e:
+        ap.error(str(e))
+    explicit = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
+    if any(explicit) and not all(explicit):
+        ap.error("--coordinator, --num-processes and --process-id go together")
+    args.multi = args.distributed or all(explicit)
+    if args.compile_only and (args.multi or args.cpu_devices):
+        ap.error("--compile-only compiles deviceless in one process: no --distributed / --coordinator / "
+                 "--cpu-devices")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        ap.error("--cpu-devices must be >= 1")
+    if args.init_timeout < 1 or args.heartbeat_timeout < 1:
+        ap.error("--init-timeout and --heartbeat-timeout must be >= 1 (seconds)")
+    try:
+        args.modes = parse_modes(args.mode)
+    except BenchError as e:
+        ap.error(str(e))
+    if args.compile_only:
+        if args.mode is None or "all" in args.mode.split(","):
+            args.modes = list(COMPILE_VARIANTS)
+    elif "sp-pallas" in args.modes:
+        ap.error("--mode sp-pallas is a --compile-only variant; on a device set DIFFLET_TPU_SP_KERNEL=pallas")
+    # Outputs are checked before any work (a run must not end in a traceback over its report).
+    from difflet_tpu import checks
+
+    try:
+        if args.json:
+            checks.writable_file(args.json, "--json")
+        for flag in ("profile", "dump_hlo"):
+            if getattr(args, flag):
+                checks.writable_dir(getattr(args, flag), "--" + flag.replace("_", "-"))
+    except ValueError as e:
+        ap.error(str(e))
+    args.embedding_arrays = None
+    if args.embeddings:
+        from difflet_tpu.pipeline.denoise import read_embeddings
+
+        try:
+            args.embedding_arrays = read_embeddings(args.embeddings)
+        except ValueError as e:
+            ap.error(str(e))
+
+
+def main(argv=None):
+    """`python -m difflet_tpu.bench` (see the module docstring and `--help`)."""
+    ap = parser()
+    args = ap.parse_args(argv)
+    validate(args, ap)
+    try:
+        if args.compile_only:
+            return run_compile_only(args)
+        return run_bench(args)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # bad --model names, shapes the port refuses
+        print(f"error: {e}", file=sys.stderr)
+        return 2
