@@ -120,9 +120,11 @@ def runner(case, tp=None, mode=None):
 
 @functools.lru_cache(maxsize=None)
 def outputs(case, tp=None, mode=None):
-    """The Runner's outputs on the fixture kwargs, as a tuple of numpy arrays."""
+    """The Runner's outputs on the fixture kwargs, as a tuple of numpy arrays (diffusers'
+    output object with `return_dict=True`, its fields in order)."""
     out = runner(case, tp, mode)(**fixture(case)[0])
-    return tuple(np.asarray(o) for o in (out if isinstance(out, tuple) else (out,)))
+    assert hasattr(out, "sample") and not isinstance(out, tuple), type(out)
+    return tuple(np.asarray(o) for o in out.to_tuple())
 
 
 def assert_close(got, want, tol=TOL):
