@@ -62,6 +62,29 @@ _FAMILIES = {
 }
 
 
+def folder_problems(folder: Path, family: str) -> list[str]:
+    """What keeps `folder` from being a `family` tokenizer folder (empty: nothing)."""
+    cls_name, accepted, file_sets = _FAMILIES[family]
+    expected = " or ".join(" + ".join(s) for s in file_sets) + ", with tokenizer_config.json"
+    if not folder.is_dir():
+        return [f"no such folder (expected a {cls_name} folder: {expected})"]
+    config_path = folder / "tokenizer_config.json"
+    if not config_path.is_file():
+        return [f"no tokenizer_config.json (a {cls_name} folder has {expected})"]
+    problems = []
+    try:
+        declared = json.loads(config_path.read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError) as e:
+        return [f"tokenizer_config.json: cannot read it ({e})"]
+    if declared is not None and declared not in accepted:
+        problems.append(f"tokenizer_config.json declares {declared!r}, expected {cls_name} "
+                        f"(is this the right tokenizer folder?)")
+    if not any(all((folder / f).is_file() for f in s) for s in file_sets):
+        have = sorted(p.name for p in folder.iterdir())
+        problems.append(f"missing the vocabulary files of a {cls_name}: expected {expected}; found {have}")
+    return problems
+
+
 def load_tokenizer(folder, family: str):
     """The tokenizer of a published `tokenizer/` folder: `family` is "clip" (FLUX.1 `tokenizer/`),
     "t5" (FLUX.1 `tokenizer_2/`) or "qwen2" (Qwen-Image `tokenizer/`).
@@ -70,28 +93,12 @@ def load_tokenizer(folder, family: str):
     are missing, or when its tokenizer_config.json declares another tokenizer class."""
     if family not in _FAMILIES:
         raise TokenizerError(f"unknown tokenizer family {family!r}; expected one of {sorted(_FAMILIES)}")
-    cls_name, accepted, file_sets = _FAMILIES[family]
+    cls_name = _FAMILIES[family][0]
     folder = Path(folder)
-    expected = " or ".join(" + ".join(s) for s in file_sets) + ", with tokenizer_config.json"
-    if not folder.is_dir():
-        raise TokenizerError(f"tokenizer folder {folder} does not exist (expected a {cls_name} folder: {expected})")
-    config_path = folder / "tokenizer_config.json"
-    if not config_path.is_file():
-        raise TokenizerError(f"{folder}: no tokenizer_config.json (a {cls_name} folder has {expected})")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise TokenizerError(f"{config_path}: cannot read it ({e})") from None
-    declared = config.get("tokenizer_class")
-    if declared is not None and declared not in accepted:
-        raise TokenizerError(f"{folder}: tokenizer_config.json declares {declared!r}, expected {cls_name} "
-                             f"(is this the right tokenizer folder?)")
-    present = [s for s in file_sets if all((folder / f).is_file() for f in s)]
-    if not present:
-        have = sorted(p.name for p in folder.iterdir())
-        raise TokenizerError(f"{folder}: missing the vocabulary files of a {cls_name}: expected {expected}; "
-                             f"found {have}")
-    if present[0] == ("spiece.model",):
+    problems = folder_problems(folder, family)
+    if problems:
+        raise TokenizerError(f"{folder}: " + "; ".join(problems))
+    if not (folder / "tokenizer.json").is_file() and (folder / "spiece.model").is_file():
         try:
             import sentencepiece  # noqa: F401  (transformers converts spiece.model with it)
         except ImportError:
