@@ -362,7 +362,14 @@ class DiffusionPipeline:
                 raise PipelineError(f"`sigmas` must be in (0, 1], got {sigmas.tolist()}")
         mu = S.calculate_shift(image_seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift,
                                cfg.max_shift)
-        return S.flow_match_euler(cfg, num_inference_steps, sigmas=sigmas, mu=mu)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            schedule = S.flow_match_euler(cfg, num_inference_steps, sigmas=sigmas, mu=mu)
+        if not np.isfinite(schedule.sigmas).all():
+            # e.g. one step with shift_terminal (Qwen-Image): diffusers' stretch divides 0 by 0
+            raise PipelineError(f"the schedule for num_inference_steps={num_inference_steps}"
+                                f"{'' if sigmas is None else f', sigmas={sigmas.tolist()}'} is not finite "
+                                f"({schedule.sigmas.tolist()}); diffusers would denoise with NaN")
+        return schedule
 
     @staticmethod
     def initial_latents(latents, seed, batch: int, channels: int, h: int, w: int, dtype):

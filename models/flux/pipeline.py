@@ -179,6 +179,7 @@ class FluxPipeline(D.DiffusionPipeline):
 
         self._stage("denoise", steps=num_inference_steps)
         x = self.denoise(x, schedule, predict)
+        self.final_latents = x  # the packed latents before decoding, for inspection
         if output_type == "latent":
             image = x
         else:
