@@ -206,36 +206,26 @@ def encoder_mesh(module, config, mesh):
 # --------------------------------------------------------------------------
 
 
-def load_vae(folder: Path, module: str, *, dtype, mesh):
-    vae = importlib.import_module(f"difflet_tpu.vae.{module}")
+def load_vae(folder: Path, *, dtype, mesh):
+    """The decoder of `vae/` (difflet_tpu.vae picks the class by `_class_name`): parameters
+    replicated on `mesh`, the decode's batch split over it when it divides."""
+    from difflet_tpu import vae
+
     return vae.from_pretrained(folder, dtype=dtype, mesh=mesh)
-
-
-def vae_config(vae):
-    return vae.config
 
 
 def vae_scale_factor(vae) -> int:
     """diffusers' pipelines: 2 ** (len(block_out_channels) - 1) for AutoencoderKL,
     2 ** len(temperal_downsample) for AutoencoderKLQwenImage."""
-    c = vae_config(vae)
+    c = vae.config
     if hasattr(c, "temperal_downsample"):
         return 2 ** len(c.temperal_downsample)
     return 2 ** (len(c.block_out_channels) - 1)
 
 
 def vae_latent_channels(vae) -> int:
-    c = vae_config(vae)
+    c = vae.config
     return c.z_dim if hasattr(c, "z_dim") else c.latent_channels
-
-
-def vae_scaling(vae):
-    c = vae_config(vae)
-    return c.scaling_factor, c.shift_factor
-
-
-def vae_decode(vae, z):
-    return vae.decode(z)
 
 
 # --------------------------------------------------------------------------
@@ -407,11 +397,11 @@ class DiffusionPipeline:
 
     @staticmethod
     def postprocess(image, output_type: str):
-        """VaeImageProcessor.postprocess: [-1, 1] -> [0, 1] float32 [B, H, W, 3] (`"np"`) or PIL
-        images (`"pil"`); a non-finite image is an error."""
+        """VaeImageProcessor.postprocess: the VAE's [B, 3, H, W] in [-1, 1] -> [0, 1] float32
+        [B, H, W, 3] (`"np"`) or PIL images (`"pil"`); a non-finite image is an error."""
         from difflet_tpu.pipeline import images
 
-        x = np.asarray(jnp.asarray(image, jnp.float32))
+        x = np.asarray(jnp.asarray(image, jnp.float32)).transpose(0, 2, 3, 1)
         if not np.isfinite(x).all():
             raise FloatingPointError(f"the decoded image has {int((~np.isfinite(x)).sum())} non-finite values")
         x = np.clip(x * 0.5 + 0.5, 0.0, 1.0).astype(np.float32)

@@ -67,7 +67,7 @@ class FluxPipeline(D.DiffusionPipeline):
         self.transformer_config = transformer.config
         self.transformer = flux.Runner(transformer, mesh, config, **runner_options)
         del transformer  # the Runner holds the parameters
-        self.vae = D.load_vae(path / "vae", "autoencoder_kl", dtype=dtype, mesh=mesh)
+        self.vae = D.load_vae(path / "vae", dtype=dtype, mesh=mesh)
         self.vae_scale_factor = D.vae_scale_factor(self.vae)
         self.dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
         self.check_components()
@@ -185,10 +185,8 @@ class FluxPipeline(D.DiffusionPipeline):
         else:
             self._stage("decode")
             start = time.perf_counter()
-            z = D.unpack_latents(x, height, width, self.vae_scale_factor)
-            sf, shift = D.vae_scaling(self.vae)
-            z = z.astype(jnp.float32) / sf + (shift or 0.0)
-            image = D.wait(D.vae_decode(self.vae, z))
+            # the VAE's decode un-scales (latents / scaling_factor + shift_factor) first
+            image = D.wait(self.vae.decode(D.unpack_latents(x, height, width, self.vae_scale_factor)))
             self.timings.decode = time.perf_counter() - start
             image = self.postprocess(image, output_type)
         return PipelineOutput(images=image) if return_dict else (image,)

@@ -63,7 +63,7 @@ class QwenImagePipeline(D.DiffusionPipeline):
         self.transformer_config = transformer.config
         self.transformer = qwen_image.Runner(transformer, mesh, config, **runner_options)
         del transformer
-        self.vae = D.load_vae(path / "vae", "causal3d", dtype=dtype, mesh=mesh)
+        self.vae = D.load_vae(path / "vae", dtype=dtype, mesh=mesh)
         self.vae_scale_factor = D.vae_scale_factor(self.vae)
         self.dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
         self.check_components()
@@ -165,11 +165,8 @@ class QwenImagePipeline(D.DiffusionPipeline):
             self._stage("decode")
             start = time.perf_counter()
             z = D.unpack_latents(x, height, width, self.vae_scale_factor)[:, :, None]  # [B, C, 1, h, w]
-            cfg = D.vae_config(self.vae)
-            mean = jnp.asarray(cfg.latents_mean, jnp.float32).reshape(1, -1, 1, 1, 1)
-            inv_std = 1.0 / jnp.asarray(cfg.latents_std, jnp.float32).reshape(1, -1, 1, 1, 1)
-            z = z.astype(jnp.float32) / inv_std + mean  # diffusers divides by 1 / std
-            image = D.wait(D.vae_decode(self.vae, z))[:, :, 0]
+            # the VAE's decode un-scales (latents / (1 / latents_std) + latents_mean) and keeps frame 0
+            image = D.wait(self.vae.decode(z))
             self.timings.decode = time.perf_counter() - start
             image = self.postprocess(image, output_type)
         return PipelineOutput(images=image) if return_dict else (image,)
