@@ -26,6 +26,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -124,7 +125,11 @@ def run(args) -> dict:
     if not tpu:
         from difflet_tpu.mesh import use_cpu_devices
 
-        use_cpu_devices(args.cpu_devices or 1)
+        # a process that already asked for more virtual devices (main() called in-process, e.g.
+        # by the tests) keeps them: the run uses the first `--cpu-devices` of them
+        asked = re.search(r"xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+        if asked is None or int(asked.group(1)) < (args.cpu_devices or 1):
+            use_cpu_devices(args.cpu_devices or 1)
     import jax
     import jax.numpy as jnp
 

@@ -16,6 +16,9 @@ from PIL import Image
 from difflet_tpu import generate
 from difflet_tpu.pipeline.diffusion import DiffusionPipeline
 
+import jax
+
+jax.devices()  # the session's 4 CPU devices exist before main() runs in this process
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "pipelines"
 SCHNELL = str(FIXTURES / "flux_schnell")
 
