@@ -1,6 +1,6 @@
 """FLUX.1 prompt -> image, as diffusers' `FluxPipeline` (`pipelines/flux/pipeline_flux.py`).
 
-`FluxPipeline.from_pretrained("FLUX.1-dev")` (or `difflet_tpu.pipeline.DiffusionPipeline`)
+`FluxPipeline.from_pretrained("FLUX.1-dev")` (or `difflet_tpu.pipeline.denoise.DiffusionPipeline`)
 loads the published folder: CLIP tokenizer + CLIPTextModel (pooled prompt embedding), T5
 tokenizer + T5EncoderModel (the prompt embeddings), the FluxTransformer2DModel port under its
 Runner, the AutoencoderKL decoder and the FlowMatchEulerDiscreteScheduler config.
@@ -22,8 +22,8 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from difflet_tpu.pipeline import diffusion as D
-from difflet_tpu.pipeline.diffusion import PipelineError, PipelineOutput
+from difflet_tpu.pipeline.denoise import diffusion as D
+from difflet_tpu.pipeline.denoise.diffusion import PipelineError, PipelineOutput
 
 
 class FluxPipeline(D.DiffusionPipeline):
@@ -49,7 +49,7 @@ class FluxPipeline(D.DiffusionPipeline):
 
     @classmethod
     def load(cls, path, index, *, mesh, dtype, config, runner_options):
-        from difflet_tpu import weights
+        from difflet_tpu import loading
         from difflet_tpu.encoders import clip, loading, t5
         from difflet_tpu.encoders import tokenizers as T
         from difflet_tpu.models import flux
@@ -63,7 +63,7 @@ class FluxPipeline(D.DiffusionPipeline):
                                                  mesh=D.encoder_mesh(clip, clip_config, mesh))
         self.text_encoder_2 = t5.from_pretrained(path / "text_encoder_2", dtype=dtype,
                                                  mesh=D.encoder_mesh(t5, t5_config, mesh))
-        transformer = weights.load_transformer(path / "transformer", dtype=dtype, mesh=mesh, config=config)
+        transformer = loading.load_transformer(path / "transformer", dtype=dtype, mesh=mesh, config=config)
         self.transformer_config = transformer.config
         self.transformer = flux.Runner(transformer, mesh, config, **runner_options)
         del transformer  # the Runner holds the parameters
