@@ -1,7 +1,6 @@
 """The decoder-only LM as Qwen2.5-VL's language model, against transformers' float32
 `hidden_states[-1]` of `Qwen2_5_VLForConditionalGeneration` (tests/fixtures/encoders/qwen2_5_vl)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

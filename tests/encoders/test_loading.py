@@ -197,7 +197,8 @@ def models():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1] / "fixtures" / "encoders"
-    return {case: MODULES[case].from_pretrained(root / case, dtype=jnp.float32) for case in ("clip", "t5", "qwen2_5_vl")}
+    return {case: MODULES[case].from_pretrained(root / case, dtype=jnp.float32)
+            for case in ("clip", "t5", "qwen2_5_vl")}
 
 
 @pytest.mark.parametrize("case", ["clip", "t5", "qwen2_5_vl"])
@@ -234,3 +235,13 @@ def test_non_finite_output_is_an_error(fixture_dir, io):
     model.encoder.layers[1].mlp.fc2.bias[...] = jnp.full((32,), jnp.inf)
     with pytest.raises(FloatingPointError, match="not finite"):
         encode(model, io("clip")["in.input_ids"])
+
+
+def test_runtime_imports_no_torch_or_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, difflet_tpu.encoders; "
+            "bad = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'diffusers'}); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, env={"JAX_PLATFORMS": "cpu", "PATH": ""})

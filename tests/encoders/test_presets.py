@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from difflet_tpu import encoders
 from difflet_tpu.encoders import clip, decoder_lm, loading, t5
 
 
@@ -45,8 +46,8 @@ PRESETS = {
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_parameter_count(name):
-    module, config, formula, exact, published = PRESETS[name]
-    model = module.abstract(config)
+    _, config, formula, exact, published = PRESETS[name]
+    model = encoders.abstract(config)
     n = loading.num_params(model)
     assert n == formula(config) == exact
     assert abs(n - published) / published < 2e-3
@@ -57,8 +58,8 @@ def test_parameter_count(name):
 def test_abstract_sharded_forward_shapes(name, seq, mesh4):
     """The abstract model on a tp=4 mesh: bf16 ShapeDtypeStructs with their NamedShardings, and
     the forward traced (not run) at the released size."""
-    module, config, *_ = PRESETS[name]
-    model = module.abstract(config, jnp.bfloat16, mesh4)
+    _, config, *_ = PRESETS[name]
+    model = encoders.abstract(config, jnp.bfloat16, mesh4)
     params = loading.flat_params(model)
     assert all(isinstance(v.get_value(), jax.ShapeDtypeStruct) for v in params.values())
     column = [k for k in params if re.search(r"\.(q_proj|q|fc1|wi_0|gate_proj)\.kernel$", k)]
