@@ -89,10 +89,10 @@ def abstract(build: Callable, mesh=None):
     check_mesh(mesh, model)
     if mesh is None:
         return model
-    state = nnx.state(model, nnx.Param)
-    placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
-                          state, partition_specs(model))
-    nnx.update(model, placed)
+    specs = dict(nnx.to_flat_state(partition_specs(model)))
+    placed = [(path, var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=NamedSharding(mesh, specs[path]))))
+              for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    nnx.update(model, nnx.from_flat_state(placed))
     return model
 
 

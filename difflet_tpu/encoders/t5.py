@@ -57,7 +57,8 @@ class T5Config:
     def __post_init__(self):
         act = self.feed_forward_proj.split("-")
         if len(act) > 2 or (len(act) == 2 and act[0] != "gated"):
-            raise ValueError(f"T5Config: feed_forward_proj must be 'ACT' or 'gated-ACT', got {self.feed_forward_proj!r}")
+            raise ValueError("T5Config: feed_forward_proj must be 'ACT' or 'gated-ACT', "
+                             f"got {self.feed_forward_proj!r}")
         activation(self.dense_act_fn)
 
     @property

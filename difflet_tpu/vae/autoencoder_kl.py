@@ -24,9 +24,10 @@ block (its upsampled input and its conv output: 256 x 1024^2 x 2 B = 512 MiB eac
 so it adds no float32 copy of a map. The mid-block attention runs over 128 x 128 =
 16384 tokens of width 512: a materialised score matrix would be 16384^2 x 4 B = 1 GiB
 per image, so `layers.attention` takes the queries 1024 rows at a time (64 MiB of
-float32 scores per image). Peak is a few of the 512 MiB maps per image, well inside
-a 16 GiB chip for the batch of a FLUX pipeline; the batch is sharded over a mesh's
-devices when it divides (`from_pretrained(mesh=...)`).
+float32 scores per image). Compiled deviceless for v5e (batch 4 over a 2x2 slice, one
+image per chip): 2.70 GiB of HBM per chip (2.53 GiB temporaries: a few of the 512 MiB
+maps live at once), so a 16 GiB chip holds a few images; the batch is sharded over
+a mesh's devices when it divides (`from_pretrained(mesh=...)`).
 """
 
 from __future__ import annotations

@@ -173,10 +173,11 @@ def attention(q, k, v, *, query_chunk: int | None = None):
     """Single-head softmax attention `softmax(q k^T / sqrt(d)) v` over `[B, N, d]`, scores,
     softmax and the weighted sum in float32 (torch SDPA; diffusers' `upcast_softmax`).
 
-    Memory-safe: the queries go `query_chunk` (default `QUERY_CHUNK`) rows at a time (`lax.map`), each row's softmax
-    over all N keys exactly, so the largest intermediate is `[B, query_chunk, N]`, never
-    the `[B, N, N]` score matrix (1 GiB per sample in float32 at N = 16384). The queries
-    are zero-padded to a multiple of the chunk; the padded rows are dropped.
+    Memory-safe: the queries go `query_chunk` (default `QUERY_CHUNK`) rows at a time
+    (`lax.map`), each row's softmax over all N keys exactly, so the largest intermediate
+    is `[B, query_chunk, N]`, never the `[B, N, N]` score matrix (1 GiB per sample in
+    float32 at N = 16384). The queries are zero-padded to a multiple of the chunk; the
+    padded rows are dropped.
     """
     query_chunk = query_chunk or QUERY_CHUNK
     b, n, d = q.shape
