@@ -1,0 +1,71 @@
+"""Running an encoder: input checks before the work, one jitted forward, finite outputs.
+
+`encode(model, input_ids, attention_mask)` is the entry point a pipeline calls. It checks the
+inputs on the host (`check_token_inputs`: rank, dtype, ids inside the vocabulary, a 0/1 mask),
+runs the model's `__call__` under `jax.jit` (compiled once per model graph and input shape;
+with parameters sharded on a mesh GSPMD partitions it), and raises if any output is not
+finite. The models' `__call__` itself checks only what a trace can see (shapes, dtypes).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_token_inputs(input_ids, attention_mask=None, *, vocab_size: int, max_length: int | None = None,
+                       name: str = "encoder"):
+    """Raises ValueError/TypeError on bad token inputs. Shapes and dtypes always; the id range
+    and the mask's values only for concrete arrays (not under a trace)."""
+    shape = getattr(input_ids, "shape", None)
+    dtype = getattr(input_ids, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(f"{name}: input_ids must be an integer array [batch, seq], got {type(input_ids).__name__}")
+    if len(shape) != 2:
+        raise ValueError(f"{name}: input_ids must be [batch, seq], got shape {tuple(shape)}")
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name}: input_ids must have an integer dtype, got {dtype}")
+    if shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"{name}: input_ids is empty: shape {tuple(shape)}")
+    if max_length is not None and shape[1] > max_length:
+        raise ValueError(f"{name}: sequence length {shape[1]} exceeds max_position_embeddings {max_length}")
+    if _is_concrete(input_ids):
+        ids = np.asarray(input_ids)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"{name}: input_ids must be in [0, {vocab_size}) (the vocabulary), got [{lo}, {hi}]")
+    if attention_mask is None:
+        return
+    mshape = getattr(attention_mask, "shape", None)
+    mdtype = getattr(attention_mask, "dtype", None)
+    if mshape is None or tuple(mshape) != tuple(shape):
+        raise ValueError(f"{name}: attention_mask must have input_ids' shape {tuple(shape)}, got "
+                         f"{None if mshape is None else tuple(mshape)}")
+    if not (jnp.issubdtype(mdtype, jnp.integer) or jnp.issubdtype(mdtype, jnp.floating) or mdtype == jnp.bool_):
+        raise TypeError(f"{name}: attention_mask must be bool, integer or float 0/1, got {mdtype}")
+    if _is_concrete(attention_mask):
+        m = np.asarray(attention_mask)
+        if not np.isin(m, (0, 1)).all():
+            raise ValueError(f"{name}: attention_mask must hold only 0 and 1")
+
+
+@nnx.jit
+def _forward(model, input_ids, attention_mask):
+    return model(input_ids, attention_mask)
+
+
+def encode(model, input_ids, attention_mask=None):
+    """`model(input_ids, attention_mask)` under `jax.jit`, inputs checked first, outputs
+    checked finite. Returns what the model returns (an array or a tuple of arrays)."""
+    model.check_inputs(input_ids, attention_mask)
+    out = _forward(model, jnp.asarray(input_ids), None if attention_mask is None else jnp.asarray(attention_mask))
+    for i, leaf in enumerate(jax.tree.leaves(out)):
+        if not bool(jnp.isfinite(leaf).all()):
+            raise FloatingPointError(f"{type(model).__name__}: output {i} of shape {leaf.shape} is not finite")
+    return out

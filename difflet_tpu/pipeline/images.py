@@ -1,0 +1,98 @@
+"""Images out of a pipeline: PIL conversion and PNG files written atomically.
+
+`to_pil` is diffusers' `VaeImageProcessor.numpy_to_pil` ([0, 1] float -> `round(255 x)` uint8).
+`save_png` writes to a temporary file in the destination's folder and `os.replace`s it into place,
+so a reader never sees a partial file and an error leaves none behind. `check_writable` refuses
+an unwritable destination before any work is done.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+def check_image(images) -> np.ndarray:
+    """A float [B, H, W, 3] (or [H, W, 3]) array in [0, 1], finite; returned as [B, H, W, 3]."""
+    x = np.asarray(images)
+    if x.ndim == 3:
+        x = x[None]
+    if x.ndim != 4 or x.shape[-1] not in (1, 3):
+        raise ValueError(f"images must be [batch, height, width, 3] (or 1 channel), got shape {x.shape}")
+    if not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f"images must be floating point in [0, 1], got {x.dtype}")
+    bad = ~np.isfinite(x)
+    if bad.any():
+        raise FloatingPointError(f"images hold {int(bad.sum())} non-finite values (NaN or inf): refusing to write them")
+    if x.min() < 0 or x.max() > 1:
+        raise ValueError(f"images must be in [0, 1], got [{float(x.min())}, {float(x.max())}]")
+    return x
+
+
+def to_uint8(images) -> np.ndarray:
+    return (check_image(images) * 255).round().astype(np.uint8)
+
+
+def to_pil(images) -> list:
+    """[B, H, W, 3] float in [0, 1] -> a list of PIL RGB images (diffusers' numpy_to_pil)."""
+    from PIL import Image
+
+    return [Image.fromarray(x[..., 0] if x.shape[-1] == 1 else x)
+            for x in to_uint8(images)]
+
+
+def check_writable(path) -> Path:
+    """Refuses, before any work, a destination that cannot be written: its folder missing or
+    not writable, the path a folder, or an existing file that is not writable."""
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"{path}: the output must be a .png file")
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give a file name such as {path / 'image.png'}")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ValueError(f"{path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{path}: the folder {folder} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{path}: the file exists and is not writable")
+    return path
+
+
+def save_png(image, path) -> Path:
+    """Writes one image ([H, W, 3] float in [0, 1], or a PIL image) to `path` atomically."""
+    from PIL import Image
+
+    path = check_writable(path)
+    pil = image if isinstance(image, Image.Image) else to_pil(image)[0]
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pil.save(f, format="PNG")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+def save_pngs(images, path) -> list[Path]:
+    """A batch: one image -> `path`; several -> `stem-0.png`, `stem-1.png`, ... beside it. Every
+    destination is checked before the first is written."""
+    path = Path(path)
+    x = images if isinstance(images, list) else list(check_image(images))
+    if len(x) == 1:
+        targets = [path]
+    else:
+        targets = [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(len(x))]
+    for t in targets:
+        check_writable(t)
+    return [save_png(img, t) for img, t in zip(x, targets)]

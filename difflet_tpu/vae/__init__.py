@@ -1,0 +1,31 @@
+"""VAE decoders (latents -> images / video) in JAX, loaded from diffusers `vae/` folders.
+
+- `autoencoder_kl.AutoencoderKL`: diffusers `AutoencoderKL` (FLUX.1, Stable Diffusion).
+- `causal3d.AutoencoderKLCausal3D`: the causal-3D family, diffusers
+  `AutoencoderKLQwenImage` and `AutoencoderKLWan` (Wan 2.1 and 2.2).
+
+`from_pretrained(folder)` picks the class by `config.json`'s `_class_name`. Each model's
+`decode(latents)` does what its diffusers pipeline does after the denoise loop.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from difflet_tpu.vae.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
+from difflet_tpu.vae.causal3d import AutoencoderKLCausal3D, Causal3DConfig
+from difflet_tpu.vae.loading import WeightsError, read_config
+
+CLASSES = {name: cls for cls in (AutoencoderKL, AutoencoderKLCausal3D) for name in cls.CLASS_NAMES}
+
+
+def from_pretrained(folder, *, dtype=jnp.bfloat16, mesh=None, strict: bool = True):
+    """The VAE decoder of a diffusers `vae/` folder, by its config's `_class_name`."""
+    name = read_config(folder, tuple(CLASSES)).get("_class_name")
+    if name is None:
+        raise WeightsError(f"{folder}: config.json has no _class_name; use a class's from_pretrained")
+    return CLASSES[name].from_pretrained(folder, dtype=dtype, mesh=mesh, strict=strict)
+
+
+__all__ = ["AutoencoderKL", "AutoencoderKLConfig", "AutoencoderKLCausal3D", "Causal3DConfig", "WeightsError",
+           "from_pretrained"]

@@ -1,0 +1,175 @@
+"""Qwen-Image prompt -> image, as diffusers' `QwenImagePipeline`
+(`pipelines/qwenimage/pipeline_qwenimage.py`).
+
+`QwenImagePipeline.from_pretrained("Qwen-Image")` (or `difflet_tpu.pipeline.denoise.DiffusionPipeline`)
+loads the published folder: the Qwen2 tokenizer, Qwen2.5-VL's language model as the text encoder
+(difflet_tpu.encoders.decoder_lm; the vision tower is not read), the QwenImageTransformer2DModel
+port under its Runner, the causal 3D AutoencoderKLQwenImage decoder and the scheduler config.
+
+`__call__` follows diffusers: each prompt in the chat template, the encoder's last hidden state
+(after its final norm) with the 34 template tokens dropped and right-padded to the longest
+prompt with a 0/1 mask (`None` when every token is valid), cut at `max_sequence_length`; packed
+latents [B, (h/2)(w/2), 64] and `img_shapes` [(1, h/2, w/2)] per item; sigmas `linspace(1, 1/N,
+N)` with the exponential dynamic shift from the image token count and the stretch to
+`shift_terminal`; the transformer gets `timestep / 1000`; true CFG when a `negative_prompt` is
+given and `true_cfg_scale > 1` (default 4.0): `neg + s (pos - neg)` rescaled per token to the
+conditional prediction's norm; Euler steps; then unpack to [B, C, 1, h, w],
+`latents * latents_std + latents_mean`, decode, the one frame, [0, 1].
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from difflet_tpu.pipeline.denoise import diffusion as D
+from difflet_tpu.pipeline.denoise.diffusion import PipelineError, PipelineOutput
+
+logger = logging.getLogger(__name__)
+
+
+class QwenImagePipeline(D.DiffusionPipeline):
+    components = {
+        "scheduler": ("scheduler", ["FlowMatchEulerDiscreteScheduler"], None),
+        "text_encoder": ("text_encoder", ["Qwen2_5_VLForConditionalGeneration"], None),
+        "tokenizer": ("tokenizer", ["Qwen2Tokenizer", "Qwen2TokenizerFast"], "qwen2"),
+        "transformer": ("transformer", ["QwenImageTransformer2DModel"], None),
+        "vae": ("vae", ["AutoencoderKLQwenImage"], None),
+    }
+    refused = {
+        "generator": None,  # torch generators: pass `seed` (jax.random) or `latents`
+        "prompt_embeds": None, "prompt_embeds_mask": None,
+        "negative_prompt_embeds": None, "negative_prompt_embeds_mask": None,
+        "attention_kwargs": None,
+        "callback_on_step_end": None, "callback_on_step_end_tensor_inputs": ["latents"],
+    }
+
+    @classmethod
+    def load(cls, path, index, *, mesh, dtype, config, runner_options):
+        from difflet_tpu import loading
+        from difflet_tpu.encoders import decoder_lm, loading
+        from difflet_tpu.encoders import tokenizers as T
+        from difflet_tpu.models import qwen_image
+
+        self = cls(path, index, D.scheduler_config(path / "scheduler"))
+        self.tokenizer = T.load_tokenizer(path / "tokenizer", "qwen2")
+        lm_config = decoder_lm.DecoderLMConfig.from_dict(loading.read_config(path / "text_encoder"))
+        self.text_encoder = decoder_lm.from_pretrained(path / "text_encoder", dtype=dtype,
+                                                       mesh=D.encoder_mesh(decoder_lm, lm_config, mesh))
+        transformer = loading.load_transformer(path / "transformer", dtype=dtype, mesh=mesh, config=config)
+        self.transformer_config = transformer.config
+        self.transformer = qwen_image.Runner(transformer, mesh, config, **runner_options)
+        del transformer
+        self.vae = D.load_vae(path / "vae", dtype=dtype, mesh=mesh)
+        self.vae_scale_factor = D.vae_scale_factor(self.vae)
+        self.dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
+        self.check_components()
+        return self
+
+    def check_components(self):
+        c = self.transformer_config
+        problems = []
+        if c.joint_attention_dim != self.text_encoder.config.hidden_size:
+            problems.append(f"transformer joint_attention_dim {c.joint_attention_dim} != text_encoder hidden_size "
+                            f"{self.text_encoder.config.hidden_size}")
+        z = D.vae_latent_channels(self.vae)
+        if c.in_channels != 4 * z:
+            problems.append(f"transformer in_channels {c.in_channels} != 4 x the VAE's z_dim {z}")
+        if c.guidance_embeds:
+            problems.append("a guidance-distilled transformer (guidance_embeds) is not supported by this pipeline")
+        if problems:
+            raise PipelineError(f"{self.path}: " + "; ".join(problems))
+
+    # ---- diffusers' QwenImagePipeline methods ---------------------------------
+
+    def encode_prompt(self, prompt, num_images_per_prompt: int = 1, max_sequence_length: int = 512,
+                      name: str = "prompt"):
+        """(prompt_embeds [B n, L, D], prompt_embeds_mask [B n, L] int32 or None when all valid)."""
+        from difflet_tpu.encoders import runtime
+        from difflet_tpu.encoders import tokenizers as T
+
+        start = time.perf_counter()
+        tokens = T.qwen_image_tokens(self.tokenizer, prompt, name, allow_empty=name != "prompt")
+        self.timings.tokenize += time.perf_counter() - start
+        start = time.perf_counter()
+        hidden = runtime.encode(self.text_encoder, tokens.input_ids, tokens.attention_mask)
+        embeds, mask = T.drop_template(hidden, tokens.attention_mask, max_sequence_length)
+        embeds = D.wait(jnp.repeat(embeds, num_images_per_prompt, axis=0))
+        self.timings.encode += time.perf_counter() - start
+        mask = np.repeat(mask, num_images_per_prompt, axis=0)
+        return embeds, (None if mask.all() else mask)
+
+    def __call__(self, prompt=None, negative_prompt=None, true_cfg_scale: float = 4.0, height: int | None = None,
+                 width: int | None = None, num_inference_steps: int = 50, sigmas=None,
+                 guidance_scale: float | None = None, num_images_per_prompt: int = 1, latents=None,
+                 output_type: str = "pil", return_dict: bool = True, max_sequence_length: int = 512,
+                 seed: int | None = None, **unsupported):
+        """diffusers' QwenImagePipeline.__call__ (same names, defaults and results), plus `seed`
+        (random latents from `jax.random`). Arguments this port does not honour are refused."""
+        from difflet_tpu.encoders import tokenizers as T
+
+        self.check_refused(unsupported)
+        self.timings = D.Timings()
+        output_type = self.check_output_type(output_type)
+        height, width = self.check_size(height, width)
+        num_inference_steps = self.check_count("num_inference_steps", num_inference_steps)
+        num_images_per_prompt = self.check_count("num_images_per_prompt", num_images_per_prompt)
+        if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= 1024:
+            raise PipelineError(f"`max_sequence_length` cannot be greater than 1024 (or below 1), got "
+                                f"{max_sequence_length!r}")
+        prompts = T.as_prompt_list(prompt)
+        batch = len(prompts) * num_images_per_prompt
+        has_neg = negative_prompt is not None
+        if float(true_cfg_scale) > 1 and not has_neg:
+            logger.warning("true_cfg_scale is passed as %s, but classifier-free guidance is not enabled since no "
+                           "negative_prompt is provided.", true_cfg_scale)
+        elif float(true_cfg_scale) <= 1 and has_neg:
+            logger.warning(" negative_prompt is passed but classifier-free guidance is not enabled since "
+                           "true_cfg_scale <= 1")
+        if guidance_scale is not None:  # as diffusers: only guidance-distilled transformers read it
+            logger.warning("guidance_scale is passed as %s, but ignored since the model is not guidance-distilled.",
+                           guidance_scale)
+        do_true_cfg = float(true_cfg_scale) > 1 and has_neg
+        h, w = 2 * (height // (self.vae_scale_factor * 2)), 2 * (width // (self.vae_scale_factor * 2))
+        channels = self.transformer_config.in_channels // 4
+        schedule = self.schedule(num_inference_steps, (h // 2) * (w // 2), sigmas)
+        x = self.initial_latents(latents, seed, batch, channels, h, w, self.dtype)
+        negatives = (D.match_batch(T.as_prompt_list(negative_prompt, "negative_prompt", allow_empty=True),
+                                   len(prompts), "negative_prompt") if do_true_cfg else None)
+
+        self._stage("encode")
+        prompt_embeds, prompt_mask = self.encode_prompt(prompts, num_images_per_prompt, max_sequence_length)
+        if do_true_cfg:
+            neg_embeds, neg_mask = self.encode_prompt(negatives, num_images_per_prompt, max_sequence_length,
+                                                      name="negative_prompt")
+        img_shapes = [[(1, h // 2, w // 2)]] * batch
+
+        def predict(latents, timestep):
+            v = self.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=prompt_embeds,
+                                 encoder_hidden_states_mask=prompt_mask, img_shapes=img_shapes)
+            if do_true_cfg:
+                neg = self.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=neg_embeds,
+                                       encoder_hidden_states_mask=neg_mask, img_shapes=img_shapes)
+                v = D.true_cfg_rescaled(v, neg, float(true_cfg_scale))
+            return v
+
+        self._stage("denoise", steps=num_inference_steps)
+        x = self.denoise(x, schedule, predict)
+        self.final_latents = x  # the packed latents before decoding, for inspection
+        if output_type == "latent":
+            image = x
+        else:
+            self._stage("decode")
+            start = time.perf_counter()
+            z = D.unpack_latents(x, height, width, self.vae_scale_factor)[:, :, None]  # [B, C, 1, h, w]
+            # the VAE's decode un-scales (latents / (1 / latents_std) + latents_mean) and keeps frame 0
+            image = D.wait(self.vae.decode(z))
+            self.timings.decode = time.perf_counter() - start
+            image = self.postprocess(image, output_type)
+        return PipelineOutput(images=image) if return_dict else (image,)
+
+
+PIPELINE = QwenImagePipeline
