@@ -150,3 +150,17 @@ def test_bfloat16_decode_near_float32(case):
     got = pipeline_decode(model, case, data["image.latents"])
     assert got.dtype == jnp.float32
     assert rel_l2(got, data["image.sample"]) < BF16_REL_L2[case]
+
+
+def test_decode_compiled_once_per_shape():
+    """Repeated decodes of one shape reuse one compiled program; a new shape adds one."""
+    model, data = load("sd_vae"), io("sd_vae")
+    lat = data["image.latents"]
+    jitted = vae.loading._apply_jit
+    model.decode(lat)
+    n = jitted._cache_size()
+    for _ in range(3):
+        model.decode(lat + 1.0)
+    assert jitted._cache_size() == n
+    model.decode(lat[:1])
+    assert jitted._cache_size() == n + 1
