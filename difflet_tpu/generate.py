@@ -65,8 +65,8 @@ def log(msg: str) -> None:
 def check_arguments(args) -> None:
     """Refusals before anything is loaded (ValueError with the reason)."""
     from difflet_tpu.encoders.tokenizers import as_prompt_list
-    from difflet_tpu.pipeline.denoise import diffusion as D
-    from difflet_tpu.pipeline.denoise import images
+    from difflet_tpu.pipeline import diffusion as D
+    from difflet_tpu.pipeline import images
 
     as_prompt_list(args.prompt)
     for name in ("steps", "batch", "cpu_devices", "max_sequence_length"):
@@ -135,8 +135,8 @@ def run(args) -> dict:
 
     from difflet_tpu.config import Config
     from difflet_tpu.parallel.mesh import make_mesh
-    from difflet_tpu.pipeline.denoise import diffusion as D
-    from difflet_tpu.pipeline.denoise import images
+    from difflet_tpu.pipeline import diffusion as D
+    from difflet_tpu.pipeline import images
 
     n = jax.device_count() if tpu else min(args.cpu_devices or 1, jax.device_count())
     mesh = make_mesh(n, jax.devices()[:n]) if n > 1 else None

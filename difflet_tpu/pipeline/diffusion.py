@@ -10,7 +10,7 @@ difflet_tpu.models.qwen_image.pipeline), checks the whole folder before loading 
 the VAE (difflet_tpu.vae) and the scheduler config.
 
 What the pipelines share lives here: the folder checks, the flow-matching schedule from the
-scheduler config (difflet_tpu.pipeline.denoise.schedules, which computes what diffusers'
+scheduler config (difflet_tpu.pipeline.schedules, which computes what diffusers'
 `FlowMatchEulerDiscreteScheduler.set_timesteps` does), the Euler loop (`x + (sigma_next - sigma)
 v` in float32, the latents kept in the transformer's dtype between steps as diffusers does), the
 2x2 latent packing, `diffusers`' argument checks (arguments the port cannot honour are refused by
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from difflet_tpu.pipeline.denoise import schedules as S
+from difflet_tpu.pipeline import schedules as S
 
 logger = logging.getLogger(__name__)
 
@@ -399,7 +399,7 @@ class DiffusionPipeline:
     def postprocess(image, output_type: str):
         """VaeImageProcessor.postprocess: the VAE's [B, 3, H, W] in [-1, 1] -> [0, 1] float32
         [B, H, W, 3] (`"np"`) or PIL images (`"pil"`); a non-finite image is an error."""
-        from difflet_tpu.pipeline.denoise import images
+        from difflet_tpu.pipeline import images
 
         x = np.asarray(jnp.asarray(image, jnp.float32)).transpose(0, 2, 3, 1)
         if not np.isfinite(x).all():

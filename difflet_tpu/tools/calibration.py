@@ -7,10 +7,7 @@ uses the constants here, and only these.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterable
-
-if TYPE_CHECKING:
-    from difflet_tpu.tools.estimate import Estimate
+from typing import Iterable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +38,7 @@ REFERENCE_PR = {
 }
 
 
-def fit_nonmatmul_scale(rows: Iterable[tuple["Estimate", float]], chip=None) -> float:
+def fit_nonmatmul_scale(rows: Iterable[tuple], chip=None) -> float:
     """The one factor `k` on the time of ops the compiler prices with its
     non-matmul cost model (`Estimate.invalid`) that makes `total - (1 - k) *
     invalid` match measured step times (least squares over `(estimate at

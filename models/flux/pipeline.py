@@ -1,6 +1,6 @@
 """FLUX.1 prompt -> image, as diffusers' `FluxPipeline` (`pipelines/flux/pipeline_flux.py`).
 
-`FluxPipeline.from_pretrained("FLUX.1-dev")` (or `difflet_tpu.pipeline.denoise.DiffusionPipeline`)
+`FluxPipeline.from_pretrained("FLUX.1-dev")` (or `difflet_tpu.DiffusionPipeline`)
 loads the published folder: CLIP tokenizer + CLIPTextModel (pooled prompt embedding), T5
 tokenizer + T5EncoderModel (the prompt embeddings), the FluxTransformer2DModel port under its
 Runner, the AutoencoderKL decoder and the FlowMatchEulerDiscreteScheduler config.
@@ -22,8 +22,8 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from difflet_tpu.pipeline.denoise import diffusion as D
-from difflet_tpu.pipeline.denoise.diffusion import PipelineError, PipelineOutput
+from difflet_tpu.pipeline import diffusion as D
+from difflet_tpu.pipeline.diffusion import PipelineError, PipelineOutput
 
 
 class FluxPipeline(D.DiffusionPipeline):
@@ -49,7 +49,7 @@ class FluxPipeline(D.DiffusionPipeline):
 
     @classmethod
     def load(cls, path, index, *, mesh, dtype, config, runner_options):
-        from difflet_tpu import loading
+        from difflet_tpu.loading import load_transformer
         from difflet_tpu.encoders import clip, loading, t5
         from difflet_tpu.encoders import tokenizers as T
         from difflet_tpu.models import flux
@@ -63,7 +63,7 @@ class FluxPipeline(D.DiffusionPipeline):
                                                  mesh=D.encoder_mesh(clip, clip_config, mesh))
         self.text_encoder_2 = t5.from_pretrained(path / "text_encoder_2", dtype=dtype,
                                                  mesh=D.encoder_mesh(t5, t5_config, mesh))
-        transformer = loading.load_transformer(path / "transformer", dtype=dtype, mesh=mesh, config=config)
+        transformer = load_transformer(path / "transformer", dtype=dtype, mesh=mesh, config=config)
         self.transformer_config = transformer.config
         self.transformer = flux.Runner(transformer, mesh, config, **runner_options)
         del transformer  # the Runner holds the parameters
@@ -170,10 +170,10 @@ class FluxPipeline(D.DiffusionPipeline):
         def predict(latents, timestep):
             kw = dict(hidden_states=latents, timestep=timestep, guidance=guidance, img_ids=img_ids)
             v = self.transformer(**kw, pooled_projections=pooled, encoder_hidden_states=prompt_embeds,
-                                 txt_ids=text_ids)
+                                 txt_ids=text_ids).sample
             if do_true_cfg:
                 neg = self.transformer(**kw, pooled_projections=neg_pooled, encoder_hidden_states=neg_embeds,
-                                       txt_ids=neg_text_ids)
+                                       txt_ids=neg_text_ids).sample
                 v = D.true_cfg(v, neg, float(true_cfg_scale))
             return v
 

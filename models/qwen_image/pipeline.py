@@ -1,7 +1,7 @@
 """Qwen-Image prompt -> image, as diffusers' `QwenImagePipeline`
 (`pipelines/qwenimage/pipeline_qwenimage.py`).
 
-`QwenImagePipeline.from_pretrained("Qwen-Image")` (or `difflet_tpu.pipeline.denoise.DiffusionPipeline`)
+`QwenImagePipeline.from_pretrained("Qwen-Image")` (or `difflet_tpu.DiffusionPipeline`)
 loads the published folder: the Qwen2 tokenizer, Qwen2.5-VL's language model as the text encoder
 (difflet_tpu.encoders.decoder_lm; the vision tower is not read), the QwenImageTransformer2DModel
 port under its Runner, the causal 3D AutoencoderKLQwenImage decoder and the scheduler config.
@@ -25,8 +25,8 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from difflet_tpu.pipeline.denoise import diffusion as D
-from difflet_tpu.pipeline.denoise.diffusion import PipelineError, PipelineOutput
+from difflet_tpu.pipeline import diffusion as D
+from difflet_tpu.pipeline.diffusion import PipelineError, PipelineOutput
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class QwenImagePipeline(D.DiffusionPipeline):
 
     @classmethod
     def load(cls, path, index, *, mesh, dtype, config, runner_options):
-        from difflet_tpu import loading
+        from difflet_tpu.loading import load_transformer
         from difflet_tpu.encoders import decoder_lm, loading
         from difflet_tpu.encoders import tokenizers as T
         from difflet_tpu.models import qwen_image
@@ -59,7 +59,7 @@ class QwenImagePipeline(D.DiffusionPipeline):
         lm_config = decoder_lm.DecoderLMConfig.from_dict(loading.read_config(path / "text_encoder"))
         self.text_encoder = decoder_lm.from_pretrained(path / "text_encoder", dtype=dtype,
                                                        mesh=D.encoder_mesh(decoder_lm, lm_config, mesh))
-        transformer = loading.load_transformer(path / "transformer", dtype=dtype, mesh=mesh, config=config)
+        transformer = load_transformer(path / "transformer", dtype=dtype, mesh=mesh, config=config)
         self.transformer_config = transformer.config
         self.transformer = qwen_image.Runner(transformer, mesh, config, **runner_options)
         del transformer
@@ -149,10 +149,10 @@ class QwenImagePipeline(D.DiffusionPipeline):
 
         def predict(latents, timestep):
             v = self.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=prompt_embeds,
-                                 encoder_hidden_states_mask=prompt_mask, img_shapes=img_shapes)
+                                 encoder_hidden_states_mask=prompt_mask, img_shapes=img_shapes).sample
             if do_true_cfg:
                 neg = self.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=neg_embeds,
-                                       encoder_hidden_states_mask=neg_mask, img_shapes=img_shapes)
+                                       encoder_hidden_states_mask=neg_mask, img_shapes=img_shapes).sample
                 v = D.true_cfg_rescaled(v, neg, float(true_cfg_scale))
             return v
 

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from difflet_tpu import generate
-from difflet_tpu.pipeline.denoise.diffusion import DiffusionPipeline
+from difflet_tpu.pipeline.diffusion import DiffusionPipeline
 
 import jax
 
@@ -94,7 +94,7 @@ def test_read_only_folder_refused(tmp_path, capsys):
 
 def test_failure_during_the_work_leaves_no_file(tmp_path, capsys, monkeypatch):
     """A non-finite image (here: a VAE that returns NaN) is an error, and nothing is written."""
-    from difflet_tpu.pipeline.denoise import diffusion as D
+    from difflet_tpu.pipeline import diffusion as D
 
     real = D.load_vae
 

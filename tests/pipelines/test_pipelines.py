@@ -22,8 +22,8 @@ import pytest
 
 from difflet_tpu.config import Config
 from difflet_tpu.parallel.mesh import make_mesh
-from difflet_tpu.pipeline.denoise import diffusion as D
-from difflet_tpu.pipeline.denoise.diffusion import DiffusionPipeline, PipelineError
+from difflet_tpu.pipeline import diffusion as D
+from difflet_tpu.pipeline.diffusion import DiffusionPipeline, PipelineError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "pipelines"
 FAST = {"xla_backend_optimization_level": 0}
