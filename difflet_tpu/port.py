@@ -140,6 +140,25 @@ def packed_image_grid(height: int, width: int) -> tuple[int, int]:
     return height // 16, width // 16
 
 
+def check_video_size(frames: int, height: int, width: int, *, frame_step: int, multiple: int) -> None:
+    """A video request as the pipelines take it: `frames = 1 + frame_step * k` (the VAE's
+    temporal factor) and height / width multiples of `multiple`; the error names each bad value."""
+    bad = []
+    for name, v in (("frames", frames), ("height", height), ("width", width)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            bad.append(f"{name}={v!r} is not a positive integer")
+    if not bad:
+        if (frames - 1) % frame_step:
+            bad.append(f"frames={frames} is not 1 + {frame_step}k (e.g. {1 + frame_step * ((frames - 1) // frame_step)} "
+                       f"or {1 + frame_step * ((frames - 1) // frame_step + 1)})")
+        for name, v in (("height", height), ("width", width)):
+            if v % multiple:
+                bad.append(f"{name}={v} is not a multiple of {multiple} (e.g. {v - v % multiple or multiple} "
+                           f"or {v - v % multiple + multiple})")
+    if bad:
+        raise ValueError("; ".join(bad))
+
+
 def randn(rng: np.random.Generator, shape, dtype) -> np.ndarray:
     """`example_inputs`' standard normal values, rounded to float32 first, then to `dtype`."""
     return rng.standard_normal(shape).astype(np.float32).astype(dtype)

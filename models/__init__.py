@@ -2,8 +2,8 @@
 
 Each port is one folder with the same files (docs/porting.md): `config.py`,
 `model.py`, `keys.py`, `rope.py`, `port.py`, and an `__init__.py` that
-declares its `SPEC` (`difflet_tpu.port.PortSpec`). The registry below is the
-one list of ports; everything else is read from their specs.
+declares its `SPEC` (`difflet_tpu.port.PortSpec`). `PORTS` is the one list of
+ports; everything else, the loader's class lookup included, reads their specs.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ def specs() -> dict:
 
 
 def spec_for_class(class_name: str):
-    """The spec of the port that loads diffusers class `class_name`."""
-    for s in specs().values():
+    """The spec of the port (in-tree or registered) that loads diffusers class `class_name`."""
+    every = [*specs().values(), *_EXTRA]
+    for s in every:
         if class_name in s.class_names:
             return s
-    known = sorted(c for s in specs().values() for c in s.class_names)
+    known = sorted(c for s in every for c in s.class_names)
     raise ValueError(f"no port for diffusers class {class_name!r}; ported: {', '.join(known)}")
 
 
@@ -60,12 +61,3 @@ def register(port_spec):
         _EXTRA.append(port_spec)
     return port_spec
 
-
-def __getattr__(name):
-    # REGISTRY: diffusers `_class_name` -> port module, for the loader; built from
-    # the specs on first use, then one dict (tests patch it).
-    if name == "REGISTRY":
-        registry = {c: f"difflet_tpu.models.{n}" for n, s in specs().items() for c in s.class_names}
-        globals()["REGISTRY"] = registry
-        return registry
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

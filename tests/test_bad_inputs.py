@@ -40,7 +40,6 @@ from difflet_tpu.loading import cache as checkpoint
 from difflet_tpu import loading
 from difflet_tpu.config import Config
 from difflet_tpu.parallel.mesh import make_mesh
-from difflet_tpu.models import REGISTRY
 from difflet_tpu.testing import read_fixture_io
 from difflet_tpu.loading.checkpoint import WeightsError
 
@@ -73,7 +72,7 @@ class Case:
 
 @pytest.fixture
 def ctx(tmp_path, monkeypatch, capsys, caplog):
-    monkeypatch.setitem(REGISTRY, tw.CLASS_NAME, tw.TOY_PORT)
+    tw.register(monkeypatch, tw.TOY_PORT)
     return Ctx(tmp_path, monkeypatch, capsys, caplog)
 
 
@@ -572,7 +571,7 @@ CASES = [
     Case("expert-offload-env-unknown-value", "cli", cli("--model", "toy:tiny", setup=offload_env("1")),
          r"DIFFLET_TPU_EXPERT_OFFLOAD='1' is not allowed; use one of auto, on, off"),
     Case("shape-the-port-refuses", "cli", cli("--model", "wan:tiny", "--height", "60"),
-         r"error: frames must be 1 \+ 4k and height/width multiples of 16"),
+         r"error: height=60 is not a multiple of 16 \(e.g. 48 or 64\)"),
     Case("weights-of-two-experts-without-model", "cli", cli("--weights", "{tmp}/pipe", setup=two_experts),
          r"holds two experts .* name the pipeline with --model"),
     Case("weights-of-an-unported-class", "cli", cli("--weights", "{tmp}/sd3", setup=sd3_dir),

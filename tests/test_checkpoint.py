@@ -17,7 +17,6 @@ from difflet_tpu.loading import cache as checkpoint
 from difflet_tpu import loading
 from difflet_tpu.config import Config
 from difflet_tpu.parallel.mesh import make_mesh
-from difflet_tpu.models import REGISTRY
 from difflet_tpu.loading.checkpoint import WeightsError
 
 # The toy port and checkpoint writer live in test_weights.py (tests are not a package).
@@ -29,7 +28,7 @@ _spec.loader.exec_module(tw)
 
 @pytest.fixture(autouse=True)
 def toy_registered(monkeypatch):
-    monkeypatch.setitem(REGISTRY, tw.CLASS_NAME, tw.TOY_PORT)
+    tw.register(monkeypatch, tw.TOY_PORT)
 
 
 @pytest.fixture

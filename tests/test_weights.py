@@ -2,7 +2,7 @@
 
 A toy port (config_from_diffusers / build / PLAN / key_map, like a real port
 package) is registered under `_class_name` "ToyTransformer" by patching
-`difflet_tpu.models.REGISTRY`; a diffusers-style checkpoint of it is written
+`difflet_tpu.models` (registered for the test); a diffusers-style checkpoint of it is written
 as one safetensors file or as two shards with an index. Expected values are
 computed here from the torch-layout arrays, independently of the loader.
 """
@@ -27,7 +27,7 @@ from difflet_tpu.layers import rope
 from difflet_tpu import loading
 from difflet_tpu.config import Config
 from difflet_tpu.parallel.mesh import TP, make_mesh
-from difflet_tpu.models import REGISTRY
+from difflet_tpu import models
 from difflet_tpu.parallel.modes import Parallel
 from difflet_tpu.loading.checkpoint import Key, WeightsError
 
@@ -97,13 +97,19 @@ def _key_map(config, model):
     return km
 
 
-TOY_PORT = types.SimpleNamespace(__name__="tests.toy_port", config_from_diffusers=_config_from_diffusers,
-                                 build=_build, PLAN=testing.PLAN, key_map=_key_map)
+TOY_PORT = types.SimpleNamespace(name="toy_weights", class_names=(CLASS_NAME,),
+                                 config_from_diffusers=_config_from_diffusers, build=_build, plan=testing.PLAN,
+                                 key_map=_key_map, ignored_keys=())
+
+
+def register(monkeypatch, spec):
+    """`spec` is the loader's port for its class names for this test (difflet_tpu.models.register)."""
+    monkeypatch.setattr(models, "_EXTRA", [s for s in models._EXTRA if s.class_names != spec.class_names] + [spec])
 
 
 @pytest.fixture(autouse=True)
 def toy_registered(monkeypatch):
-    monkeypatch.setitem(REGISTRY, CLASS_NAME, TOY_PORT)
+    register(monkeypatch, TOY_PORT)
 
 
 # --------------------------------------------------------------------------
@@ -409,10 +415,9 @@ def test_mesh_that_does_not_divide(tmp_path):
         loading.load_transformer(path, mesh=make_mesh(4))
 
 
-def test_port_module_that_cannot_be_imported(tmp_path, monkeypatch):
-    monkeypatch.setitem(REGISTRY, "GhostModel", "difflet_tpu.models.ghost_port_that_does_not_exist")
+def test_class_without_a_port(tmp_path):
     path = write_checkpoint(tmp_path / "t", cfg={**DIFFUSERS_CONFIG, "_class_name": "GhostModel"})
-    with pytest.raises(WeightsError, match="GhostModel.*cannot be imported"):
+    with pytest.raises(WeightsError, match=r"unknown _class_name 'GhostModel'; supported: .*FluxTransformer2DModel"):
         loading.load_transformer(path)
 
 
@@ -445,7 +450,7 @@ def test_non_param_state_is_materialised(tmp_path, monkeypatch):
         model.table = Buffer(jnp.arange(8, dtype=jnp.float32) * 2)
         return model
 
-    monkeypatch.setitem(REGISTRY, CLASS_NAME, types.SimpleNamespace(**{**vars(TOY_PORT), "build": build}))
+    register(monkeypatch, types.SimpleNamespace(**{**vars(TOY_PORT), "build": build}))
     tensors = torch_weights()
     path = write_checkpoint(tmp_path / "t", tensors)
     for cache in (None, tmp_path / "cache", tmp_path / "cache"):  # converted, saved, restored

@@ -104,7 +104,8 @@ def weights_model(path, cpu: bool):
         spec = models.spec_for_class(cls)
     except ValueError:
         raise BenchError(f"--weights {path} holds a {cls}, which no port supports "
-                         f"(supported: {', '.join(sorted(models.REGISTRY))})") from None
+                         f"(supported: {', '.join(sorted(c for s in models.specs().values() for c in s.class_names))})"
+                         ) from None
     preset = "tiny" if cpu else spec.released
     print(f"--weights {path}: a {cls}; running {spec.name}:{preset} (give --model to choose)", file=sys.stderr)
     return spec, preset

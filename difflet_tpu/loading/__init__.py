@@ -8,9 +8,8 @@
 from difflet_tpu.loading.checkpoint import (INDEX_FILE, SINGLE_FILE, Checkpoint, Key, WeightsError,
                                            abstract_port_model, checkpoint_files, default_key_map, fill_state,
                                            param_paths, validate)
-from difflet_tpu.loading.load import (check_transformer, load_params, load_transformer, mesh_problems, port_for,
-                                     read_config)
+from difflet_tpu.loading.load import (check_transformer, load_params, load_transformer, mesh_problems, read_config)
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "Checkpoint", "Key", "WeightsError", "abstract_port_model",
            "check_transformer", "checkpoint_files", "default_key_map", "fill_state", "load_params",
-           "load_transformer", "mesh_problems", "param_paths", "port_for", "read_config", "validate"]
+           "load_transformer", "mesh_problems", "param_paths", "read_config", "validate"]

@@ -15,7 +15,7 @@ A cache entry is keyed by everything the converted values depend on:
 * the source checkpoint: config.json and the index (hashed), and for each
   safetensors file its name, resolved path, size, mtime and a hash of its
   header (shapes, dtypes, offsets);
-* the port (module name), its config (including `split_rope`, so parameters
+* the port (its spec's name), its config (including `split_rope`, so parameters
   permuted at load time are only ever restored into a model that expects them
   permuted, never permuted again) and a hash of its key map (templates,
   transforms, permutations, kept dtypes);
@@ -142,7 +142,7 @@ def cache_key(src_path, port, port_config, *, dtype, key_map) -> dict | None:
         return None
     return _jsonable({
         "format": FORMAT_VERSION,
-        "port": getattr(port, "__name__", repr(port)),
+        "port": port.name,
         "port_config": _jsonable(port_config),
         "key_map_sha256": key_map_digest(key_map),
         "dtype": _dtype_name(dtype),
@@ -561,14 +561,14 @@ def restore_if_cached(cache_dir, src_path, port, port_config, *, dtype, mesh, ab
     d = entry_dir(cache_dir, digest)
     try:
         with _quiet_restore_noise():
-            model = restore_params(d, abstract, mesh, port.PLAN, verify=False)  # verified above
+            model = restore_params(d, abstract, mesh, port.plan, verify=False)  # verified above
     except Exception as e:  # a damaged entry the digest did not catch: convert again (and replace it)
         if _num_processes() > 1:  # the processes could disagree: stop instead
             raise checkpoint.WeightsError(f"cache entry {d} cannot be restored ({_one_line(e)}); delete it") from None
         log.warning("cache entry %s cannot be restored (%s); converting %s again", d, _one_line(e), src_path)
         return None
     log.info("restored %s from the cache entry %s", src_path, d)
-    return checkpoint.fill_state(model, port, port_config, dtype=dtype, mesh=mesh, plan=port.PLAN)
+    return checkpoint.fill_state(model, port, port_config, dtype=dtype, mesh=mesh, plan=port.plan)
 
 
 def clear(cache_dir) -> None:

@@ -11,7 +11,6 @@ saved with orbax and later restored straight onto the mesh
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import logging
 import pathlib
@@ -35,24 +34,23 @@ log = logging.getLogger(__name__)
 # Ports and loading
 # --------------------------------------------------------------------------
 
-def port_for(class_name: str):
-    """The port for a diffusers `_class_name`.
-
-    `difflet_tpu.models.REGISTRY` maps class names to port module names; an
-    entry may also be a module-like object itself (tests register toy ports
-    with `monkeypatch.setitem(REGISTRY, name, obj)`).
-    """
-    from difflet_tpu.models import REGISTRY
-
-    if class_name not in REGISTRY:
-        raise WeightsError(f"unknown _class_name {class_name!r}; supported: {', '.join(sorted(REGISTRY))}")
-    port = REGISTRY[class_name]
-    if not isinstance(port, str):
-        return port
-    try:
-        return importlib.import_module(port)
-    except ImportError as e:
-        raise WeightsError(f"_class_name {class_name!r}: its port {port} cannot be imported ({e})") from e
+def transformer_dir(path, subfolder=None) -> pathlib.Path:
+    """The transformer folder `path` (/ `subfolder`, as diffusers' `from_pretrained(..., subfolder=)`
+    takes it), with an error that says what to pass for a pipeline root or a hub id."""
+    p = pathlib.Path(path)
+    if subfolder is not None:
+        if not isinstance(subfolder, str) or not subfolder or pathlib.Path(subfolder).is_absolute():
+            raise WeightsError(f"subfolder: {subfolder!r}, expected a relative folder name such as 'transformer'")
+        p = p / subfolder
+    if p.is_dir() and (p / "model_index.json").is_file() and not (p / "config.json").exists():
+        raise WeightsError(f"{p} is a diffusers pipeline folder (model_index.json); pass its transformer: "
+                           f"load_transformer({str(p)!r}, subfolder='transformer'), or "
+                           f"difflet_tpu.DiffusionPipeline.from_pretrained({str(p)!r}) for the whole pipeline")
+    if not p.exists() and subfolder is None and str(path).count("/") == 1 and not str(path).startswith((".", "~")):
+        raise WeightsError(f"{path!r} is not a folder here; it looks like a hub id, and nothing is downloaded: "
+                           f"download it first (e.g. `huggingface-cli download {path}`) and pass the local "
+                           f"folder with subfolder='transformer'")
+    return p
 
 
 def read_config(path) -> dict:
@@ -203,9 +201,15 @@ def _port_and_config(path, config, overrides):
     if "split_rope" in overrides:
         raise WeightsError("load_transformer: split_rope is not a keyword argument; pass "
                            "config=difflet_tpu.Config(split_rope=...)")
+    from difflet_tpu import models
+
     cfg = read_config(path)
-    port = port_for(cfg["_class_name"])
-    name = getattr(port, "__name__", port)
+    try:
+        port = models.spec_for_class(cfg["_class_name"])
+    except ValueError:
+        known = sorted(c for s in [*models.specs().values(), *models.registered().values()] for c in s.class_names)
+        raise WeightsError(f"unknown _class_name {cfg['_class_name']!r}; supported: {', '.join(known)}") from None
+    name = port.name
     try:
         port_config = port.config_from_diffusers(cfg, split_rope=config.split_rope, **overrides)
     except (UnknownOption, TypeError) as e:
@@ -219,7 +223,7 @@ def _port_and_config(path, config, overrides):
     return port, port_config
 
 
-def check_transformer(path, *, dtype=jnp.bfloat16, mesh=None, config=None, **overrides):
+def check_transformer(path, *, dtype=jnp.bfloat16, mesh=None, config=None, subfolder=None, **overrides):
     """Everything `load_transformer` validates, without reading a tensor or compiling.
 
     Checks the arguments, config.json against the port, the files (headers,
@@ -227,23 +231,26 @@ def check_transformer(path, *, dtype=jnp.bfloat16, mesh=None, config=None, **ove
     that heads and sharded dimensions divide over `mesh`. Returns
     `(port, port_config)`; raises WeightsError like `load_transformer`.
     """
+    path = transformer_dir(path, subfolder)
     config = _check_arguments(dtype, mesh, config)
     port, port_config = _port_and_config(path, config, overrides)
     abstract = abstract_port_model(port, port_config, dtype=dtype)
     params = nnx.state(abstract, nnx.Param)
     if mesh is not None:
-        _raise_mesh_problems(str(path), port_config, params, mesh, port.PLAN)
+        _raise_mesh_problems(str(path), port_config, params, mesh, port.plan)
     ckpt = Checkpoint(path)
     validate(ckpt, port.key_map(port_config, abstract), param_paths(params), str(path),
-             ignore=getattr(port, "IGNORED_KEYS", ()), float_params=_float_params(params))
+             ignore=port.ignored_keys, float_params=_float_params(params))
     return port, port_config
 
 
-def load_transformer(path, *, dtype=jnp.bfloat16, mesh=None, config=None, cache_dir=None, **overrides):
+def load_transformer(path, *, dtype=jnp.bfloat16, mesh=None, config=None, cache_dir=None, subfolder=None,
+                     **overrides):
     """A ready port of the diffusers transformer at `path`.
 
     Args:
-      path: a diffusers transformer directory (config.json + safetensors).
+      path: a diffusers transformer directory (config.json + safetensors), or a
+        pipeline folder with `subfolder="transformer"` (as diffusers takes it).
       dtype: parameter dtype (the port keeps fp32 where the reference does,
         through `Key(dtype="float32")`); a floating-point dtype or None.
       mesh: a `tp` mesh from `make_mesh`; each parameter is placed with its
@@ -267,11 +274,12 @@ def load_transformer(path, *, dtype=jnp.bfloat16, mesh=None, config=None, cache_
         shard or a file outside the directory, a missing config.json, or
         heads / sharded dimensions that do not divide over `mesh`.
     """
+    path = transformer_dir(path, subfolder)
     config = _check_arguments(dtype, mesh, config)
     port, port_config = _port_and_config(path, config, overrides)
     abstract = abstract_port_model(port, port_config, dtype=dtype)
     if mesh is not None:
-        _raise_mesh_problems(str(path), port_config, nnx.state(abstract, nnx.Param), mesh, port.PLAN)
+        _raise_mesh_problems(str(path), port_config, nnx.state(abstract, nnx.Param), mesh, port.plan)
     if cache_dir is not None:
         cache.check_cache_dir(cache_dir)
         cached = cache.restore_if_cached(cache_dir, path, port, port_config, dtype=dtype, mesh=mesh,
@@ -281,9 +289,9 @@ def load_transformer(path, *, dtype=jnp.bfloat16, mesh=None, config=None, cache_
         cache.check_cache_dir(cache_dir, write=True)  # before the conversion, not after it
     ckpt = Checkpoint(path)
     model = load_params(abstract, ckpt, port.key_map(port_config, abstract), dtype=dtype, mesh=mesh,
-                        plan=port.PLAN, where=str(path), ignore=getattr(port, "IGNORED_KEYS", ()),
+                        plan=port.plan, where=str(path), ignore=port.ignored_keys,
                         port_config=port_config)
-    model = fill_state(model, port, port_config, dtype=dtype, mesh=mesh, plan=port.PLAN)
+    model = fill_state(model, port, port_config, dtype=dtype, mesh=mesh, plan=port.plan)
     if cache_dir is not None:
         cache.save(cache_dir, path, port, port_config, model, dtype=dtype)
     return model

@@ -65,8 +65,7 @@ class Parallel:
     assemble: str = "concat"
     attn_impl: str = "xla"
     interpret: bool = False  # Pallas kernels interpreted (off TPU)
-    cross_local: bool = False  # SP: cross-attention on this rank's rows, all heads (Config.sp_cross_local);
-    # set by `for_mesh` for the SP modes only, read where `seq_sharded`
+    sp_cross_local: bool = False  # what Config.sp_cross_local asks; `cross_local` is where it holds
     tiles: kernel_tiles.KernelTiles | None = None  # the kernels' column tile per site (Config.kernel_tiles)
 
     def __post_init__(self):
@@ -101,7 +100,7 @@ class Parallel:
                    assemble=config.sp_ag_assemble,
                    attn_impl="splash" if platform == "tpu" else "xla",
                    interpret=platform != "tpu",
-                   cross_local=config.sp_cross_local and mode in ("sp", "sp-xla"), tiles=tiles)
+                   sp_cross_local=config.sp_cross_local, tiles=tiles)
 
     @property
     def sharded(self) -> bool:
@@ -112,11 +111,17 @@ class Parallel:
         """Activations between layers hold only this rank's rows."""
         return self.mode in ("sp", "sp-xla")
 
+    @property
+    def cross_local(self) -> bool:
+        """Cross-attention on this rank's own rows with every head (Config.sp_cross_local):
+        only where the rows are sequence-sharded."""
+        return self.sp_cross_local and self.seq_sharded
+
     def local(self) -> "Parallel":
         """This rank alone: mode "single" (local matmuls, no collective) with the same
         attention implementation, for work on this rank's rows with replicated
         weights (`cross_local`)."""
-        return dataclasses.replace(self, mode="single", size=1, cross_local=False)
+        return dataclasses.replace(self, mode="single", size=1, sp_cross_local=False)
 
     # ---- linears --------------------------------------------------------
 

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from difflet_tpu.layers import nn
+from difflet_tpu.parallel.collective_matmul import row_sum_squares
 from difflet_tpu.layers import (FeedForward, PixArtAlphaTextProjection, RMSNorm, TimestepEmbedding, Weight, attend,
                                 get_timestep_embedding, merge_heads, modulate, rms_norm, rms_norm_across_heads,
                                 split_heads)
@@ -237,21 +238,14 @@ class LTX2Attention(nnx.Module):
 # The block
 # --------------------------------------------------------------------------
 
-def row_sum_sq(x):
-    """Each row's float32 sum of squares `[..., 1]`, read without a barrier: XLA reduces
-    it in the fusion that writes x (a gated residual add)."""
-    xf = x.astype(nn.fp32(x.dtype))
-    return jnp.sum(xf * xf, axis=-1, keepdims=True)
-
-
 def norm_after_add(norm: RMSNorm, x, sum_sq=None):
     """`norm(x)` for an x the block has just written (a gated residual add): the same
-    math, but the sum of squares (`sum_sq`, or `row_sum_sq(x)`) is not read through
+    math, but the sum of squares (`sum_sq`, or `row_sum_squares(x)`) is not read through
     `rms_norm`'s optimization barrier, so XLA reduces it in the fusion that writes x
     (one pass over the video rows less per norm; the scaling still fuses into its
     consumer)."""
     return rms_norm(x, None if norm.weight is None else norm.weight.scale[...], norm.eps,
-                    sum_sq=row_sum_sq(x) if sum_sq is None else sum_sq, dim=x.shape[-1])
+                    sum_sq=row_sum_squares(x) if sum_sq is None else sum_sq, dim=x.shape[-1])
 
 
 class BlockInputs(NamedTuple):
@@ -335,7 +329,7 @@ class LTX2VideoTransformerBlock(nnx.Module):
                  use_a2v_cross_attention=True, use_v2a_cross_attention=True, sum_sq=None):
         """`par` runs the video stream (sequence-sharded under SP), `apar` the audio stream (never).
 
-        `sum_sq`: `row_sum_sq(hidden_states)` if the caller has it (the previous block's
+        `sum_sq`: `row_sum_squares(hidden_states)` if the caller has it (the previous block's
         last residual add reduced it), for norm1."""
         batch_size = hidden_states.shape[0]
         perturbation = None
@@ -423,7 +417,7 @@ class LTX2VideoTransformerBlock(nnx.Module):
                 mod_norm_hidden_states = norm_hidden_states * (1 + video_a2v_ca_scale) + video_a2v_ca_shift
                 mod_norm_audio_hidden_states = norm_audio_hidden_states * (1 + audio_a2v_ca_scale) \
                     + audio_a2v_ca_shift
-                local = par.cross_local and par.seq_sharded  # SP_LOCAL_PLAN
+                local = par.cross_local  # SP_LOCAL_PLAN
                 a2v_attn_hidden_states = self.audio_to_video_attn(
                     par.local() if local else par, apar, mod_norm_hidden_states, mod_norm_audio_hidden_states,
                     query_rotary_emb=b.ca_video_local_rotary_emb if local else b.ca_video_rotary_emb,
@@ -581,10 +575,10 @@ class LTX2VideoTransformer3DModel(nnx.Module):
             h, a, ssq, layer = carry
             h, a = block(par, apar, h, a, b, layer=layer, use_a2v_cross_attention=not isolate_modalities,
                          use_v2a_cross_attention=not isolate_modalities, sum_sq=ssq)
-            return h, a, row_sum_sq(h), layer + 1
+            return h, a, row_sum_squares(h), layer + 1
 
         hidden_states, audio_hidden_states, _, _ = nn.scan_blocks(
-            self.transformer_blocks, (hidden_states, audio_hidden_states, row_sum_sq(hidden_states), jnp.int32(0)),
+            self.transformer_blocks, (hidden_states, audio_hidden_states, row_sum_squares(hidden_states), jnp.int32(0)),
             body)
 
         # 6. Output layers (embedded_timestep, not temb; [0] = shift, [1] = scale)

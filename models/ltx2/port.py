@@ -234,7 +234,7 @@ def prepare(run, kwargs: dict) -> Prepared:
         spec = CHANNELS if cos.shape[0] == 1 else P(BATCH, None, TP)
         put(f"rope_{name}_cos", cos, spec)
         put(f"rope_{name}_sin", sin, spec)
-    if run.par.cross_local and run.par.seq_sharded:
+    if run.par.cross_local:
         # a2v's queries on this rank's video rows with every head (model.SP_LOCAL_PLAN):
         # their table by rows, every channel
         spec = run.row_spec(batch=None if tables["ca_video"][0].shape[0] == 1 else 0)

@@ -177,7 +177,7 @@ class WanAttention(nnx.Module):
         XLA can overlap with the self-attention before it). The same products and
         sums as the column / row split (to_out's sum over all heads in one dot
         instead of per-rank partial sums reduced over tp)."""
-        if par.cross_local and par.seq_sharded:
+        if par.cross_local:
             lp = par.local()
             kv = {k: v if v.shape[-1] == self.dim else par.gather_columns(v) for k, v in kv.items()}
             if self._fused_cross(lp, x, kv):

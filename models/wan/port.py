@@ -39,9 +39,10 @@ from jax.sharding import PartitionSpec as P
 
 from difflet_tpu.parallel import padding
 from difflet_tpu.config import Config
+from difflet_tpu.pipeline import schedules
 from difflet_tpu.parallel.padding import patchify
 from difflet_tpu.parallel.mesh import BATCH, TP
-from difflet_tpu.port import Prepared, returned
+from difflet_tpu.port import Prepared, check_video_size, returned
 from difflet_tpu.runner import Runner
 
 from .config import NUM_TRAIN_TIMESTEPS, TEXT_LEN_I2V, WanConfig
@@ -282,19 +283,17 @@ class WanExperts:
             raise ValueError("two experts need a boundary_ratio, and a boundary_ratio needs two experts")
         self.high, self.low, self.boundary_ratio = high, low, boundary_ratio
         self.boundary_timestep = None if boundary_ratio is None else boundary_ratio * num_train_timesteps
+        self.num_train_timesteps = num_train_timesteps
 
     def expert_for(self, timestep) -> str:
-        """"high" or "low" for this step's timestep (all entries must agree)."""
-        if self.boundary_timestep is None:
-            return "high"
-        t = np.asarray(timestep)
-        high = t >= self.boundary_timestep
-        if high.all():
-            return "high"
-        if not high.any():
-            return "low"
-        raise ValueError(f"timestep entries straddle the expert boundary {self.boundary_timestep}: "
-                         f"one step runs one expert")
+        """"high" or "low" for this step's timestep (all entries must agree): the one
+        switch rule, `schedules.wan22_expert`, per entry."""
+        which = {schedules.wan22_expert(float(t), self.boundary_ratio, self.num_train_timesteps)
+                 for t in np.asarray(timestep).reshape(-1)}
+        if len(which) > 1:
+            raise ValueError(f"timestep entries straddle the expert boundary {self.boundary_timestep}: "
+                             f"one step runs one expert")
+        return "high" if which.pop() == 0 else "low"
 
     def runner(self, which: str) -> Runner:
         """The expert's Runner: "high" or "low"."""
@@ -354,8 +353,7 @@ def example_inputs(config: WanConfig, *, height: int = 480, width: int = 832, fr
                    image_len: int = 257) -> dict:
     """diffusers forward kwargs (numpy) for a video of `frames` x `height` x `width` pixels."""
     ft, fs = _vae_factors(config)
-    if (frames - 1) % ft or height % (fs * config.patch_size[1]) or width % (fs * config.patch_size[2]):
-        raise ValueError(f"frames must be 1 + {ft}k and height/width multiples of {fs * config.patch_size[1]}")
+    check_video_size(frames, height, width, frame_step=ft, multiple=fs * config.patch_size[1])
     rng = np.random.default_rng(seed)
     lat = (batch, config.in_channels, (frames - 1) // ft + 1, height // fs, width // fs)
     grid = tuple(s // p for s, p in zip(lat[2:], config.patch_size))

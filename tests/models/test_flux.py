@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from difflet_tpu.testing import read_fixture_io, rel_l2
-from difflet_tpu import loading
+from difflet_tpu import loading, models
 from difflet_tpu.config import Config
 from difflet_tpu.layers import mmdit
 from difflet_tpu.layers.normalization import MATMUL_ROWS, few_rows
@@ -75,7 +75,7 @@ def runner(model, mesh, mode=None, config=None, **kw):
 def run(case, tp=None, mode=None, split_rope=True, config=None):
     model, mesh = _model(tp, split_rope)
     kwargs, _ = fixture(case)
-    return np.asarray(runner(model, mesh, mode, config)(**kwargs))
+    return np.asarray(runner(model, mesh, mode, config)(**kwargs).sample)
 
 
 def f64_kwargs(case):
@@ -133,7 +133,7 @@ def test_sp_pallas_kernels_run_in_the_model(caplog, monkeypatch):
     model = flux.build(c, dtype=jnp.float32, rngs=nnx.Rngs(0))
     kwargs = flux.example_inputs(c, height=64, width=128, text_len=24)
     assert (kwargs["hidden_states"].shape[1], kwargs["encoder_hidden_states"].shape[1]) == (32, 24)
-    ref = np.asarray(runner(model, None)(**kwargs))
+    ref = np.asarray(runner(model, None)(**kwargs).sample)
 
     calls = {"ag": 0, "rs": 0}
 
@@ -173,11 +173,11 @@ def test_schnell_variant_runs_without_guidance():
     assert not hasattr(model.time_text_embed, "guidance_embedder")
     kwargs, _ = fixture("flux_pad")
     kwargs = {k: v for k, v in kwargs.items() if k != "guidance"}
-    plain = np.asarray(runner(model, None)(**kwargs))
-    out = runner(nnx.merge(graphdef, state), make_mesh(2), "sp")(**kwargs)
+    plain = np.asarray(runner(model, None)(**kwargs).sample)
+    out = runner(nnx.merge(graphdef, state), make_mesh(2), "sp")(**kwargs).sample
     assert rel(out, plain) <= TOL
     with pytest.raises(ValueError, match="guidance must be None"):
-        runner(model, None)(**kwargs, guidance=np.array([3.5], np.float32))
+        runner(model, None)(**kwargs, guidance=np.array([3.5], np.float32)).sample
 
 
 # --------------------------------------------------------------------------
@@ -220,10 +220,10 @@ def test_sp_refuses_unsplittable_streams_without_padding():
     model, mesh = _model(4, True)
     kwargs, _ = fixture("flux_pad")
     with pytest.raises(ValueError, match=r"cannot split 15 image tokens over tp=4.*multiple of 2\*P = 8"):
-        runner(model, mesh, "sp", pad=False)(**kwargs)
+        runner(model, mesh, "sp", pad=False)(**kwargs).sample
     # an evenly splitting input runs without padding
     kwargs, ref = fixture("flux")
-    assert rel(runner(model, mesh, "sp", pad=False)(**kwargs), ref) <= TOL
+    assert rel(runner(model, mesh, "sp", pad=False)(**kwargs).sample, ref) <= TOL
 
 
 def test_single_block_row_order():
@@ -263,10 +263,10 @@ def test_split_rope_float64(plain64):
     with jax.enable_x64(True):
         model, _ = load("flux", split_rope=False, dtype=jnp.float64)
         assert not model.config.split_rope
-        interleaved = np.asarray(runner(model, None)(**f64_kwargs("flux")))
+        interleaved = np.asarray(runner(model, None)(**f64_kwargs("flux")).sample)
         model, _ = load("flux", split_rope=True, dtype=jnp.float64)
         model.config = dataclasses.replace(model.config, split_rope=False)
-        bad = np.asarray(runner(model, None)(**f64_kwargs("flux")))
+        bad = np.asarray(runner(model, None)(**f64_kwargs("flux")).sample)
     assert rel(interleaved, plain64["flux"]) <= TOL64
     assert rel(bad, plain64["flux"]) > 1e-4
 
@@ -332,7 +332,7 @@ def test_packed_proj_out_float64(plain64):
     assert rel(out, plain64["flux"]) <= TOL64
     with jax.enable_x64(True):
         _contiguous_proj_out_rows(r.model, 4)
-        bad = np.asarray(runner(r.model, r.mesh, "tp")(**f64_kwargs("flux")))
+        bad = np.asarray(runner(r.model, r.mesh, "tp")(**f64_kwargs("flux")).sample)
     assert rel(bad, plain64["flux"]) > 1e-4
 
 
@@ -348,12 +348,12 @@ def test_runner_leaves_params_alone_cache_restores_on_other_mesh(tmp_path, monke
     model = loading.load_transformer(path, dtype=jnp.float32, mesh=mesh4, config=Config())
     loaded = {p: np.asarray(v) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     kwargs, ref = fixture("flux")
-    assert rel(runner(model, mesh4, "sp")(**kwargs), ref) <= TOL
+    assert rel(runner(model, mesh4, "sp")(**kwargs).sample, ref) <= TOL
     after = {p: np.asarray(v) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     assert sorted(after) == sorted(loaded)
     for p in loaded:
         np.testing.assert_array_equal(after[p], loaded[p], err_msg=str(p))
-    port = loading.port_for("FluxTransformer2DModel")
+    port = models.spec_for_class("FluxTransformer2DModel")
     assert checkpoint.save(tmp_path, path, port, model.config, model, dtype=jnp.float32) is not None
 
     def no_read(*a, **k):
@@ -365,7 +365,7 @@ def test_runner_leaves_params_alone_cache_restores_on_other_mesh(tmp_path, monke
     kernel = restored.single_transformer_blocks.proj_out.mlp.kernel.get_value()
     assert kernel.sharding.mesh.shape[TP] == 2
     for mode in ("sp", "tp"):
-        assert rel(runner(restored, mesh2, mode)(**kwargs), ref) <= TOL, mode
+        assert rel(runner(restored, mesh2, mode)(**kwargs).sample, ref) <= TOL, mode
 
 
 def test_timestep_cast_to_model_dtype_before_x1000():
@@ -452,7 +452,7 @@ def test_example_inputs_run():
     kwargs = flux.example_inputs(c, height=64, width=96, text_len=8)
     assert kwargs["hidden_states"].shape == (1, 24, 16) and kwargs["img_ids"][7].tolist() == [0, 1, 1]
     model, _ = _model(None, True)
-    assert runner(model, None)(**kwargs).shape == (1, 24, 16)
+    assert runner(model, None)(**kwargs).sample.shape == (1, 24, 16)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])

@@ -417,7 +417,7 @@ def test_bad_inputs_are_refused():
     with pytest.raises(TypeError, match="unexpected"):
         r(**dict(kw, bogus=1)).sample
     with pytest.raises(ValueError, match="sigma is required"):
-        runner("ltx2_3")(**{k: v for k, v in fixture("ltx2_3")[0].items() if k != "sigma"})
+        runner("ltx2_3")(**{k: v for k, v in fixture("ltx2_3")[0].items() if k != "sigma"}).sample
 
 
 def test_heads_must_divide_over_tp():

@@ -183,7 +183,7 @@ def test_zero_cond_t_modulates_the_condition_image_with_t0():
     assert prep.inputs["cond_rows"].tolist() == [False] * 24 + [True] * 6
     off = nnx.merge(*nnx.split(model))
     off.config = dataclasses.replace(model.config, zero_cond_t=False)
-    out = np.asarray(runner(off, None)(**kw_zero))
+    out = np.asarray(runner(off, None)(**kw_zero).sample)
     assert rel(out, ref_edit) <= TOL
     assert rel(out, ref_zero) > 1e-3
     assert rel(ref_edit, ref_zero) > 1e-3
@@ -329,7 +329,7 @@ def test_input_errors_before_compilation():
             r(**{**kw, "additional_t_cond": bad}).sample
     model, mesh = load("qwen_image_pad", 4)
     with pytest.raises(ValueError, match=r"cannot split 15 image tokens over tp=4.*multiple of 2\*P = 8"):
-        runner(model, mesh, "sp", pad=False)(**fixture("qwen_image_pad")[0])
+        runner(model, mesh, "sp", pad=False)(**fixture("qwen_image_pad")[0]).sample
     with pytest.raises(ValueError, match="heads do not divide over tp=3"):
         runner(load("qwen_image_pad")[0], make_mesh(3), "tp")
     assert CompileCounter.count() == before, "an XLA compile ran before the error"
