@@ -332,6 +332,12 @@ class Runner:
             self._steps[sig] = jax.jit(inner, compiler_options=self.compiler_options)
         return self._steps[sig]
 
+    def _input_sharding(self):
+        """One device: the sharding of the parameters (the device they live on)."""
+        leaf = next(iter(jax.tree_util.tree_leaves(self._state)), None)
+        sharding = getattr(leaf, "sharding", None)
+        return sharding if isinstance(sharding, jax.sharding.SingleDeviceSharding) else jax.devices()[0]
+
     def _place(self, inputs: dict, specs: dict) -> dict:
         out = {}
         specs = {k: self.resolve_spec(v) for k, v in specs.items()}
@@ -341,7 +347,9 @@ class Runner:
                 out[name] = self._placed[id(v), specs[name]]
                 continue
             if self.mesh is None:
-                placed = v if isinstance(v, jax.Array) else jnp.asarray(v)
+                # committed to the parameters' device: an uncommitted first input (fresh noise) and
+                # a committed later one (an update's output) would otherwise trace the step twice
+                placed = jax.device_put(v, self._input_sharding())
             else:
                 placed = jax.device_put(v, NamedSharding(self.mesh, specs[name]))
             if cached:  # the host array stays alive in _constants, so its id stays unique

@@ -66,3 +66,17 @@ def test_top_level_names():
     from difflet_tpu.pipeline.diffusion import DiffusionPipeline
 
     assert difflet_tpu.DiffusionPipeline is DiffusionPipeline
+
+
+def test_one_device_step_traced_once_whatever_the_inputs_commitment(model):
+    """Fresh noise (uncommitted) at step 1 and an update's output (committed) at step 2
+    run the same compiled step: the Runner commits inputs to the parameters' device."""
+    import jax
+
+    kw = flux.example_inputs(model.config, height=32, width=32, text_len=8)
+    run = difflet_tpu.Runner(model, None, Config())
+    first = run(**{**kw, "hidden_states": jax.random.normal(jax.random.key(0), kw["hidden_states"].shape)}).sample
+    committed = jax.jit(lambda x: x * 0.5)(first)
+    run(**{**kw, "hidden_states": committed})
+    (step,) = run._steps.values()
+    assert step._cache_size() == 1
