@@ -627,7 +627,7 @@ CASES = [
          r"heads or parameters do not divide over the tp axis \(tp=4\):\n  heads: 6 heads over tp=4"),
     Case("config-json-not-an-object", "loader", loads(toy_config([1, 2])), r"config.json: not a JSON object"),
     Case("wan-config-num-layers-negative", "loader", loads(wan_config(num_layers=-1)),
-         r"config.json: not supported by difflet_tpu.models.wan: num_layers: -1 is not a positive integer"),
+         r"config.json: not supported by wan: num_layers: -1 is not a positive integer"),
 
     # ---- the ports' config_from_diffusers: one shared validator, the key named ----
     Case("wan-num-layers-negative", "config", port_config("wan", {"num_layers": -1}),

@@ -125,7 +125,7 @@ def test_cache_key_covers_source_config_dtype_and_format(tmp_path):
     km = tw._key_map(cfg, abstract)
     key = checkpoint.cache_key(path, tw.TOY_PORT, cfg, dtype=jnp.bfloat16, key_map=km)
     assert key["format"] == checkpoint.FORMAT_VERSION and key["dtype"] == "bfloat16"
-    assert key["port"] == "tests.toy_port" and key["port_config"]["split_rope"] is True
+    assert key["port"] == "toy_weights" and key["port_config"]["split_rope"] is True
     assert [f["name"] for f in key["source"]["files"]] == [
         "diffusion_pytorch_model-00001-of-00002.safetensors", "diffusion_pytorch_model-00002-of-00002.safetensors"]
     assert key["source"]["index_sha256"] and key["source"]["config_sha256"]

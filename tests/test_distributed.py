@@ -94,7 +94,7 @@ def one_process(case):
     """The one-process, one-device result of a fixture case."""
     kw, out = read_fixture_io(FIXTURES / case)
     model = loading.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32, config=Config())
-    return np.asarray(Runner(model, None, Config())(**kw)), out["sample"]
+    return np.asarray(Runner(model, None, Config())(**kw).sample), out["sample"]
 
 
 def _reads(out, i):

@@ -103,8 +103,9 @@ TOY_PORT = types.SimpleNamespace(name="toy_weights", class_names=(CLASS_NAME,),
 
 
 def register(monkeypatch, spec):
-    """`spec` is the loader's port for its class names for this test (difflet_tpu.models.register)."""
-    monkeypatch.setattr(models, "_EXTRA", [s for s in models._EXTRA if s.class_names != spec.class_names] + [spec])
+    """`spec` is the loader's port for its class names for this test: first among the registered
+    specs (the bench's toy port, difflet_tpu.testing, loads the same class name and stays registered)."""
+    monkeypatch.setattr(models, "_EXTRA", [spec] + [s for s in models._EXTRA if s.name != spec.name])
 
 
 @pytest.fixture(autouse=True)

@@ -74,7 +74,7 @@ def runner32(case, tp=None, mode=None, config=Config()):
 def run32(case, tp=None, mode=None, config=Config()):
     """float32 output of a fixture case (cached: the SP-vs-TP test reuses parity runs)."""
     kwargs, _ = fixture(case)
-    return np.asarray(runner32(case, tp, mode, config)(**kwargs))
+    return np.asarray(runner32(case, tp, mode, config)(**kwargs).sample)
 
 
 def run(model, kwargs, tp=None, mode=None, config=Config()):
@@ -152,8 +152,8 @@ def test_padded_text_never_changes_the_output():
     pad = kwargs["encoder_attention_mask"] == 0
     ehs[pad] = 100.0 * np.random.default_rng(1).standard_normal(ehs[pad].shape)
     noisy["encoder_hidden_states"] = ehs
-    np.testing.assert_array_equal(np.asarray(runner32(case)(**noisy)), run32(case))
-    np.testing.assert_array_equal(np.asarray(runner32(case, 4, "sp")(**noisy)), run32(case, 4, "sp"))
+    np.testing.assert_array_equal(np.asarray(runner32(case)(**noisy).sample), run32(case))
+    np.testing.assert_array_equal(np.asarray(runner32(case, 4, "sp")(**noisy).sample), run32(case, 4, "sp"))
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +214,7 @@ def test_split_rope_matches_interleaved_float64(f64_masks, monkeypatch):
         interleaved = load("hunyuan_video_masks", split_rope=False, dtype=jnp.float64)
         assert not interleaved.config.split_rope
         assert rel(run(interleaved, kwargs), plain) <= 1e-12
-        monkeypatch.setattr(hv_rope.layout.RopeLayout, "table", lambda self, t: t)
+        monkeypatch.setattr(hv_rope.RopeLayout, "table", lambda self, t: t)
         assert rel(run(model, kwargs), plain) > 1e-3
 
 

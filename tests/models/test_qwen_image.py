@@ -65,7 +65,7 @@ def _runner(case, tp, mode, split_rope=True):
 
 @functools.lru_cache(maxsize=None)
 def run(case, tp=None, mode=None, split_rope=True):
-    return np.asarray(_runner(case, tp, mode, split_rope)(**fixture(case)[0]))
+    return np.asarray(_runner(case, tp, mode, split_rope)(**fixture(case)[0]).sample)
 
 
 # --------------------------------------------------------------------------

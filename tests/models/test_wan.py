@@ -268,7 +268,7 @@ def test_text_kv_cache():
 
     auto = wan.Runner(load_f32("wan_i2v"), cache_text=True)  # a denoise loop passing the same prompt
     for _ in range(2):
-        np.testing.assert_array_equal(auto(**kwargs), cached)
+        np.testing.assert_array_equal(auto(**kwargs).sample, cached)
     first = auto.state["text_kv"][2]
     auto(**kwargs)
     assert auto.state["text_kv"][2] is first
@@ -281,7 +281,7 @@ def test_text_kv_cache():
         sp = wan.Runner(load_f32("wan_t2v_pad", 4), mesh, Config(sp_cross_local=local), "sp")
         kv = sp.encode_text(kwargs["encoder_hidden_states"])
         assert kv["k"].sharding.spec == spec  # local: every head on every rank
-        assert rel(sp(kwargs["hidden_states"], kwargs["timestep"], text_kv=kv), ref) <= 1e-5
+        assert rel(sp(kwargs["hidden_states"], kwargs["timestep"], text_kv=kv).sample, ref) <= 1e-5
 
     # Compiled per-step cost, one layer (XLA's cost analysis counts a scan body once):
     # the cached step skips the text projection and the K/V projections.
@@ -364,12 +364,12 @@ def test_experts_switch_at_the_boundary(tmp_path):
     hi, lo = dict(kwargs, timestep=np.array([900.0], np.float32)), dict(kwargs, timestep=np.array([500.0], np.float32))
     assert experts.expert_for(hi["timestep"]) == "high" and experts.expert_for(lo["timestep"]) == "low"
     assert experts.expert_for(np.array([875.0])) == "high"
-    np.testing.assert_array_equal(experts(**hi), experts.high(**hi))
-    np.testing.assert_array_equal(experts(**lo), experts.low(**lo))
-    assert rel(experts.low(**lo), experts.high(**lo)) > 1e-2
+    np.testing.assert_array_equal(experts(**hi).sample, experts.high(**hi).sample)
+    np.testing.assert_array_equal(experts(**lo).sample, experts.low(**lo).sample)
+    assert rel(experts.low(**lo).sample, experts.high(**lo).sample) > 1e-2
     kv = experts.encode_text(kwargs["encoder_hidden_states"])
-    np.testing.assert_array_equal(experts(hi["hidden_states"], hi["timestep"], text_kv=kv), experts(**hi))
-    np.testing.assert_array_equal(experts(lo["hidden_states"], lo["timestep"], text_kv=kv), experts(**lo))
+    np.testing.assert_array_equal(experts(hi["hidden_states"], hi["timestep"], text_kv=kv).sample, experts(**hi).sample)
+    np.testing.assert_array_equal(experts(lo["hidden_states"], lo["timestep"], text_kv=kv).sample, experts(**lo).sample)
     with pytest.raises(ValueError, match="straddle"):
         experts.expert_for(np.array([900.0, 500.0]))
 
