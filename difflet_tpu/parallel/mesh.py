@@ -89,9 +89,12 @@ def make_mesh(tp: int | None = None, devices=None, *, cfg: int = 1, data: int = 
     import numpy as np
 
     devices = list(jax.devices() if devices is None else devices)
-    for name, n in (("cfg", cfg), ("data", data)):
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"make_mesh: {name}={n!r} must be an int >= 1")
+    for name, n in (("tp", tp), ("cfg", cfg), ("data", data)):
+        if n is None and name == "tp":
+            continue
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"make_mesh: {name}={n!r} must be an int >= 1 (devices available: {len(devices)})")
+    tp, cfg, data = (None if tp is None else int(tp)), int(cfg), int(data)
     outer = cfg * data
     if tp is None:
         if len(devices) % outer:

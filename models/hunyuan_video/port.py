@@ -33,6 +33,19 @@ def _shape(name, x):
     return tuple(x.shape) if hasattr(x, "shape") else tuple(np.shape(x))
 
 
+def check_right_padded(mask) -> None:
+    """Each row of the text mask is its valid tokens first, then padding (1...1 0...0):
+    the token refiner reads the mask per token while joint attention counts its ones
+    (diffusers does both), so a mask with holes would mean other tokens to each."""
+    m = np.asarray(mask) != 0
+    holes = m[:, 1:] & ~m[:, :-1]  # a valid token after a pad token
+    if holes.any():
+        row, col = (int(v[0]) for v in np.nonzero(holes))
+        raise ValueError(f"encoder_attention_mask row {row}: token {col + 1} is valid after a padding token; "
+                         f"HunyuanVideo needs the valid tokens first (right padding: 1...1 0...0), as "
+                         f"diffusers' joint attention counts them")
+
+
 def geometry(run, kw: dict) -> Geometry:
     """Checks every input's shape against the config; the static geometry of the step
     (token streams padded by the Runner's rule)."""
@@ -55,6 +68,7 @@ def geometry(run, kw: dict) -> Geometry:
     m = _shape("encoder_attention_mask", kw.get("encoder_attention_mask"))
     if m != (B, n_txt):
         raise ValueError(f"encoder_attention_mask must be [B, N_text] = {(B, n_txt)}, got {m}")
+    check_right_padded(kw["encoder_attention_mask"])
     pp = _shape("pooled_projections", kw.get("pooled_projections"))
     if pp != (B, c.pooled_projection_dim):
         raise ValueError(f"pooled_projections must be {(B, c.pooled_projection_dim)}, got {pp}")
