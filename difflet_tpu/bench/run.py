@@ -282,6 +282,25 @@ def dump_hlo(directory, name, runner, den, mode):
     return path
 
 
+def run_args(args) -> dict:
+    """What every process of a multi-process bench must agree on: its arguments but the
+    process id, the DIFFLET_TPU_* environment (the Config) and the content of
+    --embeddings (a digest)."""
+    import numpy as np
+
+    derived = ("process_id", "embedding_arrays", "mesh_axes", "modes", "offload", "multi", "cpu")
+    out = {k: v for k, v in vars(args).items() if k not in derived}
+    out["environment"] = {k: v for k, v in os.environ.items() if k.startswith("DIFFLET_TPU_")}  # the Config
+    if args.embedding_arrays is not None:
+        h = hashlib.sha256()
+        for k in sorted(args.embedding_arrays):
+            a = np.ascontiguousarray(args.embedding_arrays[k])
+            h.update(f"{k}{a.dtype}{a.shape}".encode())
+            h.update(a.tobytes())
+        out["embeddings_sha256"] = h.hexdigest()
+    return out
+
+
 def run_bench(args):
     """The denoise benchmark on the devices at hand (4 virtual CPU devices without a TPU);
     with --distributed / --coordinator, on every process's devices (process 0 reports)."""
@@ -295,6 +314,8 @@ def run_bench(args):
             distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                    cpu_devices=cpu_devices if args.cpu else None,
                                    init_timeout_s=args.init_timeout, heartbeat_timeout_s=args.heartbeat_timeout)
+            # before any collective: processes started differently would run different programs
+            distributed.check_same_run(run_args(args), args.init_timeout, "bench arguments")
         except distributed.DistributedError as e:
             raise BenchError(str(e)) from None
     elif args.cpu:
