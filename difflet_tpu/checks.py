@@ -7,7 +7,14 @@
 * `writable_dir(path, what)` / `writable_file(path, what)`: an output that
   cannot be written is refused before the work that would produce it (the
   bench's `--json`, `--profile`, `--dump-hlo`; `load_transformer`'s
-  `cache_dir`).
+  `cache_dir`); `not_an_input` refuses an output that is also an input.
+* `write_atomic(path, data, what)`: every file the project writes goes
+  through a temporary file and a rename; a failed write is a `WriteError`
+  and leaves nothing partial.
+* `check_input(name, x)` / `check_inputs(kwargs)`: the kind of every diffusers
+  forward argument (floating latents and embeddings, real timesteps, 0/1
+  masks, nothing empty), one table for every port (`Runner.prepare`) and the
+  bench's `--embeddings`.
 """
 
 from __future__ import annotations
@@ -104,6 +111,8 @@ def writable_file(path, what: str) -> str:
     p = os.path.abspath(os.fspath(path))
     if os.path.isdir(p):
         raise ValueError(f"{what} {path}: is a directory, not a file")
+    if os.path.exists(p) and not os.path.isfile(p):  # /dev/full, a FIFO: written in place, never renamed over
+        raise ValueError(f"{what} {path}: not a regular file (a device or a pipe); give a file path")
     parent = os.path.dirname(p)
     if not os.path.isdir(parent):
         raise ValueError(f"{what} {path}: directory {parent} does not exist")
@@ -116,6 +125,48 @@ def writable_file(path, what: str) -> str:
     except OSError as e:
         raise ValueError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
     return p
+
+
+class WriteError(RuntimeError):
+    """An output could not be written; nothing partial was left at its path."""
+
+
+def write_atomic(path, data, what: str = "output") -> str:
+    """Writes `data` (str or bytes) to `path` through a temporary file in the same directory,
+    flushed and renamed over `path`: a reader never sees a partial file, and a failed write
+    (a full disk, an I/O error) leaves `path` as it was. Raises WriteError naming `what`."""
+    p = os.path.abspath(os.fspath(path))
+    mode = "wb" if isinstance(data, (bytes, bytearray)) else "w"
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(p)}.", suffix=".tmp", dir=os.path.dirname(p))
+        with os.fdopen(fd, mode) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+        tmp = None
+    except OSError as e:
+        raise WriteError(f"{what} {path}: cannot write it ({e.strerror or e}); nothing was written there") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    return p
+
+
+def not_an_input(path, inputs: dict, what: str) -> None:
+    """An output `path` that is one of `inputs` ({flag: path}; a directory input covers
+    the files under it) is refused before the work: it would overwrite what the run reads."""
+    out = os.path.realpath(os.fspath(path))
+    for flag, src in inputs.items():
+        if not src:
+            continue
+        src = os.path.realpath(os.fspath(src))
+        if out == src or (os.path.isdir(src) and out.startswith(src.rstrip(os.sep) + os.sep)):
+            raise ValueError(f"{what} {path}: is also an input ({flag} {src}); write the output elsewhere")
 
 
 # --------------------------------------------------------------------------

@@ -132,11 +132,26 @@ def returned_sample(n_rows: int, return_dict=True, unpatchify: Callable | None =
     return finish
 
 
+def check_size(why: str, *, frames: int | None = None, frame_step: int = 1, height: int, width: int,
+               multiple: int) -> None:
+    """`example_inputs`' check of a pixel size: `frames` is 1 + frame_step * k, `height` and
+    `width` multiples of `multiple` (and every value >= 1); a ValueError naming each wrong
+    value and the rule (`why`: where the multiple comes from)."""
+    bad = []
+    if frames is not None and (frames < 1 or (frames - 1) % frame_step):
+        ok = 1 + frame_step * max(0, round((frames - 1) / frame_step))
+        bad.append(f"frames {frames} is not 1 + {frame_step}k (e.g. {ok})")
+    for name, v in (("height", height), ("width", width)):
+        if v < 1 or v % multiple:
+            bad.append(f"{name} {v} is not a positive multiple of {multiple} (e.g. {max(1, round(v / multiple)) * multiple})")
+    if bad:
+        raise ValueError("; ".join(bad) + f" ({why})")
+
+
 def packed_image_grid(height: int, width: int) -> tuple[int, int]:
     """The `(height / 16, width / 16)` token grid of an image's VAE-8x latents packed 2x2
     (FLUX, Qwen-Image); `example_inputs`' check of the size."""
-    if height % 16 or width % 16:
-        raise ValueError(f"height and width must be multiples of 16 (VAE 8x, 2x2 packing), got {height}x{width}")
+    check_size("VAE 8x, 2x2 packing", height=height, width=width, multiple=16)
     return height // 16, width // 16
 
 

@@ -135,9 +135,10 @@ def load(path: str) -> KernelTiles:
 
 def save(path: str, device_kind: str, rows: list[dict], **meta) -> None:
     """Writes a table: rows of {"site": Site as dict, "col_tile": int or None, ...}."""
-    with open(path, "w") as f:
-        json.dump(dict(format=FORMAT, device_kind=device_kind, **meta, sites=rows), f, indent=1)
-        f.write("\n")
+    from difflet_tpu import checks  # a temporary file and a rename: a reader never sees half a table
+
+    checks.write_atomic(path, json.dumps(dict(format=FORMAT, device_kind=device_kind, **meta, sites=rows),
+                                         indent=1) + "\n", "kernel tile table")
 
 
 # --------------------------------------------------------------------------

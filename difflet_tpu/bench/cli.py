@@ -122,9 +122,19 @@ def parse_modes(value: str | None) -> list[str]:
     return out
 
 
+# Upper bounds named in the refusal: past them a run cannot finish on any slice this project
+# targets (or, for --cpu-devices, the host's thread pools), and numpy would fail mid-run.
+LIMITS = dict(steps=10_000, warmup=1_000, batch=1_024, height=16_384, width=16_384, frames=4_097,
+              cpu_devices=64)  # parallel.mesh.MAX_CPU_DEVICES
+
+
 def validate(args, ap):
     if args.steps is not None and args.steps < 1:
         ap.error("--steps must be >= 1")
+    for name, limit in LIMITS.items():
+        v = getattr(args, name)
+        if v is not None and v > limit:
+            ap.error(f"--{name.replace('_', '-')} {v}: at most {limit}")
     if args.warmup < 1:
         ap.error("--warmup must be >= 1 (the first call compiles; timed steps never include it)")
     for name in ("height", "width", "frames"):
@@ -195,10 +205,13 @@ def validate(args, ap):
     from difflet_tpu import checks
 
     try:
+        inputs = {"--embeddings": args.embeddings, "--weights": args.weights}
         if args.json:
             checks.writable_file(args.json, "--json")
+            checks.not_an_input(args.json, inputs, "--json")
         for flag in ("profile", "dump_hlo"):
             if getattr(args, flag):
+                checks.not_an_input(getattr(args, flag), inputs, "--" + flag.replace("_", "-"))
                 checks.writable_dir(getattr(args, flag), "--" + flag.replace("_", "-"))
     except ValueError as e:
         ap.error(str(e))
@@ -217,10 +230,15 @@ def main(argv=None):
     ap = parser()
     args = ap.parse_args(argv)
     validate(args, ap)
+    from difflet_tpu.checks import WriteError
+
     try:
         if args.compile_only:
             return run_compile_only(args)
         return run_bench(args)
+    except WriteError as e:  # after the work: the run's report or dump could not be written
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

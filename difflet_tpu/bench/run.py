@@ -126,9 +126,21 @@ def prepare(spec, preset, args, mesh, dtype) -> dict:
         schedule = pipe.schedule(steps, inputs, preset)
     except ValueError as e:  # WeightsError included
         raise BenchError(str(e)) from None
+    except MemoryError as e:  # the inputs themselves do not fit: refused before any model is built
+        raise BenchError(f"{fam}:{preset} at {shape_text(args, spec, preset)}, --batch {args.batch}: its inputs do not "
+                         f"fit this host's memory ({e}); use a smaller size or batch") from None
     return dict(fam=fam, preset=preset, spec=spec, cfg=cfg, dirs=dirs, shape=shape, mesh=mesh,
                 guidance=guidance, cfg_batch=cfg_batch, steps=steps, np_dtype=np_dtype, inputs=inputs,
                 cfg_inputs=cfg_inputs, schedule=schedule, boundary=boundary, n_experts=n_experts)
+
+
+def shape_text(args, spec, preset) -> str:
+    """The size a run asked for, as the flags name it."""
+    try:
+        shape = shape_for(spec, preset, args)
+    except (BenchError, ValueError):
+        shape = {k: getattr(args, k) for k in ("height", "width", "frames") if getattr(args, k) is not None}
+    return " ".join(f"--{k} {v}" for k, v in shape.items())
 
 
 def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
@@ -277,9 +289,9 @@ def dump_hlo(directory, name, runner, den, mode):
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v for k, v in kw.items()}
     compiled = runner.trace(**abstract).lower().compile()
     path = os.path.join(directory, f"{name}.hlo.txt".replace(":", "_"))
-    with open(path, "w") as f:
-        f.write(compiled.as_text())
-    return path
+    from difflet_tpu import checks
+
+    return checks.write_atomic(path, compiled.as_text(), "--dump-hlo")
 
 
 def run_args(args) -> dict:

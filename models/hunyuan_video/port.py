@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from difflet_tpu.parallel import padding
 from difflet_tpu.parallel.padding import patchify
-from difflet_tpu.port import Prepared, returned_sample
+from difflet_tpu.port import Prepared, check_size, returned_sample
 
 from .config import HunyuanVideoConfig
 from .model import Geometry, unpatchify
@@ -142,8 +142,8 @@ def runner_geometry(run, *args, **kwargs) -> Geometry:
 
 def latent_shape(config: HunyuanVideoConfig, height: int, width: int, frames: int, batch: int = 1):
     """The latent `[B, C_in, F, H, W]` of a `frames` x `height` x `width` video (VAE 4x temporal, 8x spatial)."""
-    if (frames - 1) % 4 or height % 16 or width % 16:
-        raise ValueError(f"video {frames}x{height}x{width}: frames must be 4k+1, height and width multiples of 16")
+    check_size("VAE 4x in time, 8x in space, patch 2", frames=frames, frame_step=4, height=height, width=width,
+               multiple=16)
     return (batch, config.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
 
 

@@ -41,7 +41,7 @@ from difflet_tpu.parallel import padding
 from difflet_tpu.config import Config
 from difflet_tpu.parallel.padding import patchify
 from difflet_tpu.parallel.mesh import BATCH, TP
-from difflet_tpu.port import Prepared, returned
+from difflet_tpu.port import Prepared, check_size, returned
 from difflet_tpu.runner import Runner
 
 from .config import NUM_TRAIN_TIMESTEPS, TEXT_LEN_I2V, WanConfig
@@ -354,8 +354,8 @@ def example_inputs(config: WanConfig, *, height: int = 480, width: int = 832, fr
                    image_len: int = 257) -> dict:
     """diffusers forward kwargs (numpy) for a video of `frames` x `height` x `width` pixels."""
     ft, fs = _vae_factors(config)
-    if (frames - 1) % ft or height % (fs * config.patch_size[1]) or width % (fs * config.patch_size[2]):
-        raise ValueError(f"frames must be 1 + {ft}k and height/width multiples of {fs * config.patch_size[1]}")
+    check_size(f"VAE {ft}x in time, {fs}x in space, patch {config.patch_size[1]}", frames=frames, frame_step=ft,
+               height=height, width=width, multiple=fs * config.patch_size[1])
     rng = np.random.default_rng(seed)
     lat = (batch, config.in_channels, (frames - 1) // ft + 1, height // fs, width // fs)
     grid = tuple(s // p for s, p in zip(lat[2:], config.patch_size))
