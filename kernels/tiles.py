@@ -105,6 +105,9 @@ class KernelTiles:
 
 def load(path: str) -> KernelTiles:
     """The table at `path`, validated: format, device kind, every site and tile."""
+    if os.path.isdir(path):
+        raise ValueError(f"kernel tile table {path!r} is a directory; give the JSON file python -m "
+                         f"difflet_tpu.tools.sweep_tiles wrote")
     if not os.path.isfile(path):
         raise ValueError(f"kernel tile table {path!r} does not exist")
     try:

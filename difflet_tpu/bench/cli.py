@@ -71,7 +71,7 @@ def parser():
                     "the compiled steps instead of compiling (default: DIFFLET_TPU_COMPILE_CACHE, else off)")
     ap.add_argument("--compile-only", action="store_true", help="deviceless compile + estimate for --topology")
     ap.add_argument("--topology", help="TPU topology for --compile-only, e.g. v5e:2x2, v5e:2x4, v6e:2x2")
-    ap.add_argument("--calibrated", choices=("yes", "no"), default="yes",
+    ap.add_argument("--calibrated", choices=("yes", "no"),
                     help="--compile-only: apply the estimator's one fitted factor (default yes; both are reported)")
     ap.add_argument("--mesh", help="device mesh AXIS=SIZE,... over cfg, data, tp, e.g. cfg=2,tp=4 (default: "
                     "DIFFLET_TPU_MESH, else one tp ring over every device when the heads divide it)")
@@ -154,8 +154,9 @@ def validate(args, ap):
         if args.compile_cache:  # jax 0.12 writes entries but cannot load them without a TPU client
             ap.error("--compile-cache cannot be combined with --compile-only (a deviceless compile "
                      "cannot load cached executables)")
-    elif args.topology:
-        ap.error("--topology only applies to --compile-only")
+    elif args.topology or args.calibrated:
+        ap.error(f"--{'topology' if args.topology else 'calibrated'} only applies to --compile-only")
+    args.calibrated = args.calibrated or "yes"
     if args.weights and not os.path.isdir(args.weights):
         ap.error(f"--weights {args.weights}: not a directory")
     if args.weights and args.model and len(args.model) > 1:

@@ -85,9 +85,11 @@ def is_initialized() -> bool:
 
 
 def _split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
+    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
     if not sep or not host or not port.isdigit():
         raise DistributedError(f"coordinator address {address!r} is not HOST:PORT (e.g. 10.0.0.2:8476)")
+    if not 1 <= int(port) <= 65535:
+        raise DistributedError(f"coordinator address {address!r}: port {int(port)} is outside 1..65535")
     return host.strip("[]"), int(port)
 
 
