@@ -520,6 +520,18 @@ def save(cache_dir, src_path, port, port_config, model, *, dtype):
     return d
 
 
+def _converted(abstract, key_map, dtype):
+    """The parameters a conversion makes (`checkpoint.target_dtype`: the load dtype, or a
+    key's kept dtype), as ShapeDtypeStructs: what a cache restore must return."""
+
+    def one(path, leaf):
+        names = path_names(path)
+        key = key_map[".".join(names[:-1] if names[-1] == "value" else names)]
+        return jax.ShapeDtypeStruct(leaf.shape, checkpoint.target_dtype(key, leaf.dtype, dtype))
+
+    return jax.tree_util.tree_map_with_path(one, nnx.state(abstract, nnx.Param))
+
+
 def restore_if_cached(cache_dir, src_path, port, port_config, *, dtype, mesh, abstract=None):
     """The model restored from the cache entry matching this source and conversion,
     placed on `mesh`; None on a miss (no entry, any part of the key differs, or
@@ -530,7 +542,8 @@ def restore_if_cached(cache_dir, src_path, port, port_config, *, dtype, mesh, ab
     """
     if abstract is None:
         abstract = checkpoint.abstract_port_model(port, port_config, dtype=dtype)
-    key = cache_key(src_path, port, port_config, dtype=dtype, key_map=port.key_map(port_config, abstract))
+    key_map = port.key_map(port_config, abstract)
+    key = cache_key(src_path, port, port_config, dtype=dtype, key_map=key_map)
     hit = False
     if key is not None and jax.process_index() == 0:  # only process 0's decision counts
         d = entry_dir(cache_dir, key)
@@ -553,7 +566,7 @@ def restore_if_cached(cache_dir, src_path, port, port_config, *, dtype, mesh, ab
             raise checkpoint.WeightsError(f"cache entry {d} cannot be restored ({_one_line(e)}); delete it") from None
         log.warning("cache entry %s cannot be restored (%s); converting %s again", d, _one_line(e), src_path)
         return None
-    asked = restored_problems(nnx.state(model, nnx.Param), nnx.state(abstract, nnx.Param))  # the load dtype
+    asked = restored_problems(nnx.state(model, nnx.Param), _converted(abstract, key_map, dtype))
     if asked:
         if _num_processes() > 1:
             raise checkpoint.WeightsError(f"cache entry {d} restores other parameters than asked ({asked[0]}); "
