@@ -101,18 +101,21 @@ def prepare(spec, preset, args, mesh, dtype) -> dict:
                     f"{n_experts * nbytes / 2**30:.1f} GiB as {jnp.dtype(dtype).name}, more than half of this "
                     f"machine's {mem / 2**30:.1f} GiB. It needs a TPU; here, plan it with --compile-only --topology "
                     f"v5e:2x2 --model {name}, or run a tiny preset (--model {fam}:tiny)")
-        c_in, c_out = getattr(cfg, "in_channels", None), getattr(cfg, "out_channels", None)
-        if isinstance(c_in, int) and isinstance(c_out, int) and c_in != c_out:  # e.g. Wan I2V: latents + image
-            src = f"--weights {args.weights}" if dirs else f"--model {fam}:{preset}"
-            raise BenchError(f"{src}: a transformer with in_channels={c_in} and out_channels={c_out} (the "
-                             f"latents plus {c_in - c_out} condition channels, an image-to-video model); the "
-                             f"bench's denoise loop runs text-to-video latents only: use a T2V checkpoint or "
-                             f"preset, or plan it with --compile-only")
         shape = shape_for(spec, preset, args)
         guidance, cfg_batch = guidance_for(spec, args)
         steps = args.steps or (4 if args.cpu else pipe.steps)
         np_dtype = np.float32 if dtype == jnp.float32 else jnp.bfloat16
         inputs = spec.example_inputs(cfg, **shape, batch=args.batch, seed=args.seed, dtype=np_dtype)
+        c_in, c_out = getattr(cfg, "in_channels", None), getattr(cfg, "out_channels", None)
+        latent = inputs.get("hidden_states")
+        if (isinstance(c_out, int) and np.ndim(latent) == 5 and np.shape(latent)[1] == c_in != c_out):
+            # unpacked video latents [B, C, F, H, W] whose channels the output does not return: the
+            # latents plus condition channels (Wan / HunyuanVideo image-to-video)
+            src = f"--weights {args.weights}" if dirs else f"--model {fam}:{preset}"
+            raise BenchError(f"{src}: a transformer with in_channels={c_in} and out_channels={c_out} (the "
+                             f"latents plus {c_in - c_out} condition channels, an image-to-video model); the "
+                             f"bench's denoise loop runs text-to-video latents only: use a T2V checkpoint or "
+                             f"preset, or plan it with --compile-only")
         cfg_inputs = (spec.example_inputs(cfg, **shape, batch=2 * args.batch, seed=args.seed + 1, dtype=np_dtype)
                       if cfg_batch else None)
         if cfg_inputs is not None:  # conditional rows second, the same latents
