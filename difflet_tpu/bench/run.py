@@ -306,13 +306,17 @@ def dump_hlo(directory, name, runner, den, mode):
 
 def run_args(args) -> dict:
     """What every process of a multi-process bench must agree on: its arguments but the
-    process id, the DIFFLET_TPU_* environment (the Config) and the content of
-    --embeddings (a digest)."""
+    process id and the paths each host may name its own way (outputs only process 0 writes
+    or each host keeps: --json, --profile, --dump-hlo, --compile-cache; the --weights and
+    --embeddings paths), the DIFFLET_TPU_* environment (the Config) and the content of
+    --embeddings (a digest). Weights that differ show as differing final latents (sha256)."""
     import numpy as np
 
-    derived = ("process_id", "embedding_arrays", "mesh_axes", "modes", "offload", "multi", "cpu")
-    out = {k: v for k, v in vars(args).items() if k not in derived}
-    out["environment"] = {k: v for k, v in os.environ.items() if k.startswith("DIFFLET_TPU_")}  # the Config
+    own = ("process_id", "json", "profile", "dump_hlo", "compile_cache", "weights", "embeddings",
+           "embedding_arrays", "mesh_axes", "modes", "offload", "multi", "cpu")  # the last five: derived
+    out = {k: v for k, v in vars(args).items() if k not in own}
+    out["environment"] = {k: v for k, v in os.environ.items()  # the Config, but each host's cache directory
+                          if k.startswith("DIFFLET_TPU_") and k != "DIFFLET_TPU_COMPILE_CACHE"}
     if args.embedding_arrays is not None:
         h = hashlib.sha256()
         for k in sorted(args.embedding_arrays):
