@@ -7,7 +7,14 @@
 * `writable_dir(path, what)` / `writable_file(path, what)`: an output that
   cannot be written is refused before the work that would produce it (the
   bench's `--json`, `--profile`, `--dump-hlo`; `load_transformer`'s
-  `cache_dir`).
+  `cache_dir`); `not_an_input` refuses an output that is also an input.
+* `write_atomic(path, data, what)`: every file the project writes goes
+  through a temporary file and a rename; a failed write is a `WriteError`
+  and leaves nothing partial.
+* `check_input(name, x)` / `check_inputs(kwargs)`: the kind of every diffusers
+  forward argument (floating latents and embeddings, real timesteps, 0/1
+  masks, nothing empty), one table for every port (`Runner.prepare`) and the
+  bench's `--embeddings`.
 """
 
 from __future__ import annotations
@@ -104,6 +111,8 @@ def writable_file(path, what: str) -> str:
     p = os.path.abspath(os.fspath(path))
     if os.path.isdir(p):
         raise ValueError(f"{what} {path}: is a directory, not a file")
+    if os.path.exists(p) and not os.path.isfile(p):  # /dev/full, a FIFO: written in place, never renamed over
+        raise ValueError(f"{what} {path}: not a regular file (a device or a pipe); give a file path")
     parent = os.path.dirname(p)
     if not os.path.isdir(parent):
         raise ValueError(f"{what} {path}: directory {parent} does not exist")
@@ -116,3 +125,155 @@ def writable_file(path, what: str) -> str:
     except OSError as e:
         raise ValueError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
     return p
+
+
+class WriteError(RuntimeError):
+    """An output could not be written; nothing partial was left at its path."""
+
+
+def write_atomic(path, data, what: str = "output") -> str:
+    """Writes `data` (str or bytes) to `path` through a temporary file in the same directory,
+    flushed and renamed over `path`: a reader never sees a partial file, and a failed write
+    (a full disk, an I/O error) leaves `path` as it was. Raises WriteError naming `what`."""
+    p = os.path.abspath(os.fspath(path))
+    mode = "wb" if isinstance(data, (bytes, bytearray)) else "w"
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(p)}.", suffix=".tmp", dir=os.path.dirname(p))
+        with os.fdopen(fd, mode) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+        tmp = None
+    except OSError as e:
+        raise WriteError(f"{what} {path}: cannot write it ({e.strerror or e}); nothing was written there") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    return p
+
+
+def not_an_input(path, inputs: dict, what: str) -> None:
+    """An output `path` that is one of `inputs` ({flag: path}; a directory input covers
+    the files under it) is refused before the work: it would overwrite what the run reads."""
+    out = os.path.realpath(os.fspath(path))
+    for flag, src in inputs.items():
+        if not src:
+            continue
+        src = os.path.realpath(os.fspath(src))
+        if out == src or (os.path.isdir(src) and out.startswith(src.rstrip(os.sep) + os.sep)):
+            raise ValueError(f"{what} {path}: is also an input ({flag} {src}); write the output elsewhere")
+
+
+# --------------------------------------------------------------------------
+# Input kinds: one table for every port's forward arguments and the bench's --embeddings
+# --------------------------------------------------------------------------
+
+# diffusers forward arguments by the kind of value they must hold; names no port uses are
+# harmless. Floating arrays are never made from integers, bools or complex numbers silently:
+# a cast would run the model on wrong values (complex keeps only its real part).
+FLOAT_INPUTS = frozenset({
+    "hidden_states", "audio_hidden_states", "encoder_hidden_states", "audio_encoder_hidden_states",
+    "encoder_hidden_states_image", "pooled_projections"})
+# Real numbers (integers or floats; not bool, complex or strings): times, scales, positions.
+REAL_INPUTS = frozenset({
+    "timestep", "audio_timestep", "sigma", "audio_sigma", "guidance", "img_ids", "txt_ids",
+    "video_coords", "audio_coords", "fps", "perturbation_mask", "video_keyframes_mask"})
+# Text masks: bool, or numbers that are all 0 or 1. Any other value would mean one thing to one
+# part of a model and another to the next (HunyuanVideo's refiner reads `mask != 0`, its joint
+# attention counts the ones).
+MASK_INPUTS = frozenset({"encoder_attention_mask", "audio_encoder_attention_mask", "encoder_hidden_states_mask"})
+# Streams whose token axis (1) must not be empty.
+TOKEN_INPUTS = frozenset({"encoder_hidden_states", "audio_encoder_hidden_states", "encoder_hidden_states_image"})
+
+
+def input_kind(name: str) -> str | None:
+    """"float", "real", "mask" or None (not an array input) for a forward argument name;
+    a `negative_` prefix (the unconditional half of --embeddings) is ignored."""
+    name = name.removeprefix("negative_")
+    for kind, names in (("float", FLOAT_INPUTS), ("real", REAL_INPUTS), ("mask", MASK_INPUTS)):
+        if name in names:
+            return kind
+    return None
+
+
+def _dtype_of(x):
+    if isinstance(x, (bool, np.bool_)):
+        return np.dtype(bool)
+    if isinstance(x, (int, float, complex, np.number)):
+        return np.asarray(x).dtype
+    if hasattr(x, "dtype"):
+        try:
+            return np.dtype(x.dtype)
+        except TypeError:
+            return None
+    if isinstance(x, (list, tuple)):
+        try:
+            return np.asarray(x).dtype
+        except (ValueError, TypeError):
+            return None
+    return None
+
+
+def _float_dtype(dt) -> bool:
+    return dt.kind == "f" or dt.name.startswith(("bfloat", "float"))
+
+
+def check_input(name: str, x, kind: str | None = None, where: str = "") -> None:
+    """`x` holds the kind of value `name` needs (`input_kind`), and is not empty; a
+    ValueError naming the input, its dtype or values and what is expected otherwise.
+
+    float: a floating-point array; real: integer or floating (a scalar or an array);
+    mask: bool, or numbers all 0 or 1. Masks are read on the host (their values decide
+    which tokens exist); every other check reads only the dtype and the shape."""
+    kind = kind or input_kind(name)
+    if kind is None or x is None:
+        return
+    label = f"{where}{name}"
+    if isinstance(x, str) or isinstance(x, bytes):
+        raise ValueError(f"{label}: {x!r} is a string; expected {_EXPECT[kind]}")
+    dt = _dtype_of(x)
+    if dt is None:
+        raise ValueError(f"{label}: a {type(x).__name__} is not an array; expected {_EXPECT[kind]}")
+    ok = {"float": _float_dtype(dt),
+          "real": _float_dtype(dt) or dt.kind in "iu",
+          "mask": _float_dtype(dt) or dt.kind in "iub"}[kind]
+    if not ok:
+        raise ValueError(f"{label}: dtype {dt.name}; expected {_EXPECT[kind]} (not cast: a cast would run on "
+                         f"other values)")
+    shape = tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
+    if 0 in shape:
+        axis = shape.index(0)
+        what = ": no text tokens" if name.removeprefix("negative_") in TOKEN_INPUTS and axis == 1 else ""
+        raise ValueError(f"{label}: shape {shape} is empty (axis {axis} has length 0{what}); every axis needs "
+                         f"at least one entry")
+    if kind == "mask" and dt.kind != "b":
+        if isinstance(x, np.ndarray) or not hasattr(x, "dtype") or isinstance(x, np.generic):
+            a = np.asarray(x)
+            bad = ~((a == 0) | (a == 1))
+            n_bad = int(bad.sum())
+            first = a[bad].ravel()[:1].tolist() if n_bad else []
+        else:  # a jax array: the test on its devices, one bool (and the count on failure) back
+            import jax.numpy as jnp
+
+            bad = (~((x == 0) | (x == 1))).ravel()
+            n_bad = int(jnp.sum(bad))
+            first = [float(x.ravel()[jnp.argmax(bad)])] if n_bad else []
+        if n_bad:
+            raise ValueError(f"{label}: {n_bad} value(s) other than 0 and 1 (e.g. {first[0]}); a mask is bool or "
+                             f"0/1 (1: a token, 0: padding)")
+
+
+_EXPECT = {"float": "a floating-point array (float32, bfloat16, float16, float64)",
+           "real": "integers or floating-point numbers (not bool, complex or strings)",
+           "mask": "a bool or 0/1 mask"}
+
+
+def check_inputs(kwargs: dict, where: str = "") -> None:
+    """`check_input` on every argument of `kwargs` whose name has a kind."""
+    for name, x in kwargs.items():
+        check_input(name, x, where=where)

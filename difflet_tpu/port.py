@@ -132,31 +132,27 @@ def returned_sample(n_rows: int, return_dict=True, unpatchify: Callable | None =
     return finish
 
 
+def check_size(why: str, *, frames: int | None = None, frame_step: int = 1, height: int, width: int,
+               multiple: int) -> None:
+    """`example_inputs`' check of a pixel size: `frames` is 1 + frame_step * k, `height` and
+    `width` multiples of `multiple` (and every value >= 1); a ValueError naming each wrong
+    value and the rule (`why`: where the multiple comes from)."""
+    bad = []
+    if frames is not None and (frames < 1 or (frames - 1) % frame_step):
+        ok = 1 + frame_step * max(0, round((frames - 1) / frame_step))
+        bad.append(f"frames {frames} is not 1 + {frame_step}k (e.g. {ok})")
+    for name, v in (("height", height), ("width", width)):
+        if v < 1 or v % multiple:
+            bad.append(f"{name} {v} is not a positive multiple of {multiple} (e.g. {max(1, round(v / multiple)) * multiple})")
+    if bad:
+        raise ValueError("; ".join(bad) + f" ({why})")
+
+
 def packed_image_grid(height: int, width: int) -> tuple[int, int]:
     """The `(height / 16, width / 16)` token grid of an image's VAE-8x latents packed 2x2
     (FLUX, Qwen-Image); `example_inputs`' check of the size."""
-    if height % 16 or width % 16:
-        raise ValueError(f"height and width must be multiples of 16 (VAE 8x, 2x2 packing), got {height}x{width}")
+    check_size("VAE 8x, 2x2 packing", height=height, width=width, multiple=16)
     return height // 16, width // 16
-
-
-def check_video_size(frames: int, height: int, width: int, *, frame_step: int, multiple: int) -> None:
-    """A video request as the pipelines take it: `frames = 1 + frame_step * k` (the VAE's
-    temporal factor) and height / width multiples of `multiple`; the error names each bad value."""
-    bad = []
-    for name, v in (("frames", frames), ("height", height), ("width", width)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            bad.append(f"{name}={v!r} is not a positive integer")
-    if not bad:
-        if (frames - 1) % frame_step:
-            bad.append(f"frames={frames} is not 1 + {frame_step}k (e.g. {1 + frame_step * ((frames - 1) // frame_step)} "
-                       f"or {1 + frame_step * ((frames - 1) // frame_step + 1)})")
-        for name, v in (("height", height), ("width", width)):
-            if v % multiple:
-                bad.append(f"{name}={v} is not a multiple of {multiple} (e.g. {v - v % multiple or multiple} "
-                           f"or {v - v % multiple + multiple})")
-    if bad:
-        raise ValueError("; ".join(bad))
 
 
 def randn(rng: np.random.Generator, shape, dtype) -> np.ndarray:

@@ -61,6 +61,23 @@ def model_dtype(model):
     return jnp.dtype(max(leaves, key=lambda x: int(np.prod(x.shape))).dtype)
 
 
+def check_runner_args(mesh, config, mode) -> None:
+    """The Runner's mesh, config and mode, each refused with what is expected."""
+    if mesh is not None and (not isinstance(mesh, jax.sharding.Mesh) or TP not in mesh.axis_names):
+        what = (f"a mesh with axes {tuple(mesh.axis_names)}, no 'tp'" if isinstance(mesh, jax.sharding.Mesh)
+                else f"{mesh!r} is not a jax.sharding.Mesh")
+        raise ValueError(f"mesh: {what}; a Runner needs a mesh with a 'tp' axis (difflet_tpu.make_mesh(), "
+                         f"optionally with cfg / data axes), or None for one device")
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config: {config!r} is not a difflet_tpu.Config (a mode goes in mode=, e.g. "
+                        f"Runner(model, mesh, mode='sp'))")
+    if mode is not None and mode not in ("tp", "sp", "sp-xla"):
+        raise ValueError(f"mode {mode!r}: use 'tp', 'sp' or 'sp-xla' (or None: the config's choice)")
+    if mode is not None and mesh is None:
+        raise ValueError(f"mode {mode!r} needs a mesh (difflet_tpu.make_mesh(n)); with mesh=None the model runs "
+                         f"on one device, so leave mode=None")
+
+
 class Runner:
     """Runs a port's model on one device (`mesh=None`), under TP or under SP.
 
@@ -93,6 +110,7 @@ class Runner:
                  **options):
         from difflet_tpu import models
 
+        check_runner_args(mesh, config, mode)
         self.spec = models.spec_for_model(model)
         unknown = set(options) - set(self.spec.options)
         if unknown:
@@ -372,6 +390,7 @@ class Runner:
         unknown = set(kwargs) - set(self.spec.forward_args) - set(self.spec.extra_kwargs)
         if unknown:
             raise TypeError(f"unexpected {self.spec.class_names[0]} forward kwargs {sorted(unknown)}")
+        checks.check_inputs(kwargs, f"{self.spec.name}: ")  # kinds and empty inputs, one rule for every port
         return self.spec.prepare(self, kwargs)
 
     def __call__(self, *args, **kwargs):

@@ -105,6 +105,9 @@ class KernelTiles:
 
 def load(path: str) -> KernelTiles:
     """The table at `path`, validated: format, device kind, every site and tile."""
+    if os.path.isdir(path):
+        raise ValueError(f"kernel tile table {path!r} is a directory; give the JSON file python -m "
+                         f"difflet_tpu.tools.sweep_tiles wrote")
     if not os.path.isfile(path):
         raise ValueError(f"kernel tile table {path!r} does not exist")
     try:
@@ -135,9 +138,10 @@ def load(path: str) -> KernelTiles:
 
 def save(path: str, device_kind: str, rows: list[dict], **meta) -> None:
     """Writes a table: rows of {"site": Site as dict, "col_tile": int or None, ...}."""
-    with open(path, "w") as f:
-        json.dump(dict(format=FORMAT, device_kind=device_kind, **meta, sites=rows), f, indent=1)
-        f.write("\n")
+    from difflet_tpu import checks  # a temporary file and a rename: a reader never sees half a table
+
+    checks.write_atomic(path, json.dumps(dict(format=FORMAT, device_kind=device_kind, **meta, sites=rows),
+                                         indent=1) + "\n", "kernel tile table")
 
 
 # --------------------------------------------------------------------------

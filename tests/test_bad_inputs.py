@@ -519,6 +519,178 @@ def wan_runner(change):
     return run
 
 
+def runner_call(case, change, **runner_kw):
+    """`Runner(fixture model, **runner_kw)(**fixture kwargs | change)` raises ValueError / TypeError
+    (before anything compiles: the step cache stays empty)."""
+
+    def run(c: Ctx):
+        from difflet_tpu.runner import Runner
+
+        kwargs, _ = read_fixture_io(FIXTURES / case)
+        model = loading.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32, config=Config())
+        r = Runner(model, None, Config(), **runner_kw)
+        new = change(kwargs) if callable(change) else {**kwargs, **change}
+        with pytest.raises((ValueError, TypeError)) as e:
+            r(**new)
+        assert not r._steps, "a step was compiled before the refusal"
+        return str(e.value)
+
+    return run
+
+
+def runner_made(mesh=None, config=None, mode=None):
+    """`Runner(wan fixture model, mesh, config, mode)` is refused."""
+
+    def run(c: Ctx):
+        from difflet_tpu.runner import Runner
+
+        model = loading.load_transformer(WAN_T2V, dtype=jnp.float32, config=Config())
+        m = mesh() if callable(mesh) else mesh
+        with pytest.raises((ValueError, TypeError)) as e:
+            Runner(model, m, config, mode)
+        return str(e.value)
+
+    return run
+
+
+def raises(fn, exc=ValueError):
+    def run(c: Ctx):
+        with pytest.raises(exc) as e:
+            fn(c)
+        return str(e.value)
+
+    return run
+
+
+def hunyuan_mask(values):
+    def change(kw):
+        m = np.asarray(kw["encoder_attention_mask"]).copy()
+        m[0, :len(values)] = values
+        return {**kw, "encoder_attention_mask": m}
+
+    return change
+
+
+def _cached_toy_meta(c: Ctx, rehash: bool) -> str:
+    """Edits one parameter's dtype in a cache entry's difflet_meta.json (still valid JSON), then
+    loads again: one warning and a re-conversion, the parameter in its right dtype and values."""
+    tensors = tw.torch_weights()
+    path = toy(c, tensors)
+    cache = c.tmp / "cache"
+    first = tw.flat_params(loading.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=cache))
+    (entry,) = [d for d in cache.iterdir() if not d.name.startswith(".")]
+    meta = json.loads((entry / checkpoint.META_FILE).read_text())
+    name = sorted(meta["params"])[0]
+    meta["params"][name]["dtype"] = "bfloat16"
+    if rehash:  # an edit that recomputes the metadata digest too: the restored dtypes are still checked
+        meta["meta_sha256"] = checkpoint.meta_digest(meta)
+    (entry / checkpoint.META_FILE).write_text(json.dumps(meta))
+    c.caplog.clear()
+    with c.caplog.at_level(logging.WARNING, logger="difflet_tpu.loading"):
+        model = loading.load_transformer(path, dtype=jnp.float32, config=Config(), cache_dir=cache)
+    got = tw.flat_params(model)
+    for k, v in first.items():
+        assert got[k].dtype == jnp.float32, k
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v), err_msg=k)
+    warnings = [r.getMessage() for r in c.caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    return warnings[0]
+
+
+def explicit_restore_refuses_meta_edit(c: Ctx) -> str:
+    path = toy(c)
+    model = loading.load_transformer(path, dtype=jnp.float32, config=Config())
+    out = checkpoint.save_params(c.tmp / "saved", model)
+    meta = json.loads((pathlib.Path(out) / checkpoint.META_FILE).read_text())
+    meta["params"][sorted(meta["params"])[0]]["dtype"] = "float16"
+    (pathlib.Path(out) / checkpoint.META_FILE).write_text(json.dumps(meta))
+    abstract = loading.abstract_port_model(tw.TOY_PORT, tw._config_from_diffusers(tw.DIFFUSERS_CONFIG),
+                                           dtype=jnp.float32)
+    with pytest.raises(WeightsError) as e:
+        checkpoint.restore_params(out, abstract, None, tw.testing.PLAN, verify=False)
+    return str(e.value)
+
+
+def key_in_two_shards(c: Ctx) -> pathlib.Path:
+    path = toy(c, sharded=True)
+    index = json.loads((path / loading.INDEX_FILE).read_text())
+    first, second = sorted(set(index["weight_map"].values()))
+    key = next(k for k, f in index["weight_map"].items() if f == first)
+    t = load_file(str(path / second))
+    t[key] = np.zeros_like(load_file(str(path / first))[key])  # another copy, other values
+    save_file(t, str(path / second))
+    return path
+
+
+def shard_link(target):
+    """A sharded toy checkpoint whose second shard is a symlink to `target` (its own name: a loop)."""
+
+    def setup(c):
+        path = toy(c, sharded=True)
+        shard = path / "diffusion_pytorch_model-00002-of-00002.safetensors"
+        shard.unlink()
+        shard.symlink_to(target or shard.name)
+        return path
+
+    return setup
+
+
+def config_dir(c: Ctx) -> pathlib.Path:
+    path = toy(c)
+    (path / "config.json").unlink()
+    (path / "config.json").mkdir()
+    return path
+
+
+def embeddings_one_prompt_for_a_batch(c: Ctx) -> str:
+    """--batch 2 with a one-prompt embeddings file: both prompts get the file's rows (and the
+    unconditional half its negative rows); FLUX's txt_ids (no batch axis) are taken as they are."""
+    from difflet_tpu.pipeline import denoise as PL
+
+    text = np.random.default_rng(0).standard_normal((1, 7, 5)).astype(np.float32)
+    neg = -text
+    inputs = {"hidden_states": np.zeros((4, 3, 2), np.float32), "encoder_hidden_states": np.zeros((4, 7, 5)),
+              "txt_ids": np.ones((7, 3), np.float32)}
+    out = PL.apply_embeddings(inputs, {"encoder_hidden_states": text, "negative_encoder_hidden_states": neg,
+                                       "txt_ids": np.zeros((1, 7, 3))}, True)
+    np.testing.assert_array_equal(out["encoder_hidden_states"], np.concatenate([neg, neg, text, text]))
+    np.testing.assert_array_equal(out["txt_ids"], np.zeros((7, 3)))
+    with pytest.raises(ValueError) as e:
+        PL.apply_embeddings(inputs, {"encoder_hidden_states": np.zeros((3, 7, 5), np.float32)}, True)
+    return str(e.value)
+
+
+def json_write_fails_after_the_run(c: Ctx) -> str:
+    """A full disk when the report is written: exit 1, a message, no report and no temporary file."""
+    from difflet_tpu import checks
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    c.monkeypatch.setattr(checks.os, "fsync", full)
+    out = c.tmp / "out"
+    out.mkdir()
+    rc = bench_cli.main(["--model", "toy:tiny", "--mode", "tp", "--steps", "1", "--json", str(out / "r.json")])
+    err = c.capsys.readouterr().err
+    assert rc == 1, err
+    assert list(out.iterdir()) == [], list(out.iterdir())
+    return err
+
+
+def json_write_keeps_the_old_report(c: Ctx) -> str:
+    """The same failure over an earlier report leaves that report whole."""
+    from difflet_tpu import checks
+
+    old = c.tmp / "r.json"
+    old.write_text('{"old": true}')
+    c.monkeypatch.setattr(checks.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    with pytest.raises(checks.WriteError) as e:
+        report.write_json(old, {"new": 1})
+    assert json.loads(old.read_text()) == {"old": True}
+    assert [p.name for p in c.tmp.iterdir()] == ["r.json"]
+    return str(e.value)
+
+
 # --------------------------------------------------------------------------
 # The table
 # --------------------------------------------------------------------------
@@ -571,7 +743,53 @@ CASES = [
     Case("expert-offload-env-unknown-value", "cli", cli("--model", "toy:tiny", setup=offload_env("1")),
          r"DIFFLET_TPU_EXPERT_OFFLOAD='1' is not allowed; use one of auto, on, off"),
     Case("shape-the-port-refuses", "cli", cli("--model", "wan:tiny", "--height", "60"),
-         r"error: height=60 is not a multiple of 16 \(e.g. 48 or 64\)"),
+         r"error: height 60 is not a positive multiple of 16 \(e.g. 64\)"),
+    Case("frames-and-width-named", "cli", cli("--model", "wan:tiny", "--frames", "4", "--width", "70"),
+         r"error: frames 4 is not 1 \+ 4k \(e.g. 5\); width 70 is not a positive multiple of 16"),
+    Case("embeddings-int32", "cli", cli("--model", "wan:tiny", "--embeddings", "{tmp}/e.npz",
+                                        setup=embeddings("e.npz", {"prompt_embeds": WAN_TEXT.astype(np.int32)})),
+         r"--embeddings \S+e\.npz: prompt_embeds: dtype int32; expected a floating-point array"),
+    Case("embeddings-bool", "cli", cli("--model", "wan:tiny", "--embeddings", "{tmp}/e.safetensors",
+                                       setup=embeddings("e.safetensors", {"prompt_embeds": WAN_TEXT > 0})),
+         r"prompt_embeds: dtype bool; expected a floating-point array"),
+    Case("embeddings-complex", "cli", cli("--model", "wan:tiny", "--embeddings", "{tmp}/e.npz",
+                                          setup=embeddings("e.npz", {"prompt_embeds": WAN_TEXT + 1j})),
+         r"prompt_embeds: dtype complex(64|128); expected a floating-point array"),
+    Case("embeddings-no-tokens", "cli", cli("--model", "wan:tiny", "--embeddings", "{tmp}/e.npz",
+                                            setup=embeddings("e.npz", {"prompt_embeds": WAN_TEXT[:, :0]})),
+         r"prompt_embeds: shape \(1, 0, 24\) is empty \(axis 1 has length 0"),
+    Case("embeddings-mask-half", "cli",
+         cli("--model", "hunyuan_video:tiny", "--embeddings", "{tmp}/e.npz",
+             setup=embeddings("e.npz", {"prompt_attention_mask": np.array([[1, 1, 0.5, 0]])})),
+         r"prompt_attention_mask: 1 value\(s\) other than 0 and 1 \(e.g. 0.5\)"),
+    Case("embeddings-rows-not-batch", "cli",
+         cli("--model", "wan:tiny", "--batch", "2", "--embeddings", "{tmp}/e.npz",
+             setup=embeddings("e.npz", {"prompt_embeds": np.zeros((3, 512, 24), np.float32)})),
+         r"encoder_hidden_states has shape \(3, 512, 24\), this model needs \(1 or 2, 512, 24\)"),
+    Case("embeddings-one-prompt-for-a-batch", "cli", embeddings_one_prompt_for_a_batch,
+         r"needs \(1 or 2, 7, 5\) \(one prompt for the batch, or one per prompt of --batch 2\)"),
+    Case("json-is-the-embeddings", "cli",
+         cli("--model", "wan:tiny", "--embeddings", "{tmp}/e.npz", "--json", "{tmp}/e.npz",
+             setup=embeddings("e.npz", {"prompt_embeds": WAN_TEXT})),
+         r"--json \S+e\.npz: is also an input \(--embeddings"),
+    Case("json-inside-the-weights", "cli", cli("--model", "toy:tiny", "--weights", str(WAN_T2V), "--json",
+                                               str(WAN_T2V / "config.json")), r"is also an input \(--weights"),
+    Case("json-dev-full", "cli", cli("--model", "toy:tiny", "--json", "/dev/full"),
+         r"--json /dev/full: not a regular file"),
+    Case("json-write-fails-after-the-run", "cli", json_write_fails_after_the_run,
+         r"error: --json \S+r\.json: cannot write it \(No space left on device\); nothing was written"),
+    Case("json-write-keeps-the-old-report", "cli", json_write_keeps_the_old_report,
+         r"cannot write it \(Input/output error\)"),
+    Case("cpu-devices-huge", "cli", cli("--cpu-devices", "100000"), r"--cpu-devices 100000: at most 64"),
+    Case("steps-huge", "cli", cli("--model", "toy:tiny", "--steps", "1000000000"), r"--steps 1000000000: at most"),
+    Case("inputs-larger-than-any-host", "cli",
+         cli("--model", "wan:tiny", "--batch", "1024", "--frames", "4097", "--height", "16384", "--width", "16384"),
+         r"wan:tiny at --height 16384 --width 16384 --frames 4097, --batch 1024: its inputs do not fit this "
+         r"host's memory"),
+    Case("calibrated-without-compile-only", "cli", cli("--model", "toy:tiny", "--calibrated", "no"),
+         r"--calibrated only applies to --compile-only"),
+    Case("i2v-weights-under-t2v-preset", "cli", cli("--model", "wan:tiny", "--weights", str(WAN_I2V)),
+         r"in_channels=12 and out_channels=4 .*image-to-video.*text-to-video latents only"),
     Case("weights-of-two-experts-without-model", "cli", cli("--weights", "{tmp}/pipe", setup=two_experts),
          r"holds two experts .* name the pipeline with --model"),
     Case("weights-of-an-unported-class", "cli", cli("--weights", "{tmp}/sd3", setup=sd3_dir),
@@ -626,6 +844,14 @@ CASES = [
     Case("heads-do-not-divide-tp", "loader", loads(toy_heads, mesh=make_mesh(4)),
          r"heads or parameters do not divide over the tp axis \(tp=4\):\n  heads: 6 heads over tp=4"),
     Case("config-json-not-an-object", "loader", loads(toy_config([1, 2])), r"config.json: not a JSON object"),
+    Case("config-json-is-a-directory", "loader", loads(config_dir), r"config.json: is a directory, not a file"),
+    Case("shard-dangling-symlink", "loader", loads(shard_link("gone.safetensors")),
+         r"names shard\(s\) that cannot be read: diffusion_pytorch_model-00002-of-00002.safetensors is a "
+         r"symlink to gone.safetensors, which does not exist"),
+    Case("shard-symlink-loop", "loader", loads(shard_link(None)), r"00002-of-00002.safetensors is a symlink loop"),
+    Case("key-in-two-shards", "loader", loads(key_in_two_shards),
+         r"1 key\(s\) are in more than one file, e.g. \S+ in diffusion_pytorch_model-00001-of-00002.safetensors "
+         r"and diffusion_pytorch_model-00002-of-00002.safetensors"),
     Case("wan-config-num-layers-negative", "loader", loads(wan_config(num_layers=-1)),
          r"config.json: not supported by wan: num_layers: -1 is not a positive integer"),
 
@@ -673,6 +899,14 @@ CASES = [
     Case("cache-interrupted-save", "cache", interrupted_save_never_restores, r"never restored"),
     Case("explicit-restore-damaged", "cache", explicit_restore_refuses_damage,
          r"saved: data digest mismatch .*; save it again"),
+    Case("cache-meta-dtype-edited", "cache", lambda c: _cached_toy_meta(c, rehash=False),
+         r"^cache entry \S+: metadata digest mismatch \(difflet_meta.json changed: damaged or edited\); "
+         r"converting \S+ again$"),
+    Case("cache-meta-edited-and-rehashed", "cache", lambda c: _cached_toy_meta(c, rehash=True),
+         r"^cache entry \S+ restores other parameters than asked \(\S+: dtype bfloat16, asked float32\); "
+         r"converting \S+ again$"),
+    Case("explicit-restore-meta-edited", "cache", explicit_restore_refuses_meta_edit,
+         r"saved: metadata digest mismatch \(difflet_meta.json changed: damaged or edited\); save it again"),
 
     # ---- the Runners ----
     Case("wan-i2v-norm-added-q-ignored", "runner", wan_i2v_norm_added_q,
@@ -686,6 +920,49 @@ CASES = [
          wan_runner({"hidden_states": np.zeros((1, 5, 3, 8, 12), np.float32)}), r"in_channels=4"),
     Case("wan-runner-text-dim", "runner",
          wan_runner({"encoder_hidden_states": np.zeros((1, 10, 23), np.float32)}), r"text_dim=24"),
+    Case("runner-int32-latents", "runner", runner_call("wan_t2v", lambda kw: {
+        **kw, "hidden_states": np.asarray(kw["hidden_states"]).astype(np.int32)}),
+         r"^wan: hidden_states: dtype int32; expected a floating-point array"),
+    Case("runner-bool-text", "runner", runner_call("wan_t2v", lambda kw: {
+        **kw, "encoder_hidden_states": np.asarray(kw["encoder_hidden_states"]) > 0}),
+         r"^wan: encoder_hidden_states: dtype bool; expected a floating-point array"),
+    Case("runner-complex-latents", "runner", runner_call("wan_t2v", lambda kw: {
+        **kw, "hidden_states": np.asarray(kw["hidden_states"]) + 0j}), r"hidden_states: dtype complex(64|128)"),
+    Case("runner-string-timestep", "runner", runner_call("wan_t2v", {"timestep": "500"}),
+         r"^wan: timestep: '500' is a string; expected integers or floating-point numbers"),
+    Case("runner-bool-timestep", "runner", runner_call("wan_t2v", {"timestep": np.array([True])}),
+         r"^wan: timestep: dtype bool"),
+    Case("runner-empty-text", "runner", runner_call("wan_t2v", lambda kw: {
+        **kw, "encoder_hidden_states": np.asarray(kw["encoder_hidden_states"])[:, :0]}),
+         r"^wan: encoder_hidden_states: shape \(1, 0, 24\) is empty \(axis 1 has length 0: no text tokens\)"),
+    Case("runner-batch-0", "runner", runner_call("wan_t2v", lambda kw: {
+        **kw, "hidden_states": np.asarray(kw["hidden_states"])[:0]}),
+         r"^wan: hidden_states: shape \(0, 4, 3, 8, 12\) is empty \(axis 0 has length 0\)"),
+    Case("runner-frames-0", "runner", runner_call("wan_t2v", lambda kw: {
+        **kw, "hidden_states": np.asarray(kw["hidden_states"])[:, :, :0]}), r"is empty \(axis 2 has length 0\)"),
+    Case("hunyuan-mask-half", "runner", runner_call("hunyuan_video", hunyuan_mask([1, 0.5])),
+         r"^hunyuan_video: encoder_attention_mask: 1 value\(s\) other than 0 and 1 \(e.g. 0.5\)"),
+    Case("hunyuan-mask-negative", "runner", runner_call("hunyuan_video", hunyuan_mask([-1])),
+         r"encoder_attention_mask: 1 value\(s\) other than 0 and 1 \(e.g. -1.0\)"),
+    Case("hunyuan-mask-holes", "runner", runner_call("hunyuan_video", hunyuan_mask([1, 0, 1])),
+         r"^encoder_attention_mask row 0: token 2 is valid after a padding token; HunyuanVideo needs the valid "
+         r"tokens first"),
+    Case("runner-sp-without-mesh", "runner", runner_made(mode="sp"),
+         r"^mode 'sp' needs a mesh \(difflet_tpu.make_mesh\(n\)\)"),
+    Case("runner-config-is-a-string", "runner", runner_made(config="sp"),
+         r"^config: 'sp' is not a difflet_tpu.Config"),
+    Case("runner-mesh-without-tp", "runner",
+         runner_made(mesh=lambda: jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))),
+         r"^mesh: a mesh with axes \('x',\), no 'tp'"),
+
+    # ---- meshes, the tile table, multi-process addresses ----
+    Case("make-mesh-0", "parallel", raises(lambda c: make_mesh(0)), r"^make_mesh: tp=0 must be an int >= 1"),
+    Case("make-mesh-float", "parallel", raises(lambda c: make_mesh(2.0)), r"^make_mesh: tp=2.0 must be an int"),
+    Case("kernel-tiles-is-a-directory", "parallel", raises(lambda c: Config(kernel_tiles=str(c.tmp))),
+         r"kernel tile table \S+ is a directory"),
+    Case("coordinator-port-out-of-range", "parallel",
+         raises(lambda c: __import__("difflet_tpu.parallel.distributed").parallel.distributed.wait_for_coordinator(
+             "127.0.0.1:70000", 1), RuntimeError), r"port 70000 is outside 1..65535"),
 ]
 
 
@@ -701,7 +978,7 @@ def test_table():
     for c in CASES:
         counts[c.surface] = counts.get(c.surface, 0) + 1
     print(f"\nbad-input table: {len(CASES)} rows: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-    assert set(counts) == {"cli", "loader", "config", "cache", "runner"}
+    assert set(counts) == {"cli", "loader", "config", "cache", "runner", "parallel"}
     assert len({c.id for c in CASES}) == len(CASES)
 
 

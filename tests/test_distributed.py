@@ -224,3 +224,30 @@ def test_a_peer_that_never_joins_ends_the_run_in_bounded_time(tmp_path):
     assert rc != 0 and "killed after" not in se, se
     assert "DEADLINE_EXCEEDED" in se or "Deadline Exceeded" in se, se[-2000:]
     assert "process 0/2 joining 127.0.0.1:" in se
+
+
+def test_processes_started_differently_are_refused_on_every_process(tmp_path):
+    """Two bench processes that differ in --steps: both refuse right after joining, with one
+    message naming the difference, before any model is built or any collective runs
+    (before: both ran different programs into gloo's own timeout)."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "difflet_tpu.bench", "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(i), "--cpu-devices", "2",
+                               "--model", "wan:tiny", "--steps", str(2 + i), "--init-timeout", "60"],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    res = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            so, se = p.communicate()
+            se += "\n[killed after 180 s]"
+        res.append((p.returncode, so, se))
+    for rc, so, se in res:
+        assert rc == 2, se[-3000:]
+        assert "were started with different bench arguments" in se, se[-3000:]
+        diffs = [line for line in se.splitlines() if line.startswith("  ") and ": process 0 " in line]
+        assert diffs == ["  steps: process 0 2, process 1 3"], se[-3000:]
+        assert "step ms" not in so  # no table: nothing ran

@@ -71,7 +71,7 @@ def parser():
                     "the compiled steps instead of compiling (default: DIFFLET_TPU_COMPILE_CACHE, else off)")
     ap.add_argument("--compile-only", action="store_true", help="deviceless compile + estimate for --topology")
     ap.add_argument("--topology", help="TPU topology for --compile-only, e.g. v5e:2x2, v5e:2x4, v6e:2x2")
-    ap.add_argument("--calibrated", choices=("yes", "no"), default="yes",
+    ap.add_argument("--calibrated", choices=("yes", "no"),
                     help="--compile-only: apply the estimator's one fitted factor (default yes; both are reported)")
     ap.add_argument("--mesh", help="device mesh AXIS=SIZE,... over cfg, data, tp, e.g. cfg=2,tp=4 (default: "
                     "DIFFLET_TPU_MESH, else one tp ring over every device when the heads divide it)")
@@ -122,9 +122,19 @@ def parse_modes(value: str | None) -> list[str]:
     return out
 
 
+# Upper bounds named in the refusal: past them a run cannot finish on any slice this project
+# targets (or, for --cpu-devices, the host's thread pools), and numpy would fail mid-run.
+LIMITS = dict(steps=10_000, warmup=1_000, batch=1_024, height=16_384, width=16_384, frames=4_097,
+              cpu_devices=64)  # parallel.mesh.MAX_CPU_DEVICES
+
+
 def validate(args, ap):
     if args.steps is not None and args.steps < 1:
         ap.error("--steps must be >= 1")
+    for name, limit in LIMITS.items():
+        v = getattr(args, name)
+        if v is not None and v > limit:
+            ap.error(f"--{name.replace('_', '-')} {v}: at most {limit}")
     if args.warmup < 1:
         ap.error("--warmup must be >= 1 (the first call compiles; timed steps never include it)")
     for name in ("height", "width", "frames"):
@@ -144,8 +154,9 @@ def validate(args, ap):
         if args.compile_cache:  # jax 0.12 writes entries but cannot load them without a TPU client
             ap.error("--compile-cache cannot be combined with --compile-only (a deviceless compile "
                      "cannot load cached executables)")
-    elif args.topology:
-        ap.error("--topology only applies to --compile-only")
+    elif args.topology or args.calibrated:
+        ap.error(f"--{'topology' if args.topology else 'calibrated'} only applies to --compile-only")
+    args.calibrated = args.calibrated or "yes"
     if args.weights and not os.path.isdir(args.weights):
         ap.error(f"--weights {args.weights}: not a directory")
     if args.weights and args.model and len(args.model) > 1:
@@ -195,10 +206,13 @@ def validate(args, ap):
     from difflet_tpu import checks
 
     try:
+        inputs = {"--embeddings": args.embeddings, "--weights": args.weights}
         if args.json:
             checks.writable_file(args.json, "--json")
+            checks.not_an_input(args.json, inputs, "--json")
         for flag in ("profile", "dump_hlo"):
             if getattr(args, flag):
+                checks.not_an_input(getattr(args, flag), inputs, "--" + flag.replace("_", "-"))
                 checks.writable_dir(getattr(args, flag), "--" + flag.replace("_", "-"))
     except ValueError as e:
         ap.error(str(e))
@@ -217,10 +231,15 @@ def main(argv=None):
     ap = parser()
     args = ap.parse_args(argv)
     validate(args, ap)
+    from difflet_tpu.checks import WriteError
+
     try:
         if args.compile_only:
             return run_compile_only(args)
         return run_bench(args)
+    except WriteError as e:  # after the work: the run's report or dump could not be written
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

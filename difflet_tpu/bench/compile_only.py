@@ -83,9 +83,10 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     if args.dump_hlo:
+        from difflet_tpu import checks
+
         os.makedirs(args.dump_hlo, exist_ok=True)
-        with open(os.path.join(args.dump_hlo, f"{fam}-{preset}-{variant}.hlo.txt"), "w") as f:
-            f.write(text)
+        checks.write_atomic(os.path.join(args.dump_hlo, f"{fam}-{preset}-{variant}.hlo.txt"), text, "--dump-hlo")
     mem = deviceless.memory_report(compiled)
     # a two-expert model (Wan2.2 A14B): the other expert has this one's shapes and shardings,
     # resident beside the step's or, offloaded, in host memory

@@ -32,8 +32,12 @@ def json_safe(obj):
 
 
 def write_json(path, data):
-    with open(path, "w") as f:
-        json.dump(json_safe(data), f, indent=1, default=str, allow_nan=False)
+    """`data` as strict JSON at `path`, through a temporary file and a rename (checks.write_atomic):
+    a full disk is a WriteError and leaves no partial report."""
+    from difflet_tpu import checks
+
+    text = json.dumps(json_safe(data), indent=1, default=str, allow_nan=False)
+    checks.write_atomic(path, text, "--json")
 
 
 def print_table(results, out=None):

@@ -106,6 +106,16 @@ def prepare(spec, preset, args, mesh, dtype) -> dict:
         steps = args.steps or (4 if args.cpu else pipe.steps)
         np_dtype = np.float32 if dtype == jnp.float32 else jnp.bfloat16
         inputs = spec.example_inputs(cfg, **shape, batch=args.batch, seed=args.seed, dtype=np_dtype)
+        c_in, c_out = getattr(cfg, "in_channels", None), getattr(cfg, "out_channels", None)
+        latent = inputs.get("hidden_states")
+        if (isinstance(c_out, int) and np.ndim(latent) == 5 and np.shape(latent)[1] == c_in != c_out):
+            # unpacked video latents [B, C, F, H, W] whose channels the output does not return: the
+            # latents plus condition channels (Wan / HunyuanVideo image-to-video)
+            src = f"--weights {args.weights}" if dirs else f"--model {fam}:{preset}"
+            raise BenchError(f"{src}: a transformer with in_channels={c_in} and out_channels={c_out} (the "
+                             f"latents plus {c_in - c_out} condition channels, an image-to-video model); the "
+                             f"bench's denoise loop runs text-to-video latents only: use a T2V checkpoint or "
+                             f"preset, or plan it with --compile-only")
         cfg_inputs = (spec.example_inputs(cfg, **shape, batch=2 * args.batch, seed=args.seed + 1, dtype=np_dtype)
                       if cfg_batch else None)
         if cfg_inputs is not None:  # conditional rows second, the same latents
@@ -126,9 +136,21 @@ def prepare(spec, preset, args, mesh, dtype) -> dict:
         schedule = pipe.schedule(steps, inputs, preset)
     except ValueError as e:  # WeightsError included
         raise BenchError(str(e)) from None
+    except MemoryError as e:  # the inputs themselves do not fit: refused before any model is built
+        raise BenchError(f"{fam}:{preset} at {shape_text(args, spec, preset)}, --batch {args.batch}: its inputs do not "
+                         f"fit this host's memory ({e}); use a smaller size or batch") from None
     return dict(fam=fam, preset=preset, spec=spec, cfg=cfg, dirs=dirs, shape=shape, mesh=mesh,
                 guidance=guidance, cfg_batch=cfg_batch, steps=steps, np_dtype=np_dtype, inputs=inputs,
                 cfg_inputs=cfg_inputs, schedule=schedule, boundary=boundary, n_experts=n_experts)
+
+
+def shape_text(args, spec, preset) -> str:
+    """The size a run asked for, as the flags name it."""
+    try:
+        shape = shape_for(spec, preset, args)
+    except (BenchError, ValueError):
+        shape = {k: getattr(args, k) for k in ("height", "width", "frames") if getattr(args, k) is not None}
+    return " ".join(f"--{k} {v}" for k, v in shape.items())
 
 
 def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
@@ -277,9 +299,32 @@ def dump_hlo(directory, name, runner, den, mode):
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v for k, v in kw.items()}
     compiled = runner.trace(**abstract).lower().compile()
     path = os.path.join(directory, f"{name}.hlo.txt".replace(":", "_"))
-    with open(path, "w") as f:
-        f.write(compiled.as_text())
-    return path
+    from difflet_tpu import checks
+
+    return checks.write_atomic(path, compiled.as_text(), "--dump-hlo")
+
+
+def run_args(args) -> dict:
+    """What every process of a multi-process bench must agree on: its arguments but the
+    process id and the paths each host may name its own way (outputs only process 0 writes
+    or each host keeps: --json, --profile, --dump-hlo, --compile-cache; the --weights and
+    --embeddings paths), the DIFFLET_TPU_* environment (the Config) and the content of
+    --embeddings (a digest). Weights that differ show as differing final latents (sha256)."""
+    import numpy as np
+
+    own = ("process_id", "json", "profile", "dump_hlo", "compile_cache", "weights", "embeddings",
+           "embedding_arrays", "mesh_axes", "modes", "offload", "multi", "cpu")  # the last five: derived
+    out = {k: v for k, v in vars(args).items() if k not in own}
+    out["environment"] = {k: v for k, v in os.environ.items()  # the Config, but each host's cache directory
+                          if k.startswith("DIFFLET_TPU_") and k != "DIFFLET_TPU_COMPILE_CACHE"}
+    if args.embedding_arrays is not None:
+        h = hashlib.sha256()
+        for k in sorted(args.embedding_arrays):
+            a = np.ascontiguousarray(args.embedding_arrays[k])
+            h.update(f"{k}{a.dtype}{a.shape}".encode())
+            h.update(a.tobytes())
+        out["embeddings_sha256"] = h.hexdigest()
+    return out
 
 
 def run_bench(args):
@@ -295,6 +340,8 @@ def run_bench(args):
             distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                    cpu_devices=cpu_devices if args.cpu else None,
                                    init_timeout_s=args.init_timeout, heartbeat_timeout_s=args.heartbeat_timeout)
+            # before any collective: processes started differently would run different programs
+            distributed.check_same_run(run_args(args), args.init_timeout, "bench arguments")
         except distributed.DistributedError as e:
             raise BenchError(str(e)) from None
     elif args.cpu:

@@ -38,7 +38,6 @@ written last, after the digest, and an entry without it is never used.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import gc
@@ -60,11 +59,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from difflet_tpu.loading import checkpoint
+from difflet_tpu.loading.integrity import data_digest, meta_digest, restored_problems
 from difflet_tpu.parallel.modes import check_divisible, param_specs, path_names
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2               # 2: difflet_meta.json records data_sha256
+FORMAT_VERSION = 3               # 2: difflet_meta.json records data_sha256; 3: and meta_sha256 over itself
 PARAMS_DIR = "params"           # the orbax checkpoint inside a saved directory
 META_FILE = "difflet_meta.json"  # written last: its presence marks a complete save
 # The remote stores orbax writes to (orbax tensorstore_utils._REMOTE_URL_PREFIXES).
@@ -311,41 +311,19 @@ def _quiet_restore_noise():
             sys.unraisablehook = _drop_abandoned_reads(sys.unraisablehook)
 
 
-def _files(root) -> list:
-    """Every file under `root` (an epath), recursively, as (relative posix path, path)."""
-    out = []
-
-    def walk(d, prefix):
-        for p in d.iterdir():
-            rel = f"{prefix}{p.name}"
-            if p.is_dir():
-                walk(p, rel + "/")
-            else:
-                out.append((rel, p))
-
-    walk(root, "")
-    return sorted(out, key=lambda t: t[0])
-
-
-def _file_sha256(p) -> str:
-    with p.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def data_digest(directory) -> str:
-    """sha256 over every file of a saved orbax checkpoint (relative path, size and
-    content of each, in sorted order). Files are hashed in parallel threads."""
-    files = _files(_path(directory))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(lambda t: _file_sha256(t[1]), files))
-    h = hashlib.sha256()
-    for (rel, _), d in zip(files, digests):
-        h.update(f"{rel}\0{d}\n".encode())
-    return h.hexdigest()
+def _meta_problem(meta: dict) -> str | None:
+    """Why difflet_meta.json cannot be trusted (None: it matches its own digest)."""
+    if meta.get("meta_sha256") != meta_digest(meta):
+        return f"metadata digest mismatch ({META_FILE} changed: damaged or edited)"
+    return None
 
 
 def _data_problem(directory, meta: dict) -> str | None:
-    """Why the saved data of `directory` cannot be trusted (None: its digest matches)."""
+    """Why the saved entry of `directory` cannot be trusted (None: its metadata and its
+    data match their digests)."""
+    problem = _meta_problem(meta)
+    if problem is not None:
+        return problem
     want = meta.get("data_sha256")
     if not want:
         return "no data digest recorded"
@@ -414,6 +392,7 @@ def save_params(directory, model, *, extra: dict | None = None):
     ckptr.close()
     if jax.process_index() == 0:
         meta["data_sha256"] = data_digest(directory / PARAMS_DIR)  # the files as written, finalised
+        meta["meta_sha256"] = meta_digest(meta)  # every other field: the dtypes restored, the key
         tmp = directory / (META_FILE + ".tmp")
         tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
         tmp.rename(directory / META_FILE)
@@ -442,6 +421,9 @@ def restore_params(directory, abstract_model, mesh=None, plan=None, *, verify: b
     if meta.get("format") != FORMAT_VERSION:
         raise checkpoint.WeightsError(f"{directory}: format {meta.get('format')}, this version reads "
                                    f"{FORMAT_VERSION}; convert the checkpoint again")
+    problem = _meta_problem(meta)  # cheap, and always: the table below decides the restored dtypes
+    if problem is not None:
+        raise checkpoint.WeightsError(f"{directory}: {problem}; save it again")
     graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
     saved, have = meta["params"], _param_table(params)
     problems = [f"missing parameter {p} {have[p]['shape']}" for p in sorted(set(have) - set(saved))]
@@ -483,6 +465,10 @@ def restore_params(directory, abstract_model, mesh=None, plan=None, *, verify: b
     finally:
         ckptr.close()
     nnx.replace_by_pure_dict(abstract, restored)
+    problems = restored_problems(abstract, jax.tree_util.tree_map_with_path(target, params, specs))
+    if problems:
+        raise checkpoint.WeightsError(f"{directory}: restored parameters differ from what was asked:\n  "
+                                      + "\n  ".join(problems))
     return nnx.merge(graphdef, abstract, rest)
 
 
@@ -534,6 +520,18 @@ def save(cache_dir, src_path, port, port_config, model, *, dtype):
     return d
 
 
+def _converted(abstract, key_map, dtype):
+    """The parameters a conversion makes (`checkpoint.target_dtype`: the load dtype, or a
+    key's kept dtype), as ShapeDtypeStructs: what a cache restore must return."""
+
+    def one(path, leaf):
+        names = path_names(path)
+        key = key_map[".".join(names[:-1] if names[-1] == "value" else names)]
+        return jax.ShapeDtypeStruct(leaf.shape, checkpoint.target_dtype(key, leaf.dtype, dtype))
+
+    return jax.tree_util.tree_map_with_path(one, nnx.state(abstract, nnx.Param))
+
+
 def restore_if_cached(cache_dir, src_path, port, port_config, *, dtype, mesh, abstract=None):
     """The model restored from the cache entry matching this source and conversion,
     placed on `mesh`; None on a miss (no entry, any part of the key differs, or
@@ -544,7 +542,8 @@ def restore_if_cached(cache_dir, src_path, port, port_config, *, dtype, mesh, ab
     """
     if abstract is None:
         abstract = checkpoint.abstract_port_model(port, port_config, dtype=dtype)
-    key = cache_key(src_path, port, port_config, dtype=dtype, key_map=port.key_map(port_config, abstract))
+    key_map = port.key_map(port_config, abstract)
+    key = cache_key(src_path, port, port_config, dtype=dtype, key_map=key_map)
     hit = False
     if key is not None and jax.process_index() == 0:  # only process 0's decision counts
         d = entry_dir(cache_dir, key)
@@ -566,6 +565,14 @@ def restore_if_cached(cache_dir, src_path, port, port_config, *, dtype, mesh, ab
         if _num_processes() > 1:  # the processes could disagree: stop instead
             raise checkpoint.WeightsError(f"cache entry {d} cannot be restored ({_one_line(e)}); delete it") from None
         log.warning("cache entry %s cannot be restored (%s); converting %s again", d, _one_line(e), src_path)
+        return None
+    asked = restored_problems(nnx.state(model, nnx.Param), _converted(abstract, key_map, dtype))
+    if asked:
+        if _num_processes() > 1:
+            raise checkpoint.WeightsError(f"cache entry {d} restores other parameters than asked ({asked[0]}); "
+                                          f"delete it")
+        log.warning("cache entry %s restores other parameters than asked (%s); converting %s again", d, asked[0],
+                    src_path)
         return None
     log.info("restored %s from the cache entry %s", src_path, d)
     return checkpoint.fill_state(model, port, port_config, dtype=dtype, mesh=mesh, plan=port.plan)

@@ -27,8 +27,10 @@ See docs/loading.md.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
+import os
 import pathlib
 import re
 
@@ -163,9 +165,16 @@ class Checkpoint:
                 raise WeightsError(f"{self.path / f}: cannot read safetensors file "
                                    f"(truncated or corrupt?): {e}") from None
         self.where = {}
+        twice = {}
         for f, h in self.handles.items():
             for k in h.keys():
+                if k in self.where:
+                    twice.setdefault(k, [self.where[k]]).append(f)
                 self.where[k] = f
+        if twice:  # which copy is meant would be a guess (diffusers' loader takes the last one read)
+            k, fs = sorted(twice.items())[0]
+            raise WeightsError(f"{self.path}: {len(twice)} key(s) are in more than one file, e.g. {k} in "
+                               f"{' and '.join(fs)}; keep one copy of each tensor")
         if weight_map is not None:
             wrong = [k for k, f in weight_map.items() if self.where.get(k) != f]
             if wrong:
@@ -206,6 +215,26 @@ def _shard_name_problem(name) -> str | None:
     return None
 
 
+def file_problem(p) -> str | None:
+    """Why `p` is not a readable regular file, in words (None: it is one): missing, a
+    directory, a dangling symlink or a symlink loop (both listed by `ls`, so "missing"
+    would mislead)."""
+    p = pathlib.Path(p)
+    try:
+        os.stat(p)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symlink loop"
+        if os.path.islink(p):
+            return f"is a symlink to {os.readlink(p)}, which does not exist"
+        return "does not exist" if e.errno == errno.ENOENT else f"cannot be read ({e.strerror})"
+    if p.is_dir():
+        return "is a directory, not a file"
+    if not os.access(p, os.R_OK):
+        return "is not readable (permissions)"
+    return None
+
+
 def checkpoint_files(path) -> tuple[list[str], dict | None]:
     """The safetensors files of a transformer directory (sorted) and the index's
     key -> file map (None for a single file). Refuses an unreadable index, shard
@@ -228,9 +257,15 @@ def checkpoint_files(path) -> tuple[list[str], dict | None]:
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (path / f).is_file()]
         if missing:
-            raise WeightsError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
+            if all(file_problem(path / f) == "does not exist" for f in missing):
+                raise WeightsError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
+            raise WeightsError(f"{index} names shard(s) that cannot be read: "
+                               + "; ".join(f"{f} {file_problem(path / f)}" for f in missing))
         return files, weight_map
-    if single.exists():
+    if os.path.lexists(single):
+        problem = file_problem(single)
+        if problem:
+            raise WeightsError(f"{single}: {problem}")
         return [SINGLE_FILE], None
     if not path.is_dir():
         raise WeightsError(f"{path}: not a directory")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import re
 
@@ -22,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from difflet_tpu.loading import cache
+from difflet_tpu.loading import cache, checkpoint
 from difflet_tpu.loading.checkpoint import (Checkpoint, Key, WeightsError, _norm_index, abstract_port_model, fill_state,
                                            param_paths, read_param, summarize_keys, target_dtype, validate)
 from difflet_tpu.parallel.modes import divisibility_problems, param_specs, path_names
@@ -56,8 +57,11 @@ def transformer_dir(path, subfolder=None) -> pathlib.Path:
 def read_config(path) -> dict:
     """A diffusers transformer directory's config.json, checked for `_class_name`."""
     cfg_path = pathlib.Path(path) / "config.json"
-    if not cfg_path.exists():
+    if not os.path.lexists(cfg_path):
         raise WeightsError(f"{path}: no config.json (expected a diffusers transformer directory)")
+    problem = checkpoint.file_problem(cfg_path)
+    if problem:
+        raise WeightsError(f"{cfg_path}: {problem}")
     try:
         cfg = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -85,9 +85,11 @@ def is_initialized() -> bool:
 
 
 def _split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
+    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
     if not sep or not host or not port.isdigit():
         raise DistributedError(f"coordinator address {address!r} is not HOST:PORT (e.g. 10.0.0.2:8476)")
+    if not 1 <= int(port) <= 65535:
+        raise DistributedError(f"coordinator address {address!r}: port {int(port)} is outside 1..65535")
     return host.strip("[]"), int(port)
 
 
@@ -163,9 +165,50 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
           f"process; a silent process is declared dead after {heartbeat_timeout_s} s)", file=sys.stderr, flush=True)
     if process_id is not None and process_id != 0:
         wait_for_coordinator(coordinator_address, init_timeout_s)
+    # every wait of the runtime follows the two timeouts (the CPU topology exchange counts in minutes)
+    jax.config.update("jax_cpu_get_global_topology_timeout_minutes", max(1, -(-init_timeout_s // 60)))
     jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids,
-                               initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
+                               initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s,
+                               shutdown_timeout_seconds=init_timeout_s)
     return info()
+
+
+def check_same_run(values: dict, timeout_s: int, what: str = "run arguments") -> None:
+    """Every process was started with the same `values` (e.g. the bench's arguments but
+    the process id); a DistributedError on every process naming each difference otherwise.
+
+    Exchanged through the coordination service's key-value store right after joining,
+    before any collective: processes that disagree (other --steps, --mesh, --model) would
+    otherwise run different programs and end in a collective's own timeout (gloo's ~30 s
+    on CPU, whatever --init-timeout says) or, worse, both report. A process that does not
+    publish within `timeout_s` seconds is an error too."""
+    import json
+
+    import jax
+    from jax._src import distributed as jax_distributed
+
+    me, n = jax.process_index(), jax.process_count()
+    client = jax_distributed.global_state.client
+    if n == 1 or client is None:
+        return
+    key = "difflet_tpu/run_args/{}"
+    client.key_value_set(key.format(me), json.dumps(values, sort_keys=True, default=str))
+    got = {}
+    for i in range(n):
+        try:
+            got[i] = json.loads(client.blocking_key_value_get(key.format(i), int(timeout_s * 1000)))
+        except Exception as e:  # noqa: BLE001 - the runtime's deadline error
+            raise DistributedError(f"process {i} did not publish its {what} within {timeout_s} s "
+                                   f"({type(e).__name__}); was every process started with this version and "
+                                   f"--num-processes {n}?") from None
+    diffs = []
+    for name in sorted(set().union(*(set(v) for v in got.values()))):
+        seen = [got[i].get(name) for i in range(n)]
+        if any(v != seen[0] for v in seen):
+            diffs.append(f"{name}: " + ", ".join(f"process {i} {v!r}" for i, v in enumerate(seen)))
+    if diffs:
+        raise DistributedError(f"the {n} processes were started with different {what} (every process must run "
+                               f"the same command but its process id):\n  " + "\n  ".join(diffs))
 
 
 def peer_failure(exc: BaseException) -> bool:

@@ -89,9 +89,12 @@ def make_mesh(tp: int | None = None, devices=None, *, cfg: int = 1, data: int = 
     import numpy as np
 
     devices = list(jax.devices() if devices is None else devices)
-    for name, n in (("cfg", cfg), ("data", data)):
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"make_mesh: {name}={n!r} must be an int >= 1")
+    for name, n in (("tp", tp), ("cfg", cfg), ("data", data)):
+        if n is None and name == "tp":
+            continue
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"make_mesh: {name}={n!r} must be an int >= 1 (devices available: {len(devices)})")
+    tp, cfg, data = (None if tp is None else int(tp)), int(cfg), int(data)
     outer = cfg * data
     if tp is None:
         if len(devices) % outer:
@@ -229,13 +232,20 @@ def _grid_blocks(devices, coords, tp, groups):
 # CPU devices for tests and the CPU bench
 # --------------------------------------------------------------------------
 
+MAX_CPU_DEVICES = 64  # virtual CPU devices: a large count only stalls the host
+
+
 def use_cpu_devices(n: int) -> None:
     """Makes `n` virtual CPU devices available, for tests and the CPU bench.
 
     Call before jax creates its backends. Sets the CPU platform only when no
     platform was chosen (a machine with libtpu installed would otherwise try to
-    open a TPU). Raises if jax already runs with fewer devices.
+    open a TPU). Raises if jax already runs with fewer devices, and for `n`
+    outside [1, MAX_CPU_DEVICES] (each device is a thread pool of this host).
     """
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CPU_DEVICES:
+        raise ValueError(f"use_cpu_devices({n!r}): the number of virtual CPU devices must be an int in "
+                         f"[1, {MAX_CPU_DEVICES}]")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if "jax" in sys.modules:
         import jax

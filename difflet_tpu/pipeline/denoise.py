@@ -77,6 +77,7 @@ PIPELINE_ALIASES = {
     "image_embeds": "encoder_hidden_states_image",
 }
 NOT_CONDITIONING = ("hidden_states", "audio_hidden_states", "timestep", "sigma", "guidance")
+UNBATCHED = ("img_ids", "txt_ids")  # FLUX's positions: [tokens, 3], no batch axis
 
 
 def read_embeddings(path: str) -> dict:
@@ -113,11 +114,23 @@ def read_embeddings(path: str) -> dict:
         out[("negative_" if neg else "") + base] = np.asarray(v)
     if not out:
         raise ValueError(f"--embeddings {path}: no arrays")
+    from difflet_tpu.checks import check_input
+
+    for (k, v), name in zip(raw.items(), out):  # floating embeddings, 0/1 masks, real positions: never cast
+        check_input(k, np.asarray(v), kind=input_kind_of(name), where=f"--embeddings {path}: ")
     try:
         check_finite(raw, f"--embeddings {path}:")
     except NonFiniteError as e:
         raise ValueError(str(e)) from None
     return out
+
+
+def input_kind_of(name: str) -> str:
+    """The kind (`checks.input_kind`) of an --embeddings array: a forward argument's, and
+    floating for names no table lists (text embeddings of a port's own name)."""
+    from difflet_tpu.checks import input_kind
+
+    return input_kind(name) or ("mask" if "mask" in name else "float")
 
 
 def apply_embeddings(inputs: dict, emb: dict, cfg_batch: bool) -> dict:
@@ -135,19 +148,34 @@ def apply_embeddings(inputs: dict, emb: dict, cfg_batch: bool) -> dict:
     for k in cond_keys:
         if k not in emb:
             continue
+        if k in UNBATCHED:  # positions shared by the batch (FLUX's ids): the model's shape, or [1, ...] of it
+            want = inputs[k].shape
+            got = np.asarray(emb[k])
+            got = got[0] if got.ndim == len(want) + 1 and got.shape[0] == 1 else got
+            if got.shape != want:
+                raise ValueError(f"--embeddings: {k} has shape {emb[k].shape}, this model needs {want} (no batch "
+                                 f"axis: one set of positions for every prompt)")
+            out[k] = got.astype(inputs[k].dtype)
+            continue
+        rows = inputs[k].shape[0] // (2 if cfg_batch else 1)  # prompts (--batch)
         want = inputs[k].shape[1:]
         pos = np.asarray(emb[k])
         if pos.ndim == len(want):
             pos = pos[None]
-        if pos.shape[1:] != want or pos.shape[0] != 1:
-            raise ValueError(f"--embeddings: {k} has shape {emb[k].shape}, this model needs (1, {', '.join(map(str, want))})")
+        if pos.shape[1:] != want or pos.shape[0] not in (1, rows):
+            n = "1" if rows == 1 else f"1 or {rows}"
+            raise ValueError(f"--embeddings: {k} has shape {emb[k].shape}, this model needs ({n}, "
+                             f"{', '.join(map(str, want))}) (one prompt for the batch, or one per prompt of "
+                             f"--batch {rows})")
+        pos = np.repeat(pos, rows // pos.shape[0], axis=0)
         if cfg_batch:
             neg = emb.get("negative_" + k)
             if neg is None:
                 neg = np.zeros_like(pos) if "mask" not in k else np.ones_like(pos)
             neg = neg[None] if neg.ndim == len(want) else neg
-            if neg.shape != pos.shape:
-                raise ValueError(f"--embeddings: negative_{k} {neg.shape} does not match {k} {pos.shape}")
+            if neg.shape[1:] != want or neg.shape[0] not in (1, rows):
+                raise ValueError(f"--embeddings: negative_{k} {neg.shape} does not match {k} {emb[k].shape}")
+            neg = np.repeat(neg, rows // neg.shape[0], axis=0)
             pos = np.concatenate([neg, pos])
         out[k] = pos.astype(inputs[k].dtype)
     return out

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from difflet_tpu.parallel import padding
 from difflet_tpu.parallel.padding import patchify
-from difflet_tpu.port import Prepared, check_video_size, returned_sample
+from difflet_tpu.port import Prepared, check_size, returned_sample
 
 from .config import HunyuanVideoConfig
 from .model import Geometry, unpatchify
@@ -31,6 +31,19 @@ def _shape(name, x):
     if x is None:
         raise ValueError(f"{name} is required")
     return tuple(x.shape) if hasattr(x, "shape") else tuple(np.shape(x))
+
+
+def check_right_padded(mask) -> None:
+    """Each row of the text mask is its valid tokens first, then padding (1...1 0...0):
+    the token refiner reads the mask per token while joint attention counts its ones
+    (diffusers does both), so a mask with holes would mean other tokens to each."""
+    m = np.asarray(mask) != 0
+    holes = m[:, 1:] & ~m[:, :-1]  # a valid token after a pad token
+    if holes.any():
+        row, col = (int(v[0]) for v in np.nonzero(holes))
+        raise ValueError(f"encoder_attention_mask row {row}: token {col + 1} is valid after a padding token; "
+                         f"HunyuanVideo needs the valid tokens first (right padding: 1...1 0...0), as "
+                         f"diffusers' joint attention counts them")
 
 
 def geometry(run, kw: dict) -> Geometry:
@@ -55,6 +68,7 @@ def geometry(run, kw: dict) -> Geometry:
     m = _shape("encoder_attention_mask", kw.get("encoder_attention_mask"))
     if m != (B, n_txt):
         raise ValueError(f"encoder_attention_mask must be [B, N_text] = {(B, n_txt)}, got {m}")
+    check_right_padded(kw["encoder_attention_mask"])
     pp = _shape("pooled_projections", kw.get("pooled_projections"))
     if pp != (B, c.pooled_projection_dim):
         raise ValueError(f"pooled_projections must be {(B, c.pooled_projection_dim)}, got {pp}")
@@ -128,7 +142,8 @@ def runner_geometry(run, *args, **kwargs) -> Geometry:
 
 def latent_shape(config: HunyuanVideoConfig, height: int, width: int, frames: int, batch: int = 1):
     """The latent `[B, C_in, F, H, W]` of a `frames` x `height` x `width` video (VAE 4x temporal, 8x spatial)."""
-    check_video_size(frames, height, width, frame_step=4, multiple=16)
+    check_size("VAE 4x in time, 8x in space, patch 2", frames=frames, frame_step=4, height=height, width=width,
+               multiple=16)
     return (batch, config.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
 
 

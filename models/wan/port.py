@@ -42,7 +42,7 @@ from difflet_tpu.config import Config
 from difflet_tpu.pipeline import schedules
 from difflet_tpu.parallel.padding import patchify
 from difflet_tpu.parallel.mesh import BATCH, TP
-from difflet_tpu.port import Prepared, check_video_size, returned
+from difflet_tpu.port import Prepared, check_size, returned
 from difflet_tpu.runner import Runner
 
 from .config import NUM_TRAIN_TIMESTEPS, TEXT_LEN_I2V, WanConfig
@@ -353,7 +353,8 @@ def example_inputs(config: WanConfig, *, height: int = 480, width: int = 832, fr
                    image_len: int = 257) -> dict:
     """diffusers forward kwargs (numpy) for a video of `frames` x `height` x `width` pixels."""
     ft, fs = _vae_factors(config)
-    check_video_size(frames, height, width, frame_step=ft, multiple=fs * config.patch_size[1])
+    check_size(f"VAE {ft}x in time, {fs}x in space, patch {config.patch_size[1]}", frames=frames, frame_step=ft,
+               height=height, width=width, multiple=fs * config.patch_size[1])
     rng = np.random.default_rng(seed)
     lat = (batch, config.in_channels, (frames - 1) // ft + 1, height // fs, width // fs)
     grid = tuple(s // p for s, p in zip(lat[2:], config.patch_size))
