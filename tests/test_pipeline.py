@@ -94,11 +94,12 @@ def test_euler_update_matches_numpy_and_cfg_is_one_batch2_call():
     calls = []
 
     class Fake:
-        def __call__(self, hidden_states, timestep):
+        def __call__(self, hidden_states, timestep, return_dict=True):
+            assert return_dict is False  # the loop asks for diffusers' tuple
             calls.append((hidden_states.shape, np.asarray(timestep).copy()))
             b = hidden_states.shape[0] // 2
             h = np.asarray(hidden_states)
-            return np.concatenate([h[:b] * 0.5, h[b:] * 2.0]) if b else h * 0.5
+            return (np.concatenate([h[:b] * 0.5, h[b:] * 2.0]) if b else h * 0.5,)
 
     from difflet_tpu.testing import register_toy_port
 
@@ -121,9 +122,9 @@ def test_wan22_denoiser_switches_expert_once():
         def __init__(self, k):
             self.k = k
 
-        def __call__(self, hidden_states, timestep):
+        def __call__(self, hidden_states, timestep, return_dict=True):
             used.append(self.k)
-            return np.zeros(hidden_states.shape, np.float32)
+            return (np.zeros(hidden_states.shape, np.float32),)
 
     from difflet_tpu import models
 
@@ -171,11 +172,11 @@ def test_true_cfg_rescale_matches_qwen_image_pipeline_in_float64():
     rng = np.random.default_rng(0)
 
     class Fake:  # a velocity whose two halves differ in direction and size per token
-        def __call__(self, hidden_states, timestep):
+        def __call__(self, hidden_states, timestep, return_dict=True):
             b = hidden_states.shape[0] // 2
             self.out = rng.standard_normal(hidden_states.shape).astype(np.float32)
             self.out[b:] *= np.linspace(0.5, 3.0, hidden_states.shape[-1], dtype=np.float32)
-            return self.out
+            return (self.out,)
 
     fake = Fake()
     pipe = dataclasses.replace(register_toy_port().pipeline, guidance_mode="cfg", cfg_rescale=True)
