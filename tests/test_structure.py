@@ -10,7 +10,7 @@ import difflet_tpu
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAPPED = {"kernels": "difflet_tpu.kernels", "models": "difflet_tpu.models"}
-TOOLING = ("difflet_tpu.tools", "difflet_tpu.bench")
+TOOLING = ("difflet_tpu.tools", "difflet_tpu.bench", "difflet_tpu.check")
 MAX_LINES = 600
 
 
