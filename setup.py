@@ -13,4 +13,5 @@ packages = find_packages(include=["difflet_tpu", "difflet_tpu.*"])
 for name, folder in MAPPED.items():
     packages += [name] + [f"{name}.{p}" for p in find_packages(folder)]
 
-setup(packages=packages, package_dir=MAPPED)
+# the check's float64 references of the ports' tiny presets (difflet_tpu/check/numerics.py)
+setup(packages=packages, package_dir=MAPPED, package_data={"difflet_tpu.check": ["references/*.npz"]})

@@ -1,13 +1,19 @@
 """Compile-only estimates of the four models on a TPU slice, and the table of docs/benchmarks.md.
 
     python benchmark/estimates.py run [--topology v5e:2x2] [--only wan,flux] [--out benchmark/results]
-    python benchmark/estimates.py table [--out benchmark/results]
+    python benchmark/estimates.py ops          # the PR's op-level sites, compiled (reference_ops_v5e.json)
+    python benchmark/estimates.py table [--from-check REPORT]
+    python benchmark/estimates.py calibration [--from-check REPORT]
+    python benchmark/estimates.py readme [--check]
 
 `run` calls `python -m difflet_tpu.bench --compile-only` once per case (one
 process each: deviceless compiles need a fresh libtpu) and keeps its JSON.
-`table` fits the estimator's one calibration factor on the reference PR's TP
-rows only (difflet_tpu.tools.calibration.fit_nonmatmul_scale), reports how well it
-then predicts the PR's SP rows, and prints the markdown table.
+`table` prints the results table with every row's expected time on a TPU:
+the raw estimate calibrated per kind of work by
+`difflet_tpu.tools.calibration.CALIBRATION` (or by the factors refit on a
+`python -m difflet_tpu.check` report with `--from-check`). `calibration`
+prints the fit's points and residuals; `readme` rewrites the README's
+headline table from the same constants (`--check`: exit 1 if it differs).
 Everything here is an ESTIMATE from the compiled schedule, not a measurement.
 """
 
@@ -98,6 +104,85 @@ def run(args):
         subprocess.run(cmd, env=env, cwd=ROOT, check=False)
 
 
+def ops(args):
+    """The reference PR's op-level sites, ring and kernel, compiled deviceless and priced."""
+    out = pathlib.Path(args.out) / "reference_ops_v5e.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "DIFFLET_TPU_"))}
+    subprocess.run([sys.executable, "-m", "difflet_tpu.check", "--compile-only", "--topology", args.topology,
+                    "--only", "pr-ops", "--json", str(out), "--md", os.devnull], env=env, cwd=ROOT, check=True)
+
+
+def factors_for(args):
+    """The constants, or the factors refit on `--from-check REPORT`."""
+    from difflet_tpu.tools import calibration
+
+    if not getattr(args, "from_check", None):
+        return calibration.CALIBRATION["v5e"]
+    report = json.loads(pathlib.Path(args.from_check).read_text())
+    return calibration.fit(calibration.check_points(report), f"refit on {args.from_check}")
+
+
+def calibration_table(args):
+    from difflet_tpu.tools import calibration
+
+    f = factors_for(args)
+    pts = calibration.load_reference_points(args.out)
+    print("\n".join(calibration.table(pts, f)))
+    print(f"\nfactors: {calibration.describe(f)}")
+
+
+# README: the headline rows (results file, label) and the PR's measured TP / SP beside them.
+README_ROWS = (("wan", "Wan2.1-14B 480x832x9"), ("flux", "FLUX.1-dev 1024x1024"),
+               ("hunyuan_video", "HunyuanVideo 320x512x61"), ("ltx2", "LTX-2 480x704x49"),
+               ("qwen_image", "Qwen-Image 1024x1024 (128 prompt tokens)"),
+               ("wan_81", "Wan2.1-14B 480x832x81 (32,760 tokens)"),
+               ("hunyuan_video_720p", "HunyuanVideo 720x1280x129 (118,800 tokens)"))
+README_PR = {"qwen_image": (236.3, 178.0)}  # the PR's Qwen-Image line (no shape given): not fit
+README_BEGIN = "<!-- results table: python benchmark/estimates.py readme -->"
+README_END = "<!-- end of results table -->"
+
+
+def readme_block(out_dir) -> str:
+    from difflet_tpu.tools import calibration
+
+    f = calibration.CALIBRATION["v5e"]
+    res = load(out_dir)
+    lines = [README_BEGIN, "",
+             "| model, shape | TP: expected on a TPU (estimate), ms | SP: expected on a TPU (estimate), ms | SP/TP | "
+             "ideal ms | reference PR measured TP / SP |",
+             "|---|---|---|---|---|---|"]
+    for fam, label in README_ROWS:
+        tp, sp = res[fam]["tp"], res[fam]["sp-pallas"]
+        e_tp, e_sp = (calibration.expected_ms(r["breakdown_raw"], f) for r in (tp, sp))
+        ref = calibration.REFERENCE_PR.get(fam)
+        pr = f"{ref[1]} / {ref[3]}" if ref else ("{} / {}".format(*README_PR[fam]) if fam in README_PR else "")
+        lines.append(f"| {label} | {e_tp:.0f} | {e_sp:.0f} | {e_sp / e_tp:.2f} | {sp['ideal_ms']:.0f} | {pr} |")
+    lo, hi = (100 * b for b in f.band)
+    lines += ["", f"Expected on a TPU (estimate): the raw estimate with each kind of work scaled by its factor "
+              f"(`difflet_tpu.tools.calibration.CALIBRATION`: XLA matmul fusions x{f.matmul}, other XLA work "
+              f"x{f.nonmatmul}, ICI waits x{f.transfer}, Pallas kernels x{f.pallas}), fit on the reference PR's "
+              f"measured steps and op-level reduce-scatters; on those points the fit's residuals span "
+              f"{lo:+.0f}% .. {hi:+.0f}%, the error band to read these figures with.", "", README_END]
+    return "\n".join(lines)
+
+
+def readme(args):
+    path = ROOT / "README.md"
+    text = path.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        sys.exit(f"README.md has no {README_BEGIN} ... {README_END} block")
+    a, rest = text.split(README_BEGIN, 1)
+    _, b = rest.split(README_END, 1)
+    new = a + readme_block(args.out) + b
+    if args.check:
+        if new != text:
+            print("README.md's results table differs from `python benchmark/estimates.py readme`", file=sys.stderr)
+            sys.exit(1)
+        return
+    path.write_text(new)
+    print("README.md: results table rewritten")
+
+
 def load(out_dir):
     res = {}
     for name in CASES:
@@ -146,10 +231,12 @@ def table(args):
     from difflet_tpu.tools import calibration
 
     res = load(args.out)
-    k, rows = fit(res)
-    lines = [f"calibration: non-matmul factor k = {k:.3f}, fit on {len(rows)} TP rows", ""]
-    hdr = ("| model (shape) | mode | est. raw ms | est. calibrated ms | ideal ms | PR measured ms | "
-           "cal. vs PR | x TP (cal.) | HBM GiB/chip | exposed transfer ms | non-matmul ms (cal.) | matmul ms | "
+    f = factors_for(args)
+    k = f.nonmatmul
+    calibrated_ms = lambda r, k, name=None: calibration.expected_ms(r.get("breakdown_raw", r["breakdown"]), f)
+    lines = [f"calibration: {calibration.describe(f)}", ""]
+    hdr = ("| model (shape) | mode | est. raw ms | expected ms | ideal ms | PR measured ms | "
+           "expected vs PR | x TP (exp.) | HBM GiB/chip | exposed transfer ms | non-matmul ms (raw) | matmul ms | "
            "attention ms |")
     lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     for fam in ("wan", "flux", "hunyuan_video", "ltx2", "wan_81", "wan_720p_81", "hunyuan_video_544p",
@@ -173,10 +260,10 @@ def table(args):
                 f"| {r['model']} ({shape}) | {mode} | {b['step_ms']:.1f} | {cal:.1f} | {r['ideal_ms']:.1f} | "
                 f"{'' if meas is None else meas} | {'' if meas is None else f'{100 * (cal / meas - 1):+.1f}%'} | "
                 f"{'' if tp_cal is None else f'{cal / tp_cal:.2f}'} | {r['hbm']['total'] / 2**30:.2f} | "
-                f"{b['exposed_transfer_ms'] + b['sync_collective_ms']:.1f} | {k * b['nonmatmul_ms'] + b['other_ms']:.1f} | "
+                f"{b['exposed_transfer_ms'] + b['sync_collective_ms']:.1f} | {b['nonmatmul_ms'] + b['other_ms']:.1f} | "
                 f"{b['matmul_ms'] + sum(v for n, v in b['pallas_kernels_ms'].items() if 'matmul' in n):.1f} | "
                 f"{sum(v for n, v in b['pallas_kernels_ms'].items() if 'splash' in n or 'flash' in n):.1f} |")
-    lines += ["", "Where the best SP variant's calibrated step goes beyond the ideal (ms):", "",
+    lines += ["", "Where the best SP variant's expected step goes beyond the ideal (ms, raw breakdown):", "",
               "| model | best SP | est. ms | ideal ms | gap | matmul + attention beyond ideal | non-matmul | exposed transfer |",
               "|---|---|---|---|---|---|---|---|"]
     for fam in ("wan", "flux", "hunyuan_video", "ltx2", "qwen_image"):
@@ -188,24 +275,25 @@ def table(args):
         r = modes[best]
         b = r.get("breakdown_raw", r["breakdown"])
         cal = calibrated_ms(r, k, fam)
-        key = (fam, best, k)
-        if key in _EXACT:
-            b = dict(_EXACT[key], nonmatmul_ms=_EXACT[key]["nonmatmul_ms"] / k)
         compute = b["matmul_ms"] + b["pallas_ms"]
         lines.append(f"| {r['model']} | {best} | {cal:.1f} | {r['ideal_ms']:.1f} | {cal - r['ideal_ms']:.1f} | "
-                     f"{compute - r['ideal_ms']:.1f} | {k * b['nonmatmul_ms'] + b['other_ms']:.1f} | "
+                     f"{compute - r['ideal_ms']:.1f} | {b['nonmatmul_ms'] + b['other_ms']:.1f} | "
                      f"{b['exposed_transfer_ms'] + b['sync_collective_ms'] + b['exposed_dma_ms']:.1f} |")
     print("\n".join(lines))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("run", "table", "reestimate"))
+    ap.add_argument("what", choices=("run", "table", "reestimate", "ops", "calibration", "readme"))
     ap.add_argument("--topology", default="v5e:2x2")
     ap.add_argument("--only", help="comma list of " + ", ".join(CASES))
     ap.add_argument("--out", default=str(ROOT / "benchmark" / "results"))
+    ap.add_argument("--from-check", metavar="REPORT", help="table / calibration: factors refit on a "
+                    "`python -m difflet_tpu.check --json` report of a TPU run instead of the constants")
+    ap.add_argument("--check", action="store_true", help="readme: exit 1 if README.md differs, write nothing")
     args = ap.parse_args(argv)
-    dict(run=run, table=table, reestimate=reestimate)[args.what](args)
+    dict(run=run, table=table, reestimate=reestimate, ops=ops, calibration=calibration_table,
+         readme=readme)[args.what](args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import difflet_tpu
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAPPED = {"kernels": "difflet_tpu.kernels", "models": "difflet_tpu.models"}
-TOOLING = ("difflet_tpu.tools", "difflet_tpu.bench")
+TOOLING = ("difflet_tpu.tools", "difflet_tpu.bench", "difflet_tpu.check")
 MAX_LINES = 600
 
 
@@ -106,7 +106,8 @@ for pkg in ("encoders", "vae", "pipeline"):
     for info in pkgutil.walk_packages(p.__path__, p.__name__ + "."):
         importlib.import_module(info.name)
 difflet_tpu.Runner, difflet_tpu.load_transformer
-print(sorted(k for k in sys.modules if k.startswith(%r)))
+tooling = %r
+print(sorted(k for k in sys.modules if any(k == t or k.startswith(t + ".") for t in tooling)))
 """ % (TOOLING,)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})

@@ -94,10 +94,12 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
     if spec.experts.get(preset) is not None:
         mem, offload = expert_memory(mem, runner.param_bytes(), args.offload, chip)  # the Runner's plan
     cost = compiled.cost_analysis() or {}
+    from difflet_tpu.tools.calibration import expected_ms
+
     raw = E.estimate(text, chip)
-    cal = E.estimate(text, chip, calibration)
+    breakdown = E.summarize(raw)
+    expected = expected_ms(breakdown, calibration)  # the raw estimate calibrated per kind of work
     ideal = analytic / (P * chip.bf16_flops)
-    used = cal if args.calibrated == "yes" else raw
     sp_kernel = config.ag_kernel("pallas", "tpu") if pmode == "sp" else None
     rs_kernel = config.rs_kernel("tpu", chip) if pmode == "sp" else None
     coords = {d.id: _coords(d)[:3] for d in mesh.devices.flat}
@@ -108,9 +110,9 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
         tp_ring_max_hops=max(max(h) for h in hops), compile_s=round(compile_s, 2),
         hbm=dict(mem, capacity=chip.hbm_bytes, fits=mem["total"] <= chip.hbm_bytes),
         flops=dict(xla_per_chip=cost.get("flops"), analytic_total=analytic, analytic_per_chip=analytic / P),
-        ideal_ms=ms(ideal), estimate_ms=ms(used.total), estimate_raw_ms=ms(raw.total),
-        estimate_calibrated_ms=ms(cal.total), calibration=calibration.nonmatmul,
-        breakdown=E.summarize(used), breakdown_raw=E.summarize(raw), schedule_overlap=E.schedule_overlap(text),
+        ideal_ms=ms(ideal), estimate_ms=round(expected if args.calibrated == "yes" else 1e3 * raw.total, 3),
+        estimate_raw_ms=ms(raw.total), estimate_calibrated_ms=round(expected, 3), calibration=calibration.as_dict(),
+        breakdown=breakdown, breakdown_raw=breakdown, schedule_overlap=E.schedule_overlap(text),
         compiler_options=XLA_CM_FLAGS if pmode == "sp-xla" else {},
         **({} if offload is None else dict(expert_offload=offload)),
     )
@@ -125,11 +127,11 @@ def run_compile_only(args):
     import jax  # noqa: F401  (after the TPU environment is set)
 
     from difflet_tpu.tools import estimate as E
-    from difflet_tpu.tools.calibration import CALIBRATION, Calibration
+    from difflet_tpu.tools.calibration import CALIBRATION, Factors
     from difflet_tpu.pipeline import denoise as PL
 
     chip = E.chip_for(args.topology)
-    calibration = CALIBRATION.get(chip.name, Calibration())
+    calibration = CALIBRATION.get(chip.name, Factors())
     try:
         devices = deviceless.topology_devices(args.topology)
     except Exception as e:  # noqa: BLE001
@@ -176,6 +178,7 @@ def run_compile_only(args):
         from difflet_tpu.config import Config
 
         write_json(args.json, dict(kind="compile-only", topology=args.topology, chip=chip.to_dict(),
-                                   calibration=calibration.__dict__, kernel_tiles=Config.from_env().kernel_tiles,
+                                   calibration=dict(calibration.as_dict(), band=calibration.band,
+                                                    source=calibration.source), kernel_tiles=Config.from_env().kernel_tiles,
                                    note="estimates from the compiled schedule, not measurements", results=results))
     return 1 if failed else 0

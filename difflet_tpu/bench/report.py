@@ -67,11 +67,13 @@ def print_table(results, out=None):
 
 
 def print_compile_table(results, topology, chip, calibration, out=None):
+    from difflet_tpu.tools.calibration import describe
+
     out = out or sys.stdout
     gib = lambda b: b / 2**30
     print(f"compile-only ESTIMATES for {topology} ({chip.name}: {chip.bf16_flops / 1e12:.0f} TFLOP/s, "
           f"HBM {gib(chip.hbm_bytes):.0f} GiB at {chip.hbm_bw / 1e9:.0f} GB/s, ICI {chip.ici_link_bw / 1e9:.0f} GB/s/link; "
-          f"non-matmul factor {calibration.nonmatmul})", file=out)
+          f"calibration: {describe(calibration)}; `est ms` = expected on a TPU, `raw ms` = uncalibrated)", file=out)
     print(f"{'model':28} {'mode':9} {'mesh':16} {'args GiB':>8} {'temp GiB':>8} {'out GiB':>7} {'HBM GiB':>7} {'fits':>4} "
           f"{'TF/chip xla':>11} {'TF/chip an.':>11} {'ideal ms':>8} {'est ms':>8} {'raw ms':>8} {'x TP':>5} "
           f"{'matmul':>7} {'nonmm':>7} {'pallas':>7} {'exposed':>7} {'sync':>7}  collectives (count/bytes per chip/overlapped)",

@@ -113,8 +113,10 @@ def candidates(site, max_col_tile):
 # One site, one tile: the kernel alone, through the dispatch
 # --------------------------------------------------------------------------
 
-def site_call(site, tn, mesh, interpret):
-    """(fn, argument shapes and shardings) calling the dispatch at `site` with column tile tn.
+def site_call(site, tn, mesh, interpret, impl="pallas"):
+    """(fn, argument shapes and shardings) calling the dispatch at `site` with column tile tn
+    (None: the kernel's default), through `impl` ("pallas"; "jax" / "xla" for the ring and the
+    plain collectives at the same site, as difflet_tpu.check compares them).
 
     Global arrays whose `tp` shards are the site's per-rank operands; a stacked
     bias (rows L > 1) is read at layer 0 through a `LayerWeight`, as a block scan
@@ -127,7 +129,7 @@ def site_call(site, tn, mesh, interpret):
     from difflet_tpu.kernels import tiles as kernel_tiles
     from difflet_tpu.parallel.mesh import TP
 
-    table = kernel_tiles.KernelTiles("", ((site.key(), tn),))
+    table = kernel_tiles.KernelTiles("", ((site.key(), tn),) if tn else ())
     dtype = jnp.dtype(site.dtype)
     R = site.ring
     struct = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
@@ -167,7 +169,7 @@ def site_call(site, tn, mesh, interpret):
             epilogues = [cm.Epilogue(bias(i), act, q, h)
                          for i, act, q, h in zip(bias_at, site.activations, site.sum_squares, hs)]
             weights = [cm.LayerWeight(w, layer) for w in a[1:1 + n]]
-            return cm.all_gather_matmul(a[0], weights, impl="pallas", epilogues=epilogues,
+            return cm.all_gather_matmul(a[0], weights, impl=impl, epilogues=epilogues,
                                         interpret=interpret, tiles=table)
     else:
         n = len(site.x_shapes)
@@ -178,7 +180,7 @@ def site_call(site, tn, mesh, interpret):
         out_specs = P(*lead, TP, None)
 
         def body(*a):
-            return cm.matmul_reduce_scatter(list(zip(a[:n], a[n:2 * n])), impl="pallas", interpret=interpret,
+            return cm.matmul_reduce_scatter(list(zip(a[:n], a[n:2 * n])), impl=impl, interpret=interpret,
                                             tiles=table)
 
     args.append(jax.ShapeDtypeStruct((), jnp.int32))
