@@ -87,6 +87,18 @@ class Config:
         swap. Off TPU no limit is known and "auto" keeps both on the devices.
         "on" where the devices have no host memory kind is an error before any
         work; a one-expert model has nothing to offload (every value is a no-op).
+    encoder_offload: where a prompt -> image pipeline keeps its text encoders
+        between prompts (`DIFFLET_TPU_ENCODER_OFFLOAD`): "on" in host memory
+        (`memory_kind="pinned_host"`, same shardings) after the prompts are
+        encoded, back on the devices before the next encode
+        (`pipeline.placement.EncoderHome`); "off" on the devices; "auto"
+        (default) offloads only when the parts do not fit together: when the
+        devices report a memory limit (TPU) and the transformer's compiled step
+        plus the encoders' and the VAE's parameters per device exceed it,
+        decided at the first call. Off TPU no limit is known and "auto" moves
+        nothing; "on" where the devices have no host memory kind is an error
+        when the pipeline loads. `python -m difflet_tpu.bench --compile-only
+        --pipeline flux|qwen_image` prints the plan (docs/benchmarks.md).
     kernel_tiles: a column-tile table (JSON) written by `python -m
         difflet_tpu.tools.sweep_tiles` on the same chip: the collective-matmul kernels
         then multiply in the tile measured fastest at each site it lists
@@ -108,6 +120,7 @@ class Config:
     mesh: str | None = None
     compile_cache: str | None = None
     expert_offload: str = "auto"
+    encoder_offload: str = "auto"
     kernel_tiles: str | None = None
 
     def __post_init__(self):
@@ -122,6 +135,8 @@ class Config:
             raise ConfigError(f"Config.sp_ag_assemble must be one of {ASSEMBLE_VALUES}, got {self.sp_ag_assemble!r}")
         if self.expert_offload not in OFFLOAD_VALUES:
             raise ConfigError(f"Config.expert_offload must be one of {OFFLOAD_VALUES}, got {self.expert_offload!r}")
+        if self.encoder_offload not in OFFLOAD_VALUES:
+            raise ConfigError(f"Config.encoder_offload must be one of {OFFLOAD_VALUES}, got {self.encoder_offload!r}")
         if self.compile_cache is not None:
             _check_cache_path("Config.compile_cache", self.compile_cache)
         if self.mesh is not None:
@@ -247,5 +262,6 @@ ENV_VARS = {
     "DIFFLET_TPU_MESH": ("mesh", _parse_mesh),
     "DIFFLET_TPU_COMPILE_CACHE": ("compile_cache", _parse_path),
     "DIFFLET_TPU_EXPERT_OFFLOAD": ("expert_offload", _parse_choice(OFFLOAD_VALUES)),
+    "DIFFLET_TPU_ENCODER_OFFLOAD": ("encoder_offload", _parse_choice(OFFLOAD_VALUES)),
     "DIFFLET_TPU_KERNEL_TILES": ("kernel_tiles", _parse_tile_table),
 }

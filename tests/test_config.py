@@ -21,6 +21,7 @@ GOOD = {
     "DIFFLET_TPU_MESH": [("cfg=2,tp=4", "cfg=2,tp=4"), ("tp=4, cfg=2", "cfg=2,tp=4"), ("tp=8", "tp=8"),
                          ("cfg=2,data=2,tp=4", "cfg=2,data=2,tp=4")],
     "DIFFLET_TPU_EXPERT_OFFLOAD": [("auto", "auto"), ("on", "on"), ("off", "off"), ("ON", "on")],
+    "DIFFLET_TPU_ENCODER_OFFLOAD": [("auto", "auto"), ("on", "on"), ("off", "off"), ("Off", "off")],
     "DIFFLET_TPU_KERNEL_TILES": [(TILES, TILES), (f" {TILES} ", TILES)],
 }
 BAD = {
@@ -36,6 +37,7 @@ BAD = {
     "DIFFLET_TPU_COMPILE_CACHE": ["", " ", "gs://bucket/cache"],
     "DIFFLET_TPU_MESH": ["", "cfg=2,tp=0", "dp=2,tp=2", "tp=4,tp=2", "cfg:2,tp:4", "tp=x"],
     "DIFFLET_TPU_EXPERT_OFFLOAD": ["1", "", "host", "cpu"],
+    "DIFFLET_TPU_ENCODER_OFFLOAD": ["1", "", "host"],
     "DIFFLET_TPU_KERNEL_TILES": ["", "/nonexistent/tiles.json", os.path.dirname(TILES)],
 }
 

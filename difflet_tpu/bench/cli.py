@@ -28,6 +28,12 @@ keeps the idle expert in host memory (difflet_tpu/config.py); --compile-only
 then leaves it out of HBM per chip and estimates the swap, the timed run
 measures it.
 
+Prompt to image (`--compile-only --pipeline flux|qwen_image --topology v5e:2x2`): every
+stage of the released pipeline compiled deviceless (text encoders, the transformer per
+`--mode`, default tp and sp-pallas, the VAE decode), HBM per chip, ESTIMATED ms, where the
+text encoders live between prompts (`--encoder-offload`) and the end-to-end estimate
+(difflet_tpu/bench/pipeline_plan.py; docs/benchmarks.md).
+
 Modes: tp, sp (JAX rings or Pallas kernels per the config / model default),
 sp-xla (plain all_gather / psum_scatter with XLA's collective-matmul
 decomposition switched on), all. Default: DIFFLET_TPU_SP (1 -> sp, 0 -> tp),
@@ -71,8 +77,14 @@ def parser():
                     "the compiled steps instead of compiling (default: DIFFLET_TPU_COMPILE_CACHE, else off)")
     ap.add_argument("--compile-only", action="store_true", help="deviceless compile + estimate for --topology")
     ap.add_argument("--topology", help="TPU topology for --compile-only, e.g. v5e:2x2, v5e:2x4, v6e:2x2")
+    ap.add_argument("--pipeline", choices=PLAN_PIPELINES,
+                    help="--compile-only: plan every stage of a prompt -> image pipeline (text encoders, "
+                    "transformer, VAE) instead of a transformer step")
+    ap.add_argument("--encoder-offload", choices=("auto", "on", "off"),
+                    help="--pipeline: where the text encoders live between prompts (default: "
+                    "DIFFLET_TPU_ENCODER_OFFLOAD, else auto: host memory only when the stages do not fit together)")
     ap.add_argument("--calibrated", choices=("yes", "no"),
-                    help="--compile-only: apply the estimator's one fitted factor (default yes; both are reported)")
+                    help="--compile-only: apply the estimator's fitted factors (default yes; both are reported)")
     ap.add_argument("--mesh", help="device mesh AXIS=SIZE,... over cfg, data, tp, e.g. cfg=2,tp=4 (default: "
                     "DIFFLET_TPU_MESH, else one tp ring over every device when the heads divide it)")
     ap.add_argument("--batch", type=int, default=1, help="prompts per call (CFG doubles the rows; default 1)")
@@ -93,6 +105,11 @@ def parser():
     dist.add_argument("--heartbeat-timeout", type=int, default=100,
                       help="seconds after which a silent process is declared dead (default 100)")
     return ap
+
+
+PLAN_PIPELINES = ("flux", "qwen_image")
+# flags a --pipeline plan does not take: it compiles the released pipeline at batch 1 on one tp mesh
+PLAN_REFUSED = ("model", "frames", "mesh", "guidance", "expert_offload", "dump_hlo")
 
 
 def _port_names():
@@ -202,6 +219,8 @@ def validate(args, ap):
             args.modes = list(COMPILE_VARIANTS)
     elif "sp-pallas" in args.modes:
         ap.error("--mode sp-pallas is a --compile-only variant; on a device set DIFFLET_TPU_SP_KERNEL=pallas")
+    if args.pipeline or args.encoder_offload:
+        validate_pipeline_plan(args, ap)
     # Outputs are checked before any work (a run must not end in a traceback over its report).
     from difflet_tpu import checks
 
@@ -226,6 +245,32 @@ def validate(args, ap):
             ap.error(str(e))
 
 
+def validate_pipeline_plan(args, ap):
+    if not args.pipeline:
+        ap.error("--encoder-offload only applies to --pipeline")
+    if not args.compile_only:
+        ap.error("--pipeline plans deviceless (--compile-only --topology T); to run a pipeline on a TPU use "
+                 "python -m difflet_tpu.generate")
+    for flag in PLAN_REFUSED:
+        if getattr(args, flag) is not None:
+            ap.error(f"--{flag.replace('_', '-')} cannot be combined with --pipeline (it plans the released "
+                     f"pipeline at batch 1 on one tp mesh)")
+    if args.batch != 1:
+        ap.error("--pipeline plans batch 1 (--batch must be 1)")
+    if args.mode is None:
+        args.modes = ["tp", "sp-pallas"]
+    for name in ("height", "width"):
+        v = getattr(args, name)
+        if v is not None and v % 16:
+            ap.error(f"--{name} {v}: must be a multiple of 16 (the VAE's 8x and the 2x2 latent packing)")
+    from difflet_tpu.config import Config, ConfigError
+
+    try:
+        args.encoder_offload = args.encoder_offload or Config.from_env().encoder_offload
+    except ConfigError as e:
+        ap.error(str(e))
+
+
 def main(argv=None):
     """`python -m difflet_tpu.bench` (see the module docstring and `--help`)."""
     ap = parser()
@@ -234,6 +279,10 @@ def main(argv=None):
     from difflet_tpu.checks import WriteError
 
     try:
+        if args.compile_only and args.pipeline:
+            from difflet_tpu.bench.pipeline_plan import run_pipeline_plan
+
+            return run_pipeline_plan(args)
         if args.compile_only:
             return run_compile_only(args)
         return run_bench(args)

@@ -68,10 +68,12 @@ class Timings:
     encode: float = 0.0
     steps: list = dataclasses.field(default_factory=list)  # one per denoise step
     decode: float = 0.0
+    encoder_moves: float = 0.0  # text encoders between host and device memory (Config.encoder_offload)
 
     def as_dict(self) -> dict:
         return {"tokenize_s": self.tokenize, "encode_s": self.encode, "denoise_steps_s": list(self.steps),
-                "denoise_s": float(sum(self.steps)), "decode_s": self.decode}
+                "denoise_s": float(sum(self.steps)), "decode_s": self.decode,
+                "encoder_moves_s": self.encoder_moves}
 
 
 # --------------------------------------------------------------------------
@@ -301,6 +303,44 @@ class DiffusionPipeline:
             config = Config.from_env()
         return pipeline_cls.load(path, index, mesh=mesh, dtype=dtype, config=config,
                                  runner_options=dict(runner_options or {}))
+
+    # ---- the text encoders' home between prompts (Config.encoder_offload) ------
+
+    def init_encoder_home(self, encoders: list, config) -> None:
+        """The encoders `encoders_out` may move to host memory; "on" without a host memory
+        kind is refused here, at load."""
+        from difflet_tpu import runtime
+        from difflet_tpu.pipeline import placement
+
+        self.encoder_home = placement.EncoderHome(encoders)
+        self.encoder_offload_setting = config.encoder_offload
+        self.encoder_offload = None  # decided at the first call
+        self.encoder_offload_reason = None
+        devices = self.encoder_home.devices()
+        if config.encoder_offload == "on" and runtime.host_memory_kind(devices) is None:
+            raise PipelineError(f"encoder_offload='on' (DIFFLET_TPU_ENCODER_OFFLOAD): the {devices[0].platform} "
+                                f"devices have no {runtime.HOST_MEMORY_KIND} memory; use auto or off")
+
+    def encoders_in(self) -> None:
+        """The encoders back on the devices before an encode (a no-op when they are there)."""
+        if self.encoder_home.offloaded:
+            start = time.perf_counter()
+            self.encoder_home.load()
+            self.timings.encoder_moves += time.perf_counter() - start
+
+    def encoders_out(self, step_kwargs: dict) -> None:
+        """After the prompts are encoded: the encoders to host memory when the plan says so
+        (decided at the first call, `placement.EncoderHome.decide_auto`, from the transformer's
+        step for `step_kwargs`)."""
+        if self.encoder_offload is None:
+            self.encoder_offload, self.encoder_offload_reason = self.encoder_home.decide_auto(
+                self.encoder_offload_setting, self.transformer, step_kwargs, self.vae)
+            logger.info("text encoders %s (%s)", "offloaded between prompts" if self.encoder_offload else
+                        "stay on the devices", self.encoder_offload_reason)
+        if self.encoder_offload:
+            start = time.perf_counter()
+            self.encoder_home.offload()
+            self.timings.encoder_moves += time.perf_counter() - start
 
     # ---- shared call pieces ----------------------------------------------------
 

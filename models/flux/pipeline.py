@@ -71,6 +71,7 @@ class FluxPipeline(D.DiffusionPipeline):
         self.vae_scale_factor = D.vae_scale_factor(self.vae)
         self.dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
         self.check_components()
+        self.init_encoder_home([self.text_encoder, self.text_encoder_2], config)
         return self
 
     def check_components(self):
@@ -153,6 +154,7 @@ class FluxPipeline(D.DiffusionPipeline):
         x = self.initial_latents(latents, seed, batch, channels, h, w, self.dtype)
 
         self._stage("encode")
+        self.encoders_in()
         prompt_embeds, pooled, text_ids = self.encode_prompt(prompts, prompt_2, num_images_per_prompt,
                                                              max_sequence_length)
         if do_true_cfg:
@@ -166,6 +168,9 @@ class FluxPipeline(D.DiffusionPipeline):
         img_ids = self.prepare_latent_image_ids(h // 2, w // 2)
         guidance = (np.full((batch,), guidance_scale, np.float32) if self.transformer_config.guidance_embeds
                     else None)
+        self.encoders_out(dict(hidden_states=x, timestep=np.ones((batch,), np.float32), guidance=guidance,
+                               img_ids=img_ids, pooled_projections=pooled, encoder_hidden_states=prompt_embeds,
+                               txt_ids=text_ids))
 
         def predict(latents, timestep):
             kw = dict(hidden_states=latents, timestep=timestep, guidance=guidance, img_ids=img_ids)

@@ -67,6 +67,7 @@ class QwenImagePipeline(D.DiffusionPipeline):
         self.vae_scale_factor = D.vae_scale_factor(self.vae)
         self.dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
         self.check_components()
+        self.init_encoder_home([self.text_encoder], config)
         return self
 
     def check_components(self):
@@ -141,11 +142,15 @@ class QwenImagePipeline(D.DiffusionPipeline):
                                    len(prompts), "negative_prompt") if do_true_cfg else None)
 
         self._stage("encode")
+        self.encoders_in()
         prompt_embeds, prompt_mask = self.encode_prompt(prompts, num_images_per_prompt, max_sequence_length)
         if do_true_cfg:
             neg_embeds, neg_mask = self.encode_prompt(negatives, num_images_per_prompt, max_sequence_length,
                                                       name="negative_prompt")
         img_shapes = [[(1, h // 2, w // 2)]] * batch
+        self.encoders_out(dict(hidden_states=x, timestep=np.ones((batch,), np.float32),
+                               encoder_hidden_states=prompt_embeds, encoder_hidden_states_mask=prompt_mask,
+                               img_shapes=img_shapes))
 
         def predict(latents, timestep):
             v = self.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=prompt_embeds,

@@ -1,0 +1,136 @@
+"""Where a prompt -> image pipeline's parts live between stages: text encoders on the chips
+or in host memory (`Config.encoder_offload`).
+
+The text encoders, the transformer and the VAE share the chips. Every part's parameters stay
+on the devices unless the plan says they do not fit together; then the text encoders go to
+host memory (`runtime.HOST_MEMORY_KIND`, same shardings) after the prompts are encoded and
+come back before the next encode. The transformer and the VAE stay.
+
+The plan is plain arithmetic over bytes per chip (`stage_peaks`, `decide`): a stage's peak
+is its compiled program's memory (its own weights, inputs, outputs, temporaries, code) plus
+the parameters of every other part resident during it. The bench's `--pipeline` plan
+(difflet_tpu.bench.pipeline_plan) feeds it deviceless compiles; a pipeline on a TPU feeds it
+its devices' memory limit and its transformer's compiled step (`EncoderHome.decide_auto`).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import jax
+from flax import nnx
+
+ENCODE, DENOISE, DECODE = "encode", "denoise", "decode"
+
+
+def stage_peaks(stages: list[dict], weights: dict, encoders: set, offload: bool) -> dict:
+    """Peak bytes per chip of each stage.
+
+    stages: [{"name", "component", "kind" (ENCODE / DENOISE / DECODE), "total"}] with `total`
+    the stage's compiled memory (its own component's weights included); weights: {component:
+    parameter bytes per chip}; encoders: the text encoders' component names. With `offload` the
+    encoders are resident only during encode stages (all of them then: they are loaded together)."""
+    peaks = {}
+    for s in stages:
+        resident = [c for c in weights if c != s["component"] and (not offload or c not in encoders
+                                                                    or s["kind"] == ENCODE)]
+        peaks[s["name"]] = s["total"] + sum(weights[c] for c in resident)
+    return peaks
+
+
+def decide(setting: str, peaks_resident: dict, capacity: int | None, host_memory: bool) -> tuple[bool, str]:
+    """(offload the text encoders?, why). "on" / "off" as given ("on" needs host memory); "auto":
+    offload when some stage's peak with every part resident exceeds `capacity` (None: no limit
+    known, nothing is moved)."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"encoder offload {setting!r}: use one of auto, on, off")
+    if setting == "on" and not host_memory:
+        raise ValueError("encoder offload 'on': these devices have no host memory kind to offload to "
+                         "(use auto or off)")
+    if setting != "auto":
+        return setting == "on", setting
+    if capacity is None or not host_memory:
+        return False, "auto: no device memory limit or host memory kind known"
+    worst = max(peaks_resident, key=peaks_resident.get)
+    need = peaks_resident[worst]
+    fits = need <= capacity
+    return not fits, (f"auto: with every part resident the {worst} stage needs {need / 2**30:.2f} GiB per chip, "
+                      f"{'within' if fits else 'over'} the {capacity / 2**30:.2f} GiB limit")
+
+
+def _params(model):
+    return nnx.state(model, nnx.Param)
+
+
+def bytes_per_chip(model) -> int:
+    """Parameter bytes of `model` on one chip (each leaf's shard)."""
+    from difflet_tpu import runtime
+
+    return runtime.tree_bytes_per_device(_params(model))
+
+
+class EncoderHome:
+    """Moves the text encoders' parameters between the devices and host memory.
+
+    `offload()` copies them to host memory once (kept: the weights never change) and drops the
+    device arrays; `load()` puts them back with the shardings the encode was compiled for (no
+    recompilation). The pipeline holds the only references to the encoders, so dropping the
+    device arrays frees their memory."""
+
+    def __init__(self, encoders: list):
+        self.encoders = list(encoders)
+        self._host = None
+        self._shardings = None
+        self.offloaded = False
+
+    def devices(self) -> list:
+        return sorted({d for m in self.encoders for x in jax.tree.leaves(_params(m)) for d in x.sharding.device_set},
+                      key=lambda d: d.id)
+
+    def bytes_per_chip(self) -> int:
+        return sum(bytes_per_chip(m) for m in self.encoders)
+
+    def offload(self) -> None:
+        from difflet_tpu import runtime
+
+        if self.offloaded:
+            return
+        if self._host is None:
+            kind = runtime.host_memory_kind(self.devices())
+            if kind is None:
+                raise ValueError(f"the {self.devices()[0].platform} devices have no {runtime.HOST_MEMORY_KIND} "
+                                 f"memory to offload the text encoders to (set DIFFLET_TPU_ENCODER_OFFLOAD=off)")
+            states = [_params(m) for m in self.encoders]
+            self._shardings = [jax.tree.map(lambda x: x.sharding, s) for s in states]
+            self._host = jax.block_until_ready(
+                [jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), s) for s in states])
+        for m, host in zip(self.encoders, self._host):
+            nnx.update(m, host)
+        self.offloaded = True
+        gc.collect()  # nnx graphs hold reference cycles: free the dropped device arrays now
+
+    def load(self) -> None:
+        if not self.offloaded:
+            return
+        for m, host, shardings in zip(self.encoders, self._host, self._shardings):
+            nnx.update(m, jax.block_until_ready(jax.tree.map(jax.device_put, host, shardings)))
+        self.offloaded = False
+
+    def memory_kinds(self) -> set:
+        return {x.sharding.memory_kind for m in self.encoders for x in jax.tree.leaves(_params(m))}
+
+    def decide_auto(self, setting: str, transformer, step_kwargs: dict, vae) -> tuple[bool, str]:
+        """`decide` for a pipeline on its devices: the denoise stage's peak with every part
+        resident = the transformer's compiled step (`Runner.memory`) + the encoders' and the
+        VAE's parameters per chip, against the devices' memory limit (none on CPU: "auto"
+        keeps everything where it is)."""
+        from difflet_tpu import runtime
+
+        devices = self.devices()
+        host = runtime.host_memory_kind(devices) is not None
+        limit = runtime.device_memory_limit(devices)
+        if setting != "auto" or limit is None or not host:
+            return decide(setting, {DENOISE: 0}, limit, host)
+        step = transformer.memory(**step_kwargs)["total"]
+        peak = step + self.bytes_per_chip() + bytes_per_chip(vae)
+        return decide(setting, {DENOISE: peak}, limit, host)
