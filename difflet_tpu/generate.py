@@ -120,7 +120,9 @@ def write_json_atomic(path, data) -> None:
         raise
 
 
-def run(args) -> dict:
+def load(args):
+    """The pipeline at `args.path` on every device (one CPU device unless `--cpu-devices`), as
+    `generate` and the bench's `--end-to-end` run it: (pipeline, mesh or None, device count, dtype, mode)."""
     tpu = has_tpu()
     if not tpu:
         from difflet_tpu.parallel.mesh import use_cpu_devices
@@ -136,7 +138,6 @@ def run(args) -> dict:
     from difflet_tpu.config import Config
     from difflet_tpu.parallel.mesh import make_mesh
     from difflet_tpu.pipeline import diffusion as D
-    from difflet_tpu.pipeline import images
 
     n = jax.device_count() if tpu else min(args.cpu_devices or 1, jax.device_count())
     mesh = make_mesh(n, jax.devices()[:n]) if n > 1 else None
@@ -144,8 +145,28 @@ def run(args) -> dict:
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype or ("bfloat16" if tpu else "float32")]
     mode = "one device" if mesh is None else f"{'SP' if config.sp else 'TP'} on {n} devices"
     log(f"loading {args.path} ({jnp.dtype(dtype).name}, {mode})")
-    start = time.perf_counter()
     pipe = D.DiffusionPipeline.from_pretrained(args.path, mesh=mesh, dtype=dtype, config=config)
+    return pipe, mesh, n, dtype, mode
+
+
+def call_kwargs(args) -> dict:
+    """The pipeline call's arguments from the command line (diffusers' names)."""
+    kwargs = dict(prompt=args.prompt, num_images_per_prompt=args.batch, seed=args.seed, output_type="np")
+    optional = dict(negative_prompt=args.negative_prompt, height=args.height, width=args.width,
+                    num_inference_steps=args.steps, guidance_scale=args.guidance, true_cfg_scale=args.true_cfg,
+                    max_sequence_length=args.max_sequence_length)
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    return kwargs
+
+
+def run(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from difflet_tpu.pipeline import images
+
+    start = time.perf_counter()
+    pipe, mesh, n, dtype, mode = load(args)
     load_s = time.perf_counter() - start
     log(f"loaded {type(pipe).__name__} in {load_s:.1f} s")
 
@@ -156,12 +177,7 @@ def run(args) -> dict:
             log(stage + (f" ({info['steps']} steps)" if "steps" in info else ""))
 
     pipe.on_stage = on_stage
-    kwargs = dict(prompt=args.prompt, num_images_per_prompt=args.batch, seed=args.seed, output_type="np")
-    optional = dict(negative_prompt=args.negative_prompt, height=args.height, width=args.width,
-                    num_inference_steps=args.steps, guidance_scale=args.guidance, true_cfg_scale=args.true_cfg,
-                    max_sequence_length=args.max_sequence_length)
-    kwargs.update({k: v for k, v in optional.items() if v is not None})
-    image = pipe(**kwargs).images
+    image = pipe(**call_kwargs(args)).images
     written = images.save_pngs(image, args.out)
     for p in written:
         log(f"wrote {p}")

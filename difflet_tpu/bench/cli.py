@@ -44,6 +44,7 @@ unset -> tp and sp. Under --compile-only: tp, sp (the JAX rings), sp-pallas
 from __future__ import annotations
 
 import argparse
+import pathlib
 import math
 import os
 import sys
@@ -80,6 +81,10 @@ def parser():
     ap.add_argument("--pipeline", choices=PLAN_PIPELINES,
                     help="--compile-only: plan every stage of a prompt -> image pipeline (text encoders, "
                     "transformer, VAE) instead of a transformer step")
+    ap.add_argument("--end-to-end", metavar="PIPELINE_DIR",
+                    help="time one prompt -> image call of a diffusers pipeline folder stage by stage (tokenize, "
+                    "text encode, each denoise step, decode), cold and warm (difflet_tpu/bench/end_to_end.py)")
+    ap.add_argument("--prompt", help="--end-to-end: the prompt (default: a fixed one)")
     ap.add_argument("--encoder-offload", choices=("auto", "on", "off"),
                     help="--pipeline: where the text encoders live between prompts (default: "
                     "DIFFLET_TPU_ENCODER_OFFLOAD, else auto: host memory only when the stages do not fit together)")
@@ -221,6 +226,8 @@ def validate(args, ap):
         ap.error("--mode sp-pallas is a --compile-only variant; on a device set DIFFLET_TPU_SP_KERNEL=pallas")
     if args.pipeline or args.encoder_offload:
         validate_pipeline_plan(args, ap)
+    if args.end_to_end or args.prompt is not None:
+        validate_end_to_end(args, ap)
     # Outputs are checked before any work (a run must not end in a traceback over its report).
     from difflet_tpu import checks
 
@@ -243,6 +250,29 @@ def validate(args, ap):
             args.embedding_arrays = read_embeddings(args.embeddings)
         except ValueError as e:
             ap.error(str(e))
+
+
+END_TO_END_REFUSED = ("model", "weights", "embeddings", "frames", "mesh", "mode", "expert_offload", "dump_hlo",
+                      "profile", "pipeline", "topology")
+
+
+def validate_end_to_end(args, ap):
+    if not args.end_to_end:
+        ap.error("--prompt only applies to --end-to-end")
+    if args.compile_only:
+        ap.error("--end-to-end runs the pipeline; to plan it deviceless use --compile-only --pipeline flux|qwen_image")
+    for flag in END_TO_END_REFUSED:
+        if getattr(args, flag, None) is not None:
+            ap.error(f"--{flag.replace('_', '-')} cannot be combined with --end-to-end (the folder's pipeline runs "
+                     f"on every device; DIFFLET_TPU_SP picks SP)")
+    if args.prompt is not None and not args.prompt.strip():
+        ap.error("--prompt is empty")
+    if not (pathlib.Path(args.end_to_end) / "model_index.json").is_file():
+        ap.error(f"--end-to-end {args.end_to_end}: no model_index.json (expected a diffusers pipeline folder)")
+    for name in ("height", "width"):
+        v = getattr(args, name)
+        if v is not None and (v < 16 or v % 16):
+            ap.error(f"--{name} {v}: must be a positive multiple of 16 (the VAE's 8x and the 2x2 latent packing)")
 
 
 def validate_pipeline_plan(args, ap):
@@ -279,6 +309,10 @@ def main(argv=None):
     from difflet_tpu.checks import WriteError
 
     try:
+        if args.end_to_end:
+            from difflet_tpu.bench.end_to_end import run_end_to_end
+
+            return run_end_to_end(args)
         if args.compile_only and args.pipeline:
             from difflet_tpu.bench.pipeline_plan import run_pipeline_plan
 
