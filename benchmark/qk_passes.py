@@ -171,7 +171,9 @@ def run(variant: str, topology: str, sumsq_given: bool, dump: str | None):
         with open(dump, "w") as f:
             f.write(text)
     chip = E.chip_for(topology)
-    cal = calibration.CALIBRATION.get(chip.name, calibration.Calibration())
+    # this ablation prices op by op with the replay's non-matmul knob, at today's non-matmul factor
+    factors = calibration.CALIBRATION.get(chip.name, calibration.Factors())
+    cal = calibration.Calibration(nonmatmul=factors.nonmatmul, source=factors.source)
     rows, est = priced_ops(text, chip, E.Calibration())
     rows_cal, est_cal = priced_ops(text, chip, cal)
     name = variant + (" (sum of squares given)" if sumsq_given else "")

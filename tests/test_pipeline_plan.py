@@ -105,10 +105,10 @@ from difflet_tpu.bench import pipeline_plan as PP
 from difflet_tpu.encoders import t5
 from difflet_tpu.parallel.mesh import make_mesh
 from difflet_tpu.tools import estimate as E
-from difflet_tpu.tools.calibration import Calibration
+from difflet_tpu.tools.calibration import Factors
 from difflet_tpu.vae import AutoencoderKLConfig
 devices = deviceless.topology_devices("v5e:2x2")
-chip, cal = E.chip_for("v5e:2x2"), Calibration()
+chip, cal = E.chip_for("v5e:2x2"), Factors()  # uncalibrated: the raw replay
 config = dataclasses.replace(t5.T5_V1_1_XXL, num_layers=4, d_model=512, d_ff=1024, num_heads=8, vocab_size=1024)
 mesh = make_mesh(4, devices)
 tp = PP.compile_encoder_tp(config, 128, False, mesh, chip, cal)
