@@ -221,20 +221,11 @@ class AutoencoderKL(nnx.Module):
     def from_pretrained(cls, folder, *, dtype=jnp.bfloat16, mesh=None, strict: bool = True) -> "AutoencoderKL":
         """Build from a diffusers `vae/` folder (`config.json`, safetensors); see `loading.py`
         for the checks. `mesh`: parameters replicated on it, decode batches sharded over it."""
-        config = AutoencoderKLConfig.from_dict(loading.read_config(folder, cls.CLASS_NAMES))
-        model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=None))
-        loading.load_weights(model, folder, dtype=model.dtype, mesh=mesh, strict=strict)
-        model.mesh = mesh
-        return model
+        return loading.from_pretrained(cls, AutoencoderKLConfig, folder, dtype=dtype, mesh=mesh, strict=strict)
 
     def check_latents(self, z):
         """Refuse what is not a `[B, latent_channels, H, W]` floating array."""
-        shape = tuple(getattr(z, "shape", ()))
-        c = self.config.latent_channels
-        if len(shape) != 4 or shape[1] != c or 0 in shape:
-            raise ValueError(f"latents: shape {shape}, expected [batch, {c}, height, width] (NCHW)")
-        if not jnp.issubdtype(z.dtype, jnp.floating):
-            raise ValueError(f"latents: dtype {z.dtype}, expected a floating dtype")
+        loading.check_latents(z, self.config.latent_channels, ("height", "width"), "NCHW")
 
     def __call__(self, z):
         """diffusers `AutoencoderKL.decode(z).sample`: `[B, C, h, w]` -> `[B, 3, 8h, 8w]` (FLUX)."""

@@ -419,20 +419,11 @@ class AutoencoderKLCausal3D(nnx.Module):
     def from_pretrained(cls, folder, *, dtype=jnp.bfloat16, mesh=None, strict: bool = True):
         """Build from a diffusers `vae/` folder (`config.json`, safetensors); see `loading.py`
         for the checks. `mesh`: parameters replicated on it, decode batches sharded over it."""
-        config = Causal3DConfig.from_dict(loading.read_config(folder, cls.CLASS_NAMES))
-        model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=None))
-        loading.load_weights(model, folder, dtype=model.dtype, mesh=mesh, strict=strict)
-        model.mesh = mesh
-        return model
+        return loading.from_pretrained(cls, Causal3DConfig, folder, dtype=dtype, mesh=mesh, strict=strict)
 
     def check_latents(self, z):
         """Refuse what is not a `[B, z_dim, T, H, W]` floating array."""
-        shape = tuple(getattr(z, "shape", ()))
-        c = self.config.z_dim
-        if len(shape) != 5 or shape[1] != c or 0 in shape:
-            raise ValueError(f"latents: shape {shape}, expected [batch, {c}, frames, height, width] (NCTHW)")
-        if not jnp.issubdtype(z.dtype, jnp.floating):
-            raise ValueError(f"latents: dtype {z.dtype}, expected a floating dtype")
+        loading.check_latents(z, self.config.z_dim, ("frames", "height", "width"), "NCTHW")
 
     def __call__(self, z):
         """diffusers `vae.decode(z).sample`: `[B, z_dim, T, h, w]` -> `[B, 3, 1 + 4 (T - 1), 8h, 8w]`."""

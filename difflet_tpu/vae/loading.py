@@ -167,6 +167,25 @@ def load_weights(model: nnx.Module, folder, *, dtype, mesh: Mesh | None = None, 
     return model
 
 
+def from_pretrained(cls, config_cls, folder, *, dtype, mesh: Mesh | None, strict: bool):
+    """`cls` (a VAE whose config is `config_cls`) built from a diffusers `vae/` folder: the config
+    checked against `cls.CLASS_NAMES`, the weights checked and placed (`load_weights`)."""
+    config = config_cls.from_dict(read_config(folder, cls.CLASS_NAMES))
+    model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=None))
+    load_weights(model, folder, dtype=model.dtype, mesh=mesh, strict=strict)
+    model.mesh = mesh
+    return model
+
+
+def check_latents(z, channels: int, axes: tuple[str, ...], layout: str) -> None:
+    """Refuse what is not a `[batch, channels, *axes]` floating array (diffusers' `layout`)."""
+    shape = tuple(getattr(z, "shape", ()))
+    if len(shape) != 2 + len(axes) or shape[1] != channels or 0 in shape:
+        raise ValueError(f"latents: shape {shape}, expected [batch, {channels}, {', '.join(axes)}] ({layout})")
+    if not jnp.issubdtype(z.dtype, jnp.floating):
+        raise ValueError(f"latents: dtype {z.dtype}, expected a floating dtype")
+
+
 def check_dtype(dtype):
     d = jnp.dtype(dtype)
     if not jnp.issubdtype(d, jnp.floating):
