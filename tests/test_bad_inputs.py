@@ -947,6 +947,9 @@ CASES = [
     Case("hunyuan-mask-holes", "runner", runner_call("hunyuan_video", hunyuan_mask([1, 0, 1])),
          r"^encoder_attention_mask row 0: token 2 is valid after a padding token; HunyuanVideo needs the valid "
          r"tokens first"),
+    Case("hunyuan-mask-empty", "runner", runner_call("hunyuan_video", lambda kw: {
+        **kw, "encoder_attention_mask": np.zeros_like(np.asarray(kw["encoder_attention_mask"]))}),
+         r"^encoder_attention_mask row 0: no valid text token \(all zeros; 1 such row\(s\)\); every sample needs"),
     Case("runner-sp-without-mesh", "runner", runner_made(mode="sp"),
          r"^mode 'sp' needs a mesh \(difflet_tpu.make_mesh\(n\)\)"),
     Case("runner-config-is-a-string", "runner", runner_made(config="sp"),

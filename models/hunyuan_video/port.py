@@ -34,10 +34,14 @@ def _shape(name, x):
 
 
 def check_right_padded(mask) -> None:
-    """Each row of the text mask is its valid tokens first, then padding (1...1 0...0):
+    """Each row of the text mask is its valid tokens first (at least one), then padding (1...1 0...0):
     the token refiner reads the mask per token while joint attention counts its ones
     (diffusers does both), so a mask with holes would mean other tokens to each."""
     m = np.asarray(mask) != 0
+    empty = np.nonzero(~m.any(axis=1))[0]
+    if empty.size:  # no text token at all: the refiner's masked mean divides by zero
+        raise ValueError(f"encoder_attention_mask row {int(empty[0])}: no valid text token (all zeros; "
+                         f"{empty.size} such row(s)); every sample needs at least one valid token (1...1 0...0)")
     holes = m[:, 1:] & ~m[:, :-1]  # a valid token after a pad token
     if holes.any():
         row, col = (int(v[0]) for v in np.nonzero(holes))
