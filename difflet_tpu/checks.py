@@ -19,9 +19,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -155,6 +157,36 @@ def write_atomic(path, data, what: str = "output") -> str:
             except OSError:
                 pass
     return p
+
+
+@contextlib.contextmanager
+def atomic_dir(path, what: str = "output"):
+    """Yields a new temporary directory beside `path` to write into. When the block ends
+    without error it replaces `path` (a rename; an older directory there is removed), and
+    on any error it is removed: `path` never holds a partial result. WriteError names `what`."""
+    p = os.path.abspath(os.fspath(path))
+    parent, base = os.path.dirname(p), os.path.basename(p)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{base}.", suffix=".tmp", dir=parent)
+    except OSError as e:
+        raise WriteError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
+    try:
+        yield tmp
+        try:
+            old = None
+            if os.path.lexists(p):  # rename(2) replaces only an empty directory: move the old one aside
+                old = tempfile.mkdtemp(prefix=f".{base}.", suffix=".old", dir=parent)
+                os.replace(p, old)
+            os.replace(tmp, p)
+            tmp = None
+        except OSError as e:
+            raise WriteError(f"{what} {path}: cannot move it into place ({e.strerror or e})") from None
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def not_an_input(path, inputs: dict, what: str) -> None:

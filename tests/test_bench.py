@@ -209,6 +209,22 @@ def test_profile_and_dump_hlo_write_their_directories(tmp_path):
     assert os.path.isdir(row["profile"]) and any(files for _, _, files in os.walk(row["profile"]))
     text = open(row["hlo"]).read()
     assert "HloModule" in text and "ENTRY" in text
+    assert os.listdir(prof) == [os.path.basename(row["profile"])]  # no temporary directory left beside it
+
+
+def test_a_failed_profiled_run_leaves_no_trace_directory(tmp_path, monkeypatch):
+    """The trace is written into a temporary directory and renamed on success: a run that fails
+    after its first traced step leaves nothing at --profile's target (before: a partial trace)."""
+    class Fails(run.Progress):
+        def __call__(self, i, n, dt):
+            if i == 2:
+                raise RuntimeError("stopped after a traced step")
+
+    prof = tmp_path / "prof"
+    monkeypatch.setattr(run, "Progress", Fails)
+    rc, data = _run(tmp_path, "--model", "toy:tiny", "--mode", "tp", "--steps", "3", "--profile", str(prof))
+    assert rc == 1 and "stopped after a traced step" in data["results"][0]["error"]
+    assert os.listdir(prof) == []
 
 
 def test_compare_and_sha256():

@@ -71,7 +71,8 @@ def parser():
     ap.add_argument("--guidance", type=float, help="guidance scale (default: the pipeline's; 1 turns CFG off)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: float32 on CPU, bfloat16 on TPU")
     ap.add_argument("--json", help="write the results as JSON to this path")
-    ap.add_argument("--profile", help="jax.profiler trace of the timed steps into DIR/<model>-<mode>")
+    ap.add_argument("--profile", help="jax.profiler trace of the timed steps into DIR/<model>-<mode> (written "
+                    "beside it and renamed when the run succeeds; a failed run leaves none)")
     ap.add_argument("--dump-hlo", help="write each compiled step's HLO text into DIR")
     ap.add_argument("--compile-cache", metavar="DIR",
                     help="JAX's persistent compilation cache in DIR (created if missing): a second run loads "

@@ -23,6 +23,7 @@ Models are named as the bench takes them: "flux" (its released preset),
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Callable
@@ -438,23 +439,21 @@ class Denoiser:
         (this run's only)."""
         import jax
 
+        from difflet_tpu import checks
+
         lat = self.initial()
         times = []
         self.swaps = []
-        ctx = None
-        if profile_dir:
-            ctx = jax.profiler.trace(profile_dir)
-            ctx.__enter__()
-        try:
+        with contextlib.ExitStack() as stack:
+            if profile_dir:  # traced into a temporary directory, renamed to profile_dir only on success
+                tmp = stack.enter_context(checks.atomic_dir(profile_dir, "--profile"))
+                stack.enter_context(jax.profiler.trace(tmp))
             for i in range(len(self.schedule)):
                 t0 = time.perf_counter()
                 lat = jax.block_until_ready(self.step(lat, i))
                 times.append(time.perf_counter() - t0 - self.last_swap_s)
                 if progress:
                     progress(i + 1, len(self.schedule), times[-1])
-        finally:
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
         return {k: np.asarray(v) for k, v in lat.items()}, times
 
 
