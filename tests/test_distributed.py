@@ -218,12 +218,52 @@ def test_an_absent_coordinator_is_a_clear_error_in_bounded_time(tmp_path):
 
 
 def test_a_peer_that_never_joins_ends_the_run_in_bounded_time(tmp_path):
-    """Process 0 of 2 alone: jax.distributed gives up after the initialisation timeout
-    and terminates the process with its own message (no hang)."""
+    """Process 0 of 2 alone: the join watchdog stops it after --init-timeout with a message
+    saying how many processes joined and what to check, before jax's own abort (exit 134,
+    "DEADLINE_EXCEEDED", which says neither)."""
     (rc, so, se, t, _), = launch(2, tmp_path, ids=[0], phases="parity", init_timeout=3, timeout=90)
-    assert rc != 0 and "killed after" not in se, se
-    assert "DEADLINE_EXCEEDED" in se or "Deadline Exceeded" in se, se[-2000:]
-    assert "process 0/2 joining 127.0.0.1:" in se
+    assert rc == distributed.EXIT_JOIN_FAILED and "killed after" not in se, se[-2000:]
+    assert "error: process 0/2: 1 of 2 processes joined (this one) at 127.0.0.1:" in se, se[-2000:]
+    assert "within --init-timeout 3 s. Check that every process was started with the same --coordinator and " \
+           "--num-processes 2" in se
+    assert "DEADLINE_EXCEEDED" not in se and "process 0/2 joining 127.0.0.1:" in se
+
+
+def _bench(port, n, i, *extra):
+    return subprocess.Popen([sys.executable, "-m", "difflet_tpu.bench", "--coordinator", f"127.0.0.1:{port}",
+                             "--num-processes", str(n), "--process-id", str(i), "--cpu-devices", "2",
+                             "--model", "wan:tiny", "--steps", "2", *extra],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait(p, timeout):
+    t0 = time.monotonic()
+    try:
+        so, se = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        so, se = p.communicate()
+        se += f"\n[killed after {timeout} s]"
+    return p.returncode, so, se, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("other_id", [0, 1])
+def test_a_one_process_run_beside_a_two_process_run_ends_both_with_a_message(tmp_path, other_id):
+    """--num-processes 1 and 2 on one coordinator (before: the lone process served a
+    one-process run and exited 0, the other aborted inside jax with exit 134 and no
+    clear message). The lone process refuses the coordinator it does not need; the
+    other ends within its --init-timeout saying how many processes joined."""
+    port = free_port()
+    lone, other = _bench(port, 1, 0), _bench(port, 2, other_id, "--init-timeout", "5")
+    rc1, so1, se1, _ = _wait(lone, 60)
+    rc2, so2, se2, t2 = _wait(other, 60)
+    assert rc1 == 2 and "error: num_processes=1 with coordinator 127.0.0.1:" in se1, se1[-2000:]
+    assert "start every process with the same --num-processes" in se1 and "step ms" not in so1
+    assert rc2 == 2 and "killed after" not in se2, se2[-2000:]
+    want = ("1 of 2 processes joined (this one)" if other_id == 0
+            else "no JAX coordinator answered at 127.0.0.1:")
+    assert want in se2 and "--num-processes" in se2, se2[-2000:]
+    assert "step ms" not in so2
 
 
 def test_processes_started_differently_are_refused_on_every_process(tmp_path):

@@ -24,9 +24,11 @@ Failures are bounded in time, never a hang:
 * no coordinator (process 0 absent, a wrong address): a non-zero process
   probes the coordinator's TCP port before connecting and raises
   `DistributedError` after `init_timeout_s`;
-* a process that never joins: `jax.distributed` gives up after
-  `init_timeout_s` and terminates every process that is waiting ("DEADLINE
-  EXCEEDED ... RegisterTask");
+* a process that never joins (or one started with another process count):
+  a watchdog stops every waiting process after `init_timeout_s` with a message
+  saying how many joined and what to check (`EXIT_JOIN_FAILED`), before
+  jax's own fatal "DEADLINE EXCEEDED ... RegisterTask" abort; a coordinator
+  for `num_processes=1` is refused (nothing could join it but a mistake);
 * a peer that dies mid-run: the next collective with it fails at once
   (CPU: gloo's "Connection closed by peer"; `peer_failure` recognises it and
   the bench exits with `EXIT_PEER_LOST`), and a peer that stops sending
@@ -41,9 +43,14 @@ import dataclasses
 import os
 import socket
 import sys
+import threading
 import time
 
 EXIT_PEER_LOST = 3  # the bench's exit status when a peer process is gone
+EXIT_JOIN_FAILED = 2  # not every process joined within --init-timeout (as the bench's other refusals)
+# jax's own give-up on joining is a fatal abort (exit 134, "DEADLINE_EXCEEDED ... RegisterTask") that
+# says neither who joined nor what to check: it is given this much longer, so our watchdog speaks first.
+JOIN_GRACE_S = 10
 
 # What jax / gloo / the coordination service say when a peer is gone.
 _PEER_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "gloo",
@@ -107,9 +114,9 @@ def wait_for_coordinator(address: str, timeout_s: float) -> float:
             last = e
         if time.monotonic() - t0 >= timeout_s:
             raise DistributedError(
-                f"no JAX coordinator answered at {address} within {timeout_s:g} s ({last}): process 0 "
-                f"serves it, so start process 0 with the same coordinator address, or check the "
-                f"address, the port and the firewall")
+                f"no JAX coordinator answered at {address} within {timeout_s:g} s ({last}), so no process "
+                f"joined: process 0 serves it, so start process 0 with the same coordinator address and "
+                f"--num-processes, or check the address, the port and the firewall")
         time.sleep(0.2)
 
 
@@ -150,6 +157,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
             raise DistributedError(f"process_id={process_id!r} must be an int in [0, {num_processes})")
         _split_address(coordinator_address)
+        if num_processes == 1:  # it would serve a one-process run that another process could join by mistake
+            raise DistributedError(
+                f"num_processes=1 with coordinator {coordinator_address}: one process needs no coordinator (drop "
+                f"--coordinator / --num-processes / --process-id); if other processes use this coordinator, start "
+                f"every process with the same --num-processes (their count)")
     for name, v in (("init_timeout_s", init_timeout_s), ("heartbeat_timeout_s", heartbeat_timeout_s)):
         if not isinstance(v, int) or v < 1:
             raise DistributedError(f"{name}={v!r} must be an int >= 1 (seconds)")
@@ -167,10 +179,37 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         wait_for_coordinator(coordinator_address, init_timeout_s)
     # every wait of the runtime follows the two timeouts (the CPU topology exchange counts in minutes)
     jax.config.update("jax_cpu_get_global_topology_timeout_minutes", max(1, -(-init_timeout_s // 60)))
-    jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids,
-                               initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s,
-                               shutdown_timeout_seconds=init_timeout_s)
+    watchdog = threading.Timer(init_timeout_s, _join_timed_out, (coordinator_address, num_processes, process_id,
+                                                                 init_timeout_s))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids,
+                                   initialization_timeout=init_timeout_s + JOIN_GRACE_S,
+                                   heartbeat_timeout_seconds=heartbeat_timeout_s, shutdown_timeout_seconds=init_timeout_s)
+    finally:
+        watchdog.cancel()
     return info()
+
+
+def _join_timed_out(address, n, me, timeout_s) -> None:
+    """The join watchdog: not every process registered within `timeout_s`. Says who is
+    waiting, how many joined as far as this process can tell, and what to check; exits
+    with EXIT_JOIN_FAILED (jax's connect cannot be interrupted from Python)."""
+    where = address or "the coordinator found by cluster detection"
+    if n is None:
+        joined = "not every process of the slice joined"
+    elif me == 0:  # the coordinator's side: it registered, at least one other did not
+        joined = f"1 of {n} processes joined (this one)" if n == 2 else f"fewer than {n} processes joined"
+    else:
+        joined = f"the coordinator answered, but fewer than {n} processes joined"
+    who = "this process" if me is None else f"process {me}/{n}"
+    print(f"error: {who}: {joined} at {where} within --init-timeout {timeout_s} s. Check that every process was "
+          f"started with the same --coordinator and --num-processes {n if n else 'N'}, with the process ids "
+          f"0..{n - 1 if n else 'N-1'} each once, and that none has exited (its own message says why)",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_JOIN_FAILED)
 
 
 def check_same_run(values: dict, timeout_s: int, what: str = "run arguments") -> None:
