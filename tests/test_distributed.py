@@ -19,6 +19,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -291,3 +292,45 @@ def test_processes_started_differently_are_refused_on_every_process(tmp_path):
         diffs = [line for line in se.splitlines() if line.startswith("  ") and ": process 0 " in line]
         assert diffs == ["  steps: process 0 2, process 1 3"], se[-3000:]
         assert "step ms" not in so  # no table: nothing ran
+
+
+STALL = """
+import os, sys, time
+from difflet_tpu.parallel import distributed
+port, pid = sys.argv[1], int(sys.argv[2])
+distributed.initialize(f"127.0.0.1:{port}", 2, pid, cpu_devices=1, init_timeout_s=30, heartbeat_timeout_s=4)
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("x",))
+f = jax.jit(jax.shard_map(lambda a: jax.lax.psum_scatter(a, "x", tiled=True), mesh=mesh, in_specs=P("x"),
+                          out_specs=P("x")))
+x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("x")), lambda i: np.ones(8, np.float32)[i])
+jax.block_until_ready(f(x))
+print("first collective done", file=sys.stderr, flush=True)
+if pid == 1:
+    time.sleep(300)  # stalls, alive: its heartbeats go on
+t0 = time.monotonic()
+try:
+    jax.block_until_ready(f(x))
+except Exception as e:
+    print(f"failed after {time.monotonic() - t0:.1f} s: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    os._exit(3)
+"""
+
+
+def test_a_collective_waiting_on_a_stalled_peer_ends_after_the_heartbeat_timeout():
+    """Process 1 stalls (alive, heartbeating) before a reduce-scatter; process 0's collective
+    gives up after --heartbeat-timeout (4 s) with gloo's error, instead of XLA's default
+    30 min (`distributed.bound_cpu_collectives`)."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", STALL, str(port), str(i)], env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    try:
+        rc, _, se, _ = _wait(procs[0], 60)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert rc == 3 and "first collective done" in se, se[-3000:]
+    line = next(x for x in se.splitlines() if x.startswith("failed after"))
+    assert "ReduceScatter timed out" in line and re.search(r"Timed out waiting (3999|4000)ms", line), line
+    assert 3.5 <= float(line.split()[2]) < 15, line

@@ -29,6 +29,10 @@ Failures are bounded in time, never a hang:
   saying how many joined and what to check (`EXIT_JOIN_FAILED`), before
   jax's own fatal "DEADLINE EXCEEDED ... RegisterTask" abort; a coordinator
   for `num_processes=1` is refused (nothing could join it but a mistake);
+* a peer that stalls mid-run (CPU): every gloo collective gives up after
+  `heartbeat_timeout_s` (`bound_cpu_collectives`; XLA's default is 30 min);
+  on TPU, collectives over ICI have no such bound: JAX's heartbeat covers a
+  process that dies, not one that stalls (docs/multi-host.md);
 * a peer that dies mid-run: the next collective with it fails at once
   (CPU: gloo's "Connection closed by peer"; `peer_failure` recognises it and
   the bench exits with `EXIT_PEER_LOST`), and a peer that stops sending
@@ -171,6 +175,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         use_cpu_devices(cpu_devices)
     if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu" or cpu_devices is not None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        bound_cpu_collectives(heartbeat_timeout_s)
     who = "this process" if process_id is None else f"process {process_id}/{num_processes}"
     where = coordinator_address or "the coordinator found by cluster detection"
     print(f"difflet_tpu.parallel.distributed: {who} joining {where} (waiting up to {init_timeout_s} s for every "
@@ -190,6 +195,21 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     finally:
         watchdog.cancel()
     return info()
+
+
+def bound_cpu_collectives(timeout_s: int) -> None:
+    """Every CPU (gloo) collective of this process gives up after `timeout_s` seconds with an
+    error naming the collective ("Gloo ReduceScatter timed out"), instead of XLA's default
+    30 min: XLA's `xla_cpu_collective_timeout_seconds` (all-gather, all-reduce, reduce-scatter,
+    permute, all-to-all). Its in-process rendezvous abort follows a little later so the error
+    comes first. Read when jax creates its backends, so set before; a value already in
+    XLA_FLAGS wins."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for name, value in (("xla_cpu_collective_timeout_seconds", timeout_s),
+                        ("xla_cpu_collective_call_terminate_timeout_seconds", timeout_s + JOIN_GRACE_S)):
+        if f"--{name}=" not in flags:
+            flags = f"{flags} --{name}={value}".strip()
+    os.environ["XLA_FLAGS"] = flags
 
 
 def _join_timed_out(address, n, me, timeout_s) -> None:
@@ -218,8 +238,8 @@ def check_same_run(values: dict, timeout_s: int, what: str = "run arguments") ->
 
     Exchanged through the coordination service's key-value store right after joining,
     before any collective: processes that disagree (other --steps, --mesh, --model) would
-    otherwise run different programs and end in a collective's own timeout (gloo's ~30 s
-    on CPU, whatever --init-timeout says) or, worse, both report. A process that does not
+    otherwise run different programs and end in a collective's timeout (on CPU
+    --heartbeat-timeout, `bound_cpu_collectives`) with an unclear error, or, worse, both report. A process that does not
     publish within `timeout_s` seconds is an error too."""
     import json
 
@@ -261,7 +281,8 @@ def peer_failure(exc: BaseException) -> bool:
 def exit_peer_lost(exc: BaseException, what: str = "the run") -> None:
     """Reports a lost peer and exits with `EXIT_PEER_LOST` at once: jax's exit
     hooks would wait at a shutdown barrier the dead peer never reaches."""
-    print(f"error: a peer process is gone, {what} cannot continue "
+    print(f"error: a peer process is gone (or stalled past --heartbeat-timeout in a collective), {what} "
+          f"cannot continue "
           f"(process {info().index}/{info().count}): {type(exc).__name__}: {str(exc)[:500]}",
           file=sys.stderr, flush=True)
     sys.stdout.flush()
