@@ -258,7 +258,7 @@ def test_a_one_process_run_beside_a_two_process_run_ends_both_with_a_message(tmp
     lone, other = _bench(port, 1, 0), _bench(port, 2, other_id, "--init-timeout", "5")
     rc1, so1, se1, _ = _wait(lone, 60)
     rc2, so2, se2, t2 = _wait(other, 60)
-    assert rc1 == 2 and "error: num_processes=1 with coordinator 127.0.0.1:" in se1, se1[-2000:]
+    assert rc1 == 2 and "error: --num-processes 1 with --coordinator 127.0.0.1:" in se1, se1[-2000:]
     assert "start every process with the same --num-processes" in se1 and "step ms" not in so1
     assert rc2 == 2 and "killed after" not in se2, se2[-2000:]
     want = ("1 of 2 processes joined (this one)" if other_id == 0

@@ -208,6 +208,10 @@ def validate(args, ap):
     explicit = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
     if any(explicit) and not all(explicit):
         ap.error("--coordinator, --num-processes and --process-id go together")
+    if all(explicit) and args.num_processes == 1:  # it would serve a one-process run others could join by mistake
+        ap.error(f"--num-processes 1 with --coordinator {args.coordinator}: one process needs no coordinator (drop "
+                 f"--coordinator / --num-processes / --process-id); if other processes use this coordinator, start "
+                 f"every process with the same --num-processes (their count)")
     args.multi = args.distributed or all(explicit)
     if args.compile_only and (args.multi or args.cpu_devices):
         ap.error("--compile-only compiles deviceless in one process: no --distributed / --coordinator / "

@@ -27,8 +27,8 @@ Failures are bounded in time, never a hang:
 * a process that never joins (or one started with another process count):
   a watchdog stops every waiting process after `init_timeout_s` with a message
   saying how many joined and what to check (`EXIT_JOIN_FAILED`), before
-  jax's own fatal "DEADLINE EXCEEDED ... RegisterTask" abort; a coordinator
-  for `num_processes=1` is refused (nothing could join it but a mistake);
+  jax's own fatal "DEADLINE EXCEEDED ... RegisterTask" abort (the bench
+  refuses `--num-processes 1` with a coordinator: only a mistake could join it);
 * a peer that stalls mid-run (CPU): every gloo collective gives up after
   `heartbeat_timeout_s` (`bound_cpu_collectives`; XLA's default is 30 min);
   on TPU, collectives over ICI have no such bound: JAX's heartbeat covers a
@@ -161,11 +161,6 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
             raise DistributedError(f"process_id={process_id!r} must be an int in [0, {num_processes})")
         _split_address(coordinator_address)
-        if num_processes == 1:  # it would serve a one-process run that another process could join by mistake
-            raise DistributedError(
-                f"num_processes=1 with coordinator {coordinator_address}: one process needs no coordinator (drop "
-                f"--coordinator / --num-processes / --process-id); if other processes use this coordinator, start "
-                f"every process with the same --num-processes (their count)")
     for name, v in (("init_timeout_s", init_timeout_s), ("heartbeat_timeout_s", heartbeat_timeout_s)):
         if not isinstance(v, int) or v < 1:
             raise DistributedError(f"{name}={v!r} must be an int >= 1 (seconds)")
