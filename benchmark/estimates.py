@@ -4,7 +4,7 @@
     python benchmark/estimates.py ops          # the PR's op-level sites, compiled (reference_ops_v5e.json)
     python benchmark/estimates.py table [--from-check REPORT]
     python benchmark/estimates.py calibration [--from-check REPORT]
-    python benchmark/estimates.py readme [--check]
+    python benchmark/estimates.py readme [--check]   # the results table and the bigger slices
 
 `run` calls `python -m difflet_tpu.bench --compile-only` once per case (one
 process each: deviceless compiles need a fresh libtpu) and keeps its JSON.
@@ -166,21 +166,60 @@ def readme_block(out_dir) -> str:
     return "\n".join(lines)
 
 
+SLICES_BEGIN = "<!-- bigger slices: python benchmark/estimates.py readme -->"
+SLICES_END = "<!-- end of bigger slices -->"
+
+
+def mesh_ms(mesh_dir, name: str, mode: str) -> tuple[float, dict]:
+    """(expected ms per step, the row) of a committed bigger-slice plan (benchmark/meshes.py),
+    re-priced from its raw replay with today's per-kind factors of its chip (no recompile)."""
+    from difflet_tpu.tools import calibration
+
+    data = json.loads((pathlib.Path(mesh_dir) / f"{name}.json").read_text())
+    row = next(r for r in data["results"] if r["mode"] == mode and "error" not in r)
+    chip = data["topology"].split(":")[0]
+    return calibration.expected_ms(row["breakdown_raw"], calibration.CALIBRATION[chip]), row
+
+
+def slices_block(mesh_dir) -> str:
+    import textwrap
+
+    from difflet_tpu.tools import calibration
+
+    cfg, _ = mesh_ms(mesh_dir, "wan9_v5e2x4_cfg2tp4", "sp-pallas")
+    ring, _ = mesh_ms(mesh_dir, "wan9_v5e2x4_tp8", "sp-pallas")
+    v5e4, _ = mesh_ms(mesh_dir, "wan9_v5e2x2_cfgb2", "sp-pallas")
+    (tp81, r_tp), (sp81, r_sp) = (mesh_ms(mesh_dir, "wan81_v5e4x4", m) for m in ("tp", "sp-pallas"))
+    gib = sorted(r["hbm"]["total"] / 2**30 for r in (r_tp, r_sp))
+    lo, hi = (100 * b for b in calibration.CALIBRATION["v5e"].band)
+    text = (f"Expected on a TPU (estimate; deviceless compiles of the committed plans in "
+            f"`benchmark/results/meshes/`, re-priced from their raw replays with the per-kind factors of the "
+            f"results table below, fitted band {lo:+.0f}% .. {hi:+.0f}%; nothing measured): Wan2.1-14B "
+            f"480x832x9 with CFG is {cfg:.0f} ms per step on a v5e-8 as `cfg=2,tp=4`, {cfg / v5e4:.2f}x the "
+            f"v5e-4 step ({v5e4:.0f} ms), where one 8-ring would take {ring:.0f} ms; 81 frames fit a v5e-16 "
+            f"as `cfg=2,tp=8` ({gib[0]:.1f}-{gib[1]:.1f} GiB per chip, {sp81:.0f} ms per step with the Pallas "
+            f"kernels, {tp81:.0f} ms under TP). Per slice and model: `docs/benchmarks.md` (\"Bigger slices\").")
+    return "\n".join([SLICES_BEGIN, "", textwrap.fill(text, 76, break_on_hyphens=False), "", SLICES_END])
+
+
 def readme(args):
     path = ROOT / "README.md"
-    text = path.read_text()
-    if README_BEGIN not in text or README_END not in text:
-        sys.exit(f"README.md has no {README_BEGIN} ... {README_END} block")
-    a, rest = text.split(README_BEGIN, 1)
-    _, b = rest.split(README_END, 1)
-    new = a + readme_block(args.out) + b
+    text = new = path.read_text()
+    for begin, end, block in ((README_BEGIN, README_END, lambda: readme_block(args.out)),
+                              (SLICES_BEGIN, SLICES_END, lambda: slices_block(pathlib.Path(args.out) / "meshes"))):
+        if begin not in new or end not in new:
+            sys.exit(f"README.md has no {begin} ... {end} block")
+        a, rest = new.split(begin, 1)
+        _, b = rest.split(end, 1)
+        new = a + block() + b
     if args.check:
         if new != text:
-            print("README.md's results table differs from `python benchmark/estimates.py readme`", file=sys.stderr)
+            print("README.md's generated blocks (results table, bigger slices) differ from "
+                  "`python benchmark/estimates.py readme`", file=sys.stderr)
             sys.exit(1)
         return
     path.write_text(new)
-    print("README.md: results table rewritten")
+    print("README.md: results table and bigger slices rewritten")
 
 
 def load(out_dir):

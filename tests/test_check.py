@@ -137,6 +137,15 @@ def test_readme_table_comes_from_the_constants():
           + b["exposed_dma_ms"])
     line = next(l for l in (ROOT / "README.md").read_text().splitlines() if l.startswith("| Wan2.1-14B 480x832x9 |"))
     assert line.split("|")[2].strip() == f"{tp:.0f}"
+    # the bigger-slices paragraph: the v5e-8 cfg=2,tp=4 plan re-priced from its raw replay by the same constants
+    mesh = json.loads((ROOT / "benchmark/results/meshes/wan9_v5e2x4_cfg2tp4.json").read_text())
+    b = next(r for r in mesh["results"] if r["mode"] == "sp-pallas")["breakdown_raw"]
+    v5e8 = (c.matmul * b["matmul_ms"] + c.nonmatmul * (b["nonmatmul_ms"] + b["other_ms"])
+            + c.transfer * (b["sync_collective_ms"] + b["exposed_transfer_ms"]) + c.pallas * b["pallas_ms"]
+            + b["exposed_dma_ms"])
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"Wan2.1-14B 480x832x9 with CFG is {v5e8:.0f} ms per step on a v5e-8 as `cfg=2,tp=4`" in readme
+    assert "fitted band -21% .. +14%" in readme
 
 
 def test_site_cases_are_the_benchmark_cases():
