@@ -381,19 +381,15 @@ class DiffusionPipeline:
         """FluxPipeline / QwenImagePipeline step 5: sigmas linspace(1, 1/N, N) unless given,
         mu = calculate_shift(image_seq_len, ...) from the scheduler config, set_timesteps."""
         cfg = self.scheduler_config
-        if sigmas is None:
-            sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
-        else:
+        if sigmas is not None:
             sigmas = np.asarray(sigmas, np.float64)
             if sigmas.ndim != 1 or len(sigmas) != num_inference_steps or not np.isfinite(sigmas).all():
                 raise PipelineError(f"`sigmas` must be {num_inference_steps} finite numbers (num_inference_steps), "
                                     f"got {np.asarray(sigmas).tolist()}")
             if (sigmas <= 0).any() or (sigmas > 1).any():
                 raise PipelineError(f"`sigmas` must be in (0, 1], got {sigmas.tolist()}")
-        mu = S.calculate_shift(image_seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift,
-                               cfg.max_shift)
         with np.errstate(divide="ignore", invalid="ignore"):
-            schedule = S.flow_match_euler(cfg, num_inference_steps, sigmas=sigmas, mu=mu)
+            schedule = S.shifted_linear(cfg, num_inference_steps, image_seq_len, sigmas)
         if not np.isfinite(schedule.sigmas).all():
             # e.g. one step with shift_terminal (Qwen-Image): diffusers' stretch divides 0 by 0
             raise PipelineError(f"the schedule for num_inference_steps={num_inference_steps}"
