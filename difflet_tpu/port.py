@@ -43,11 +43,15 @@ class Prepared:
 class Pipeline:
     """How a diffusers pipeline drives this transformer (difflet_tpu.pipeline.denoise).
 
-    schedule(steps, inputs, preset) -> schedulers.Schedule. guidance_mode:
-    "cfg" (unconditional and conditional rows in one batch-2 call),
-    "embedded" (a `guidance` input of guidance_mult * g) or "none".
-    cfg_rescale: the guided velocity is rescaled per token to the conditional
-    one's norm over channels (diffusers' QwenImagePipeline true CFG).
+    schedule(steps, inputs, preset) -> pipeline.schedules.Schedule (the port's
+    `schedule.py`). guidance_mode: "cfg" (unconditional and conditional rows
+    in one batch-2 call), "embedded" (a `guidance` input of guidance_mult * g)
+    or "none". cfg_rescale: the guided velocity is rescaled per token to the
+    conditional one's norm over channels (diffusers' QwenImagePipeline true CFG).
+    expert(timestep, boundary_ratio) -> the index of the expert that runs the
+    step, for ports with two transformers (`PortSpec.experts`; Wan2.2-A14B).
+    arg_names: the pipeline's own argument names -> the transformer's, beyond
+    the ones every pipeline shares (`denoise.PIPELINE_NAMES`), for `--embeddings`.
     """
 
     schedule: Callable
@@ -59,6 +63,8 @@ class Pipeline:
     latent_keys: tuple = ("hidden_states",)
     latent_guidance: dict = dataclasses.field(default_factory=dict)  # latent key -> its own default scale (LTX-2 audio)
     cfg_rescale: bool = False
+    expert: Callable | None = None
+    arg_names: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Flax ports of diffusers DiTs, installed as `difflet_tpu.models` (never top-level `models`).
 
 Each port is one folder with the same files (docs/porting.md): `config.py`,
-`model.py`, `keys.py`, `rope.py`, `port.py`, and an `__init__.py` that
+`model.py`, `keys.py`, `rope.py`, `port.py`, `schedule.py`, and an `__init__.py` that
 declares its `SPEC` (`difflet_tpu.port.PortSpec`). `PORTS` is the one list of
 ports; everything else, the loader's class lookup included, reads their specs.
 """

@@ -6,6 +6,10 @@ import pathlib
 import numpy as np
 import pytest
 
+from difflet_tpu.models.flux import schedule as flux
+from difflet_tpu.models.hunyuan_video import schedule as hunyuan_video
+from difflet_tpu.models.ltx2 import schedule as ltx2
+from difflet_tpu.models.wan import schedule as wan
 from difflet_tpu.pipeline import schedules as S
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "schedulers" / "schedules.json"
@@ -15,13 +19,13 @@ def _ours(case):
     name, steps = case["name"], case["steps"]
     kind, arg = name.split("_")[0], name.split("_")[-1]
     if kind == "flux":
-        return S.flux_schedule(steps, int(arg))
+        return flux.schedule(steps, int(arg))
     if kind == "wan":
-        return S.wan_schedule(steps, float(arg))
+        return wan.schedule(steps, float(arg))
     if kind == "hunyuan":
-        return S.hunyuan_video_schedule(steps)
+        return hunyuan_video.schedule(steps)
     if kind == "ltx2":
-        return S.ltx2_schedule(steps, int(arg))
+        return ltx2.schedule(steps, int(arg))
     return S.flow_match_euler(S.SchedulerConfig(**case["config"]), steps,
                               sigmas=np.linspace(1.0, 1 / steps, steps), mu=case["mu"])
 
@@ -35,12 +39,12 @@ def test_schedules_match_diffusers(case):
 
 
 def test_wan22_expert_switch_at_the_boundary():
-    sch = S.wan_schedule(40, 12.0)
-    experts = [S.wan22_expert(t, 0.875) for t in sch.timesteps]
+    sch = wan.schedule(40, 12.0)
+    experts = [wan.expert(t, 0.875) for t in sch.timesteps]
     k = experts.index(1)
     assert experts == [0] * k + [1] * (40 - k)  # one switch, high noise first
     assert sch.timesteps[k - 1] >= 875 > sch.timesteps[k]
-    assert all(S.wan22_expert(t, None) == 0 for t in sch.timesteps)
+    assert all(wan.expert(t, None) == 0 for t in sch.timesteps)
 
 
 # --------------------------------------------------------------------------
@@ -128,10 +132,10 @@ def test_wan22_denoiser_switches_expert_once():
 
     from difflet_tpu import models
 
-    wan = models.spec("wan")
+    spec = models.spec("wan")
     preset = "Wan2.2-T2V-A14B"
-    den = _toy_denoiser(steps=10, runners=[Fake(0), Fake(1)], boundary=wan.experts[preset])
-    den.schedule = wan.pipeline.schedule(10, {}, preset)
+    den = _toy_denoiser(steps=10, pipeline=spec.pipeline, runners=[Fake(0), Fake(1)], boundary=spec.experts[preset])
+    den.schedule = spec.pipeline.schedule(10, {}, preset)
     den.run()
     k = used.index(1)
     assert used == [0] * k + [1] * (10 - k) and 0 < k < 10
@@ -157,6 +161,26 @@ def test_embeddings_file_replaces_conditioning(tmp_path):
     np.savez(path, clip_embeds=pos)
     with pytest.raises(ValueError, match="unknown arrays"):
         PL.apply_embeddings(inputs, PL.read_embeddings(str(path)), cfg_batch=False)
+
+
+def test_a_ports_own_pipeline_argument_names_reach_its_transformer(tmp_path):
+    # LTX2Pipeline's `audio_prompt_embeds` is the transformer's `audio_encoder_hidden_states`:
+    # the port's Pipeline.arg_names says so; without them the array is unknown
+    from difflet_tpu import models
+    from difflet_tpu.pipeline import denoise as PL
+
+    inputs = {"hidden_states": np.zeros((2, 4, 3), np.float32), "timestep": np.zeros(2, np.float32),
+              "encoder_hidden_states": np.zeros((2, 5, 6), np.float32),
+              "audio_encoder_hidden_states": np.zeros((2, 3, 2), np.float32)}
+    audio = np.random.default_rng(1).standard_normal((1, 3, 2)).astype(np.float32)
+    path = tmp_path / "emb.npz"
+    np.savez(path, audio_prompt_embeds=audio, negative_audio_prompt_embeds=audio + 1)
+    emb = PL.read_embeddings(str(path))
+    out = PL.apply_embeddings(inputs, emb, cfg_batch=True, arg_names=models.spec("ltx2").pipeline.arg_names)
+    np.testing.assert_array_equal(out["audio_encoder_hidden_states"], np.concatenate([audio + 1, audio]))
+    np.testing.assert_array_equal(out["encoder_hidden_states"], inputs["encoder_hidden_states"])
+    with pytest.raises(ValueError, match="unknown arrays"):
+        PL.apply_embeddings(inputs, emb, cfg_batch=True, arg_names=models.spec("flux").pipeline.arg_names)
 
 
 def test_true_cfg_rescale_matches_qwen_image_pipeline_in_float64():

@@ -122,20 +122,11 @@ def run_compile_only(args):
     """Deviceless compiles for `--topology`: HBM per chip, FLOPs, collectives, estimated step time."""
     from difflet_tpu.tools import deviceless
 
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other deviceless compiles on this machine
-    deviceless.setup_process(args.topology)
-    import jax  # noqa: F401  (after the TPU environment is set)
-
-    from difflet_tpu.tools import estimate as E
-    from difflet_tpu.tools.calibration import CALIBRATION, Factors
-    from difflet_tpu.pipeline import denoise as PL
-
-    chip = E.chip_for(args.topology)
-    calibration = CALIBRATION.get(chip.name, Factors())
     try:
-        devices = deviceless.topology_devices(args.topology)
-    except Exception as e:  # noqa: BLE001
-        raise BenchError(f"--topology {args.topology}: libtpu did not accept it ({type(e).__name__}: {e})")
+        devices, chip, calibration = deviceless.compile_target(args.topology)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    from difflet_tpu.pipeline import denoise as PL
     from difflet_tpu.parallel.mesh import format_mesh, make_mesh
     if args.model:
         models = [PL.resolve_model(m) for m in args.model]

@@ -28,7 +28,6 @@ prompts (`Config.encoder_offload`), and then each prompt pays one host-to-device
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 
@@ -262,22 +261,13 @@ def run_pipeline_plan(args) -> int:
     """Deviceless compiles of every stage of `args.pipeline` for `args.topology`."""
     from difflet_tpu.tools import deviceless
 
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    deviceless.setup_process(args.topology)
-    import jax  # noqa: F401  (after the TPU environment is set)
-
+    try:
+        devices, chip, calibration = deviceless.compile_target(args.topology)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
     from difflet_tpu.bench import cases, compile_only
     from difflet_tpu.parallel.mesh import format_mesh, make_mesh
     from difflet_tpu.pipeline import denoise as PL
-    from difflet_tpu.tools import estimate as E
-    from difflet_tpu.tools.calibration import CALIBRATION, Factors
-
-    chip = E.chip_for(args.topology)
-    calibration = CALIBRATION.get(chip.name, Factors())
-    try:
-        devices = deviceless.topology_devices(args.topology)
-    except Exception as e:  # noqa: BLE001
-        raise BenchError(f"--topology {args.topology}: libtpu did not accept it ({type(e).__name__}: {e})")
     p = pipelines()[args.pipeline]
     height, width = args.height or 1024, args.width or 1024
     mesh = make_mesh(len(devices), devices)

@@ -125,9 +125,9 @@ def prepare(spec, preset, args, mesh, dtype) -> dict:
         emb = args.embedding_arrays
         if emb is not None:
             if cfg_batch:
-                cfg_inputs = PL.apply_embeddings(cfg_inputs, emb, True)
+                cfg_inputs = PL.apply_embeddings(cfg_inputs, emb, True, pipe.arg_names)
             else:
-                inputs = PL.apply_embeddings(inputs, emb, False)
+                inputs = PL.apply_embeddings(inputs, emb, False, pipe.arg_names)
                 unused = sorted(k for k in emb if k.startswith("negative_"))
                 if unused:
                     print(f"note: --embeddings: {unused} not used: {fam} runs without classifier-free guidance "

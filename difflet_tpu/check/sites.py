@@ -17,7 +17,6 @@ numpy; on CPU with the interpret mode's race detector.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 IMPLS = {"kernel": "pallas", "ring": "jax", "sp-xla": "xla"}
@@ -61,39 +60,12 @@ def describe(site) -> str:
             .replace("[[", "[").replace("]]", "]"))
 
 
-def _random_args(shapes, seed):
-    import jax
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for s in shapes:
-        if s.shape == ():
-            out.append(np.int32(0))
-            continue
-        a = (rng.standard_normal(s.shape, dtype=np.float32) * 0.5).astype(s.dtype)
-        out.append(jax.device_put(a, s.sharding))
-    return out
-
-
 def _compile(fn, shapes, impl, on_tpu):
     from difflet_tpu.bench.run import XLA_CM_FLAGS
 
     opts = dict(XLA_CM_FLAGS) if impl == "xla" and on_tpu else None
     lowered = fn.trace(*shapes).lower()
     return lowered.compile(compiler_options=opts) if opts else lowered.compile()
-
-
-def _median_ms(compiled, args, iters):
-    import jax
-
-    jax.block_until_ready(compiled(*args))
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
 
 
 def rel_err(out, ref) -> float:
@@ -130,10 +102,10 @@ def check_site(site, mesh, *, mode, chip=None, iters=20, name=None, seed=0) -> l
                 if label == "kernel" and not est.kernel_sites:
                     row["note"] = "the dispatch fell back to the ring here (the kernel does not take this site)"
             if mode != "compile":
-                args = _random_args(shapes, seed)
+                args = sweep_tiles.random_args(shapes, seed, scale=0.5)
                 outs[label] = compiled(*args)
                 if mode == "tpu":
-                    row["measured_ms"] = round(_median_ms(compiled, args, iters), 4)
+                    row["measured_ms"] = round(1e3 * sweep_tiles.time_call(compiled, args, iters), 4)
         except Exception as e:  # noqa: BLE001 - one failed impl is a failed row, the others still run
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         rows.append(row)

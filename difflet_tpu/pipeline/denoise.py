@@ -2,11 +2,12 @@
 
 A port's `PortSpec.pipeline` (difflet_tpu.port.Pipeline) says how its
 diffusers pipeline drives the transformer: the
-schedule (difflet_tpu.pipeline.schedules), how the timestep is scaled, whether
-guidance is a classifier-free batch-2 call (Wan, LTX-2: unconditional and
-conditional rows in one call, combined as `u + g (c - u)`) or an embedding
-(FLUX.1-dev `guidance = g`, HunyuanVideo `guidance = 1000 g`), and for
-Wan2.2-A14B the expert switch at `boundary_ratio * 1000`.
+schedule (its `models/<name>/schedule.py`, on difflet_tpu.pipeline.schedules),
+how the timestep is scaled, whether guidance is a classifier-free batch-2 call
+(Wan, LTX-2: unconditional and conditional rows in one call, combined as
+`u + g (c - u)`) or an embedding (FLUX.1-dev `guidance = g`, HunyuanVideo
+`guidance = 1000 g`), the switch between two experts (Wan2.2-A14B's at
+`boundary_ratio * 1000`) and the pipeline's own argument names.
 
 `Denoiser` holds the runners (one per expert), the conditioning (seeded
 random embeddings of the right shapes, or precomputed ones from a file with
@@ -69,22 +70,34 @@ def model_names() -> list[str]:
 # Conditioning
 # --------------------------------------------------------------------------
 
-# diffusers pipeline argument names -> transformer forward names
-PIPELINE_ALIASES = {
+# the diffusers pipelines' shared argument names -> transformer forward names; a
+# port's own are its `Pipeline.arg_names` (LTX-2's audio, Wan's image)
+PIPELINE_NAMES = {
     "prompt_embeds": "encoder_hidden_states",
     "pooled_prompt_embeds": "pooled_projections",
     "prompt_attention_mask": "encoder_attention_mask",
-    "audio_prompt_embeds": "audio_encoder_hidden_states",
-    "image_embeds": "encoder_hidden_states_image",
 }
 NOT_CONDITIONING = ("hidden_states", "audio_hidden_states", "timestep", "sigma", "guidance")
 UNBATCHED = ("img_ids", "txt_ids")  # FLUX's positions: [tokens, 3], no batch axis
 
 
+def forward_names(emb: dict, arg_names: dict | None = None) -> dict:
+    """`emb` with pipeline argument names (`PIPELINE_NAMES`, and a port's own
+    `Pipeline.arg_names`) replaced by the transformer's, `negative_` kept."""
+    names = {**PIPELINE_NAMES, **(arg_names or {})}
+    out = {}
+    for k, v in emb.items():
+        neg = k.startswith("negative_")
+        base = k[len("negative_"):] if neg else k
+        out[("negative_" if neg else "") + names.get(base, base)] = v
+    return out
+
+
 def read_embeddings(path: str) -> dict:
     """Precomputed text embeddings: a .safetensors or .npz whose keys are
     diffusers' argument names (transformer forward names such as
-    `encoder_hidden_states`, or pipeline names such as `prompt_embeds`), plus
+    `encoder_hidden_states`, or pipeline names such as `prompt_embeds`; a
+    port's own pipeline names are renamed by `apply_embeddings`), plus
     `negative_*` for the unconditional half of classifier-free guidance.
 
     Raises ValueError naming the file for a file that cannot be read, an empty
@@ -107,12 +120,7 @@ def read_embeddings(path: str) -> dict:
         raise ValueError(f"--embeddings {path}: cannot read it ({type(e).__name__}: {e})") from None
     except Exception as e:  # noqa: BLE001 - zipfile, safetensors and OS errors, all with the path
         raise ValueError(f"--embeddings {path}: cannot read it ({type(e).__name__}: {e})") from None
-    out = {}
-    for k, v in raw.items():
-        neg = k.startswith("negative_")
-        base = k[len("negative_"):] if neg else k
-        base = PIPELINE_ALIASES.get(base, base)
-        out[("negative_" if neg else "") + base] = np.asarray(v)
+    out = forward_names({k: np.asarray(v) for k, v in raw.items()})
     if not out:
         raise ValueError(f"--embeddings {path}: no arrays")
     from difflet_tpu.checks import check_input
@@ -134,9 +142,11 @@ def input_kind_of(name: str) -> str:
     return input_kind(name) or ("mask" if "mask" in name else "float")
 
 
-def apply_embeddings(inputs: dict, emb: dict, cfg_batch: bool) -> dict:
+def apply_embeddings(inputs: dict, emb: dict, cfg_batch: bool, arg_names: dict | None = None) -> dict:
     """Replaces the random conditioning of `inputs` (batch 1, or 2 for CFG with
-    rows [unconditional, conditional]) by the file's, checking shapes."""
+    rows [unconditional, conditional]) by the file's, checking shapes; `arg_names`:
+    the port's own pipeline argument names (`Pipeline.arg_names`)."""
+    emb = forward_names(emb, arg_names)
     out = dict(inputs)
     cond_keys = [k for k in inputs if k not in NOT_CONDITIONING and isinstance(inputs[k], np.ndarray)]
     unknown = [k for k in emb if k.removeprefix("negative_") not in cond_keys]
@@ -257,7 +267,8 @@ class Denoiser:
     """The denoise loop of one model on one mesh/mode.
 
     pipeline: the port's `PortSpec.pipeline` (schedule facts and guidance mode).
-    runners: one Runner, or two for Wan2.2-A14B ([high noise, low noise]).
+    runners: one Runner, or two for Wan2.2-A14B ([high noise, low noise]; the
+    step's expert is `pipeline.expert(t, boundary)`).
     inputs: diffusers forward kwargs at batch 1 (numpy) from `example_inputs`;
     for CFG pipelines the conditioning rows are doubled here to [uncond, cond].
     latent_guidance: latent key -> its own guidance scale (LTX-2's audio);
@@ -282,6 +293,9 @@ class Denoiser:
 
         self.pipeline = pipeline
         self.runners = list(runners)
+        if len(self.runners) > 1 and pipeline.expert is None:
+            raise ValueError(f"{len(self.runners)} runners, but this pipeline switches no experts "
+                             f"(Pipeline.expert is None): pass one runner")
         self.schedule = schedule
         self.guidance = float(guidance)
         self.boundary = boundary
@@ -368,7 +382,7 @@ class Denoiser:
         return dt
 
     def expert(self, t: float) -> int:
-        return S.wan22_expert(t, self.boundary) if len(self.runners) > 1 else 0
+        return self.pipeline.expert(t, self.boundary) if len(self.runners) > 1 else 0
 
     def kwargs(self, latents: dict, t: float) -> dict:
         import jax.numpy as jnp

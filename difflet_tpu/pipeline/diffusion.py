@@ -263,6 +263,22 @@ def _euler(latents, velocity, dt):
     return x.astype(velocity.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One `__call__`'s checked arguments (`DiffusionPipeline.start_call`); h, w: the latent grid."""
+
+    output_type: str
+    height: int
+    width: int
+    num_images_per_prompt: int
+    prompts: list
+    batch: int
+    h: int
+    w: int
+    schedule: S.Schedule
+    latents: Any
+
+
 class DiffusionPipeline:
     """Base of the text-to-image pipelines; `from_pretrained` picks the subclass."""
 
@@ -304,6 +320,19 @@ class DiffusionPipeline:
         return pipeline_cls.load(path, index, mesh=mesh, dtype=dtype, config=config,
                                  runner_options=dict(runner_options or {}))
 
+    def load_denoiser(self, path: Path, *, mesh, dtype, config, runner_options) -> None:
+        """The transformer (`transformer/`, as a `Runner`) and the VAE (`vae/`) of a pipeline folder."""
+        from difflet_tpu.loading import load_transformer
+        from difflet_tpu.runner import Runner
+
+        transformer = load_transformer(path / "transformer", dtype=dtype, mesh=mesh, config=config)
+        self.transformer_config = transformer.config
+        self.transformer = Runner(transformer, mesh, config, **runner_options)
+        del transformer  # the Runner holds the parameters
+        self.vae = load_vae(path / "vae", dtype=dtype, mesh=mesh)
+        self.vae_scale_factor = vae_scale_factor(self.vae)
+        self.dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
+
     # ---- the text encoders' home between prompts (Config.encoder_offload) ------
 
     def init_encoder_home(self, encoders: list, config) -> None:
@@ -344,6 +373,45 @@ class DiffusionPipeline:
 
     # ---- shared call pieces ----------------------------------------------------
 
+    def start_call(self, unsupported: dict, *, prompt, output_type, height, width, num_inference_steps,
+                   num_images_per_prompt, max_sequence_length, max_sequence_limit: int, sigmas, latents,
+                   seed) -> Call:
+        """`__call__`'s checks before any work, in diffusers' order, and what they give: the schedule
+        and the initial packed latents."""
+        from difflet_tpu.encoders import tokenizers as T
+
+        self.check_refused(unsupported)
+        self.timings = Timings()
+        output_type = self.check_output_type(output_type)
+        height, width = self.check_size(height, width)
+        num_inference_steps = self.check_count("num_inference_steps", num_inference_steps)
+        num_images_per_prompt = self.check_count("num_images_per_prompt", num_images_per_prompt)
+        if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= max_sequence_limit:
+            raise PipelineError(f"`max_sequence_length` cannot be greater than {max_sequence_limit} (or below 1), "
+                                f"got {max_sequence_length!r}")
+        prompts = T.as_prompt_list(prompt)
+        batch = len(prompts) * num_images_per_prompt
+        h, w = 2 * (height // (self.vae_scale_factor * 2)), 2 * (width // (self.vae_scale_factor * 2))
+        schedule = self.schedule(num_inference_steps, (h // 2) * (w // 2), sigmas)
+        x = self.initial_latents(latents, seed, batch, self.transformer_config.in_channels // 4, h, w, self.dtype)
+        return Call(output_type, height, width, num_images_per_prompt, prompts, batch, h, w, schedule, x)
+
+    def denoise_and_decode(self, call: Call, predict: Callable, to_vae: Callable, return_dict: bool):
+        """The denoise loop from `call`'s latents, then (unless `output_type="latent"`) the VAE's decode of
+        `to_vae(latents)` and postprocessing; returned as diffusers does."""
+        self._stage("denoise", steps=len(call.schedule))
+        x = self.denoise(call.latents, call.schedule, predict)
+        self.final_latents = x  # the packed latents before decoding, for inspection
+        if call.output_type == "latent":
+            image = x
+        else:
+            self._stage("decode")
+            start = time.perf_counter()
+            image = wait(self.vae.decode(to_vae(x)))
+            self.timings.decode = time.perf_counter() - start
+            image = self.postprocess(image, call.output_type)
+        return PipelineOutput(images=image) if return_dict else (image,)
+
     def _stage(self, stage: str, **info) -> None:
         if self.on_stage is not None:
             self.on_stage(stage, info)
@@ -381,19 +449,15 @@ class DiffusionPipeline:
         """FluxPipeline / QwenImagePipeline step 5: sigmas linspace(1, 1/N, N) unless given,
         mu = calculate_shift(image_seq_len, ...) from the scheduler config, set_timesteps."""
         cfg = self.scheduler_config
-        if sigmas is None:
-            sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
-        else:
+        if sigmas is not None:
             sigmas = np.asarray(sigmas, np.float64)
             if sigmas.ndim != 1 or len(sigmas) != num_inference_steps or not np.isfinite(sigmas).all():
                 raise PipelineError(f"`sigmas` must be {num_inference_steps} finite numbers (num_inference_steps), "
                                     f"got {np.asarray(sigmas).tolist()}")
             if (sigmas <= 0).any() or (sigmas > 1).any():
                 raise PipelineError(f"`sigmas` must be in (0, 1], got {sigmas.tolist()}")
-        mu = S.calculate_shift(image_seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift,
-                               cfg.max_shift)
         with np.errstate(divide="ignore", invalid="ignore"):
-            schedule = S.flow_match_euler(cfg, num_inference_steps, sigmas=sigmas, mu=mu)
+            schedule = S.shifted_linear(cfg, num_inference_steps, image_seq_len, sigmas)
         if not np.isfinite(schedule.sigmas).all():
             # e.g. one step with shift_terminal (Qwen-Image): diffusers' stretch divides 0 by 0
             raise PipelineError(f"the schedule for num_inference_steps={num_inference_steps}"

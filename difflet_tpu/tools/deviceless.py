@@ -79,6 +79,27 @@ def topology_devices(topology: str = "v5e:2x2"):
     return topologies.get_topology_desc(topology, "tpu").devices
 
 
+def compile_target(topology: str):
+    """What a compile-only command sets up first, in this process (before jax initialises):
+    the TPU environment of `topology`, then (devices, chip, calibration): its deviceless
+    devices, its chip (`estimate.chip_for`) and that chip's calibration factors. A
+    ValueError naming the topology when libtpu does not accept it."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other deviceless compiles on this machine
+    setup_process(topology)
+    import jax  # noqa: F401  (after the TPU environment is set)
+
+    from difflet_tpu.tools import estimate as E
+    from difflet_tpu.tools.calibration import CALIBRATION, Factors
+
+    chip = E.chip_for(topology)
+    calibration = CALIBRATION.get(chip.name, Factors())
+    try:
+        devices = topology_devices(topology)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"--topology {topology}: libtpu did not accept it ({type(e).__name__}: {e})") from None
+    return devices, chip, calibration
+
+
 def topology_mesh(topology: str = "v5e:2x2", tp: int | None = None, *, cfg: int = 1, data: int = 1):
     """A (`cfg`, `data`,) `tp` mesh on the devices of a TPU topology, each `tp` ring in ICI order."""
     from difflet_tpu.parallel.mesh import make_mesh

@@ -187,7 +187,9 @@ def site_call(site, tn, mesh, interpret, impl="pallas"):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)), args
 
 
-def random_args(shapes, seed=0):
+def random_args(shapes, seed=0, scale=0.05):
+    """Arguments for `site_call`'s `shapes`: N(0, scale^2) arrays placed with their
+    shardings, 0 for the scalar (the layer index)."""
     import jax
     import numpy as np
 
@@ -197,7 +199,7 @@ def random_args(shapes, seed=0):
         if s.shape == ():
             out.append(np.int32(0))
             continue
-        a = rng.standard_normal(s.shape, dtype=np.float32) * 0.05
+        a = rng.standard_normal(s.shape, dtype=np.float32) * scale
         out.append(jax.device_put(a.astype(s.dtype), s.sharding))
     return out
 

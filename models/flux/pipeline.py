@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from difflet_tpu.pipeline import diffusion as D
-from difflet_tpu.pipeline.diffusion import PipelineError, PipelineOutput
+from difflet_tpu.pipeline.diffusion import PipelineError
 
 
 class FluxPipeline(D.DiffusionPipeline):
@@ -49,10 +49,8 @@ class FluxPipeline(D.DiffusionPipeline):
 
     @classmethod
     def load(cls, path, index, *, mesh, dtype, config, runner_options):
-        from difflet_tpu.loading import load_transformer
         from difflet_tpu.encoders import clip, loading, t5
         from difflet_tpu.encoders import tokenizers as T
-        from difflet_tpu.models import flux
 
         self = cls(path, index, D.scheduler_config(path / "scheduler"))
         self.tokenizer = T.load_tokenizer(path / "tokenizer", "clip")
@@ -63,13 +61,7 @@ class FluxPipeline(D.DiffusionPipeline):
                                                  mesh=D.encoder_mesh(clip, clip_config, mesh))
         self.text_encoder_2 = t5.from_pretrained(path / "text_encoder_2", dtype=dtype,
                                                  mesh=D.encoder_mesh(t5, t5_config, mesh))
-        transformer = load_transformer(path / "transformer", dtype=dtype, mesh=mesh, config=config)
-        self.transformer_config = transformer.config
-        self.transformer = flux.Runner(transformer, mesh, config, **runner_options)
-        del transformer  # the Runner holds the parameters
-        self.vae = D.load_vae(path / "vae", dtype=dtype, mesh=mesh)
-        self.vae_scale_factor = D.vae_scale_factor(self.vae)
-        self.dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
+        self.load_denoiser(path, mesh=mesh, dtype=dtype, config=config, runner_options=runner_options)
         self.check_components()
         self.init_encoder_home([self.text_encoder, self.text_encoder_2], config)
         return self
@@ -135,23 +127,13 @@ class FluxPipeline(D.DiffusionPipeline):
         (random latents from `jax.random`). Arguments this port does not honour are refused."""
         from difflet_tpu.encoders import tokenizers as T
 
-        self.check_refused(unsupported)
-        self.timings = D.Timings()
-        output_type = self.check_output_type(output_type)
-        height, width = self.check_size(height, width)
-        num_inference_steps = self.check_count("num_inference_steps", num_inference_steps)
-        num_images_per_prompt = self.check_count("num_images_per_prompt", num_images_per_prompt)
-        if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= 512:
-            raise PipelineError(f"`max_sequence_length` cannot be greater than 512 (or below 1), got "
-                                f"{max_sequence_length!r}")
-        prompts = T.as_prompt_list(prompt)
-        batch = len(prompts) * num_images_per_prompt
-        do_true_cfg = float(true_cfg_scale) > 1 and negative_prompt is not None
-        h, w = 2 * (height // (self.vae_scale_factor * 2)), 2 * (width // (self.vae_scale_factor * 2))
-        channels = self.transformer_config.in_channels // 4
         # everything checked before the work
-        schedule = self.schedule(num_inference_steps, (h // 2) * (w // 2), sigmas)
-        x = self.initial_latents(latents, seed, batch, channels, h, w, self.dtype)
+        call = self.start_call(unsupported, prompt=prompt, output_type=output_type, height=height, width=width,
+                               num_inference_steps=num_inference_steps, num_images_per_prompt=num_images_per_prompt,
+                               max_sequence_length=max_sequence_length, max_sequence_limit=512, sigmas=sigmas,
+                               latents=latents, seed=seed)
+        prompts, batch, num_images_per_prompt = call.prompts, call.batch, call.num_images_per_prompt
+        do_true_cfg = float(true_cfg_scale) > 1 and negative_prompt is not None
 
         self._stage("encode")
         self.encoders_in()
@@ -165,10 +147,10 @@ class FluxPipeline(D.DiffusionPipeline):
                 "negative_prompt_2")
             neg_embeds, neg_pooled, neg_text_ids = self.encode_prompt(negatives, negatives_2, num_images_per_prompt,
                                                                       max_sequence_length, name="negative_prompt")
-        img_ids = self.prepare_latent_image_ids(h // 2, w // 2)
+        img_ids = self.prepare_latent_image_ids(call.h // 2, call.w // 2)
         guidance = (np.full((batch,), guidance_scale, np.float32) if self.transformer_config.guidance_embeds
                     else None)
-        self.encoders_out(dict(hidden_states=x, timestep=np.ones((batch,), np.float32), guidance=guidance,
+        self.encoders_out(dict(hidden_states=call.latents, timestep=np.ones((batch,), np.float32), guidance=guidance,
                                img_ids=img_ids, pooled_projections=pooled, encoder_hidden_states=prompt_embeds,
                                txt_ids=text_ids))
 
@@ -182,19 +164,9 @@ class FluxPipeline(D.DiffusionPipeline):
                 v = D.true_cfg(v, neg, float(true_cfg_scale))
             return v
 
-        self._stage("denoise", steps=num_inference_steps)
-        x = self.denoise(x, schedule, predict)
-        self.final_latents = x  # the packed latents before decoding, for inspection
-        if output_type == "latent":
-            image = x
-        else:
-            self._stage("decode")
-            start = time.perf_counter()
-            # the VAE's decode un-scales (latents / scaling_factor + shift_factor) first
-            image = D.wait(self.vae.decode(D.unpack_latents(x, height, width, self.vae_scale_factor)))
-            self.timings.decode = time.perf_counter() - start
-            image = self.postprocess(image, output_type)
-        return PipelineOutput(images=image) if return_dict else (image,)
+        # the VAE's decode un-scales (latents / scaling_factor + shift_factor) first
+        return self.denoise_and_decode(
+            call, predict, lambda x: D.unpack_latents(x, call.height, call.width, self.vae_scale_factor), return_dict)
 
 
 PIPELINE = FluxPipeline

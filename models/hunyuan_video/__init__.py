@@ -4,11 +4,10 @@ conditioning types) on TPU slices: one device, TP, SP.
 Run it with `difflet_tpu.Runner(model, mesh, config)`; notes: docs/models/hunyuan_video.md.
 """
 
-from difflet_tpu.pipeline import schedules as schedulers
 from difflet_tpu.port import Pipeline, port_spec
 from difflet_tpu.runner import Runner
 
-from . import config, keys, model, port
+from . import config, keys, model, port, schedule
 from .config import IGNORED_KEYS, CLASS_NAME, PRESETS, HunyuanVideoConfig, config_from_diffusers
 from .keys import key_map
 from .model import PLAN, Geometry, HunyuanVideoTransformer3DModel, build, unpatchify
@@ -25,7 +24,7 @@ SPEC = port_spec(
     tiny_shape=dict(height=64, width=96, frames=9),
     # HunyuanVideoPipeline: 50 steps, embedded guidance 6.0 (passed x1000), timesteps
     # as the scheduler gives them (0..1000).
-    pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedulers.hunyuan_video_schedule(steps),
+    pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedule.schedule(steps),
                       steps=50, guidance=6.0, guidance_mode="embedded", guidance_mult=1000.0),
     ag_default=AG_DEFAULT,
     methods={"geometry": runner_geometry},

@@ -5,11 +5,10 @@ Run it with `difflet_tpu.Runner(model, mesh, config)` (also exported here as
 docs/models/ltx2.md (the parallel plan and the model-specific mechanisms).
 """
 
-from difflet_tpu.pipeline import schedules as schedulers
 from difflet_tpu.port import Pipeline, port_spec
 from difflet_tpu.runner import Runner
 
-from . import config, keys, model, port
+from . import config, keys, model, port, schedule
 from .config import IGNORED_KEYS, CLASS_NAME, PRESETS, LTX2Config, config_from_diffusers
 from .keys import key_map
 from .model import PLAN, LTX2VideoTransformer3DModel, build
@@ -23,10 +22,12 @@ SPEC = port_spec(
     tiny_shape=dict(height=96, width=128, frames=9),
     # The bench's LTX-2 pipeline (difflet_tpu/pipeline/denoise.py, bench.py): 30 steps,
     # classifier-free guidance (batch-2 calls) 3.0 on the video and 7.0 on the
-    # audio latents, schedulers.ltx2_schedule shifted by the video token count.
-    pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedulers.ltx2_schedule(
+    # audio latents, schedule.schedule shifted by the video token count; the
+    # pipeline's audio argument names (schedule.ARG_NAMES).
+    pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedule.schedule(
         steps, inputs["hidden_states"].shape[1]), steps=30, guidance=3.0, guidance_mode="cfg",
-        latent_keys=("hidden_states", "audio_hidden_states"), latent_guidance={"audio_hidden_states": 7.0}),
+        latent_keys=("hidden_states", "audio_hidden_states"), latent_guidance={"audio_hidden_states": 7.0},
+        arg_names=schedule.ARG_NAMES),
     # The Pallas all-gather kernel under SP on TPU. The reference PR measured its
     # own kernel flat here and kept the ring; this one (with the reduce-scatter
     # kernel at ICI-bound sites and a2v on local rows) estimates 171.6 ms a step

@@ -4,9 +4,6 @@ zero_cond_t, -Layered's flags) on TPU slices: one device, TP, SP.
 Run it with `difflet_tpu.Runner(model, mesh, config)`; notes: docs/models/qwen_image.md.
 """
 
-import numpy as np
-
-from difflet_tpu.pipeline import schedules as schedulers
 from difflet_tpu.port import Pipeline, port_spec
 from difflet_tpu.runner import Runner
 
@@ -16,22 +13,7 @@ from .keys import key_map
 from .model import PLAN, QwenImageTransformer2DModel, build, time_proj
 from .port import example_inputs, flops, image_shapes
 from .rope import joint_tables
-
-# Qwen/Qwen-Image's scheduler config (FlowMatchEulerDiscreteScheduler): dynamic shifting
-# with mu from the image token count over [256, 8192] -> [0.5, 0.9], stretched to a
-# terminal sigma of 0.02 (tests/fixtures/qwen_image/schedule.json holds diffusers' arrays).
-SCHEDULER = schedulers.SchedulerConfig(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-                                       base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02)
-
-
-def schedule(steps: int, image_seq_len: int, cfg: schedulers.SchedulerConfig = SCHEDULER) -> schedulers.Schedule:
-    """QwenImagePipeline's schedule: sigmas linspace(1, 1/N, N), mu = calculate_shift(image
-    tokens, 256, 8192, 0.5, 0.9), the scheduler's exponential time shift and terminal stretch."""
-    sigmas = np.linspace(1.0, 1 / steps, steps)
-    mu = schedulers.calculate_shift(image_seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift,
-                                    cfg.max_shift)
-    return schedulers.flow_match_euler(cfg, steps, sigmas=sigmas, mu=mu)
-
+from .schedule import SCHEDULER, schedule
 
 # Under SP on TPU the image stream's all-gathers (to_q/to_k/to_v, img_mlp.net.0.proj)
 # run the Pallas all-gather-matmul kernel by default: in the deviceless v5e:2x2

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from difflet_tpu.pipeline import diffusion as D
-from difflet_tpu.pipeline.diffusion import PipelineError, PipelineOutput
+from difflet_tpu.pipeline.diffusion import PipelineError
 
 logger = logging.getLogger(__name__)
 
@@ -49,23 +49,15 @@ class QwenImagePipeline(D.DiffusionPipeline):
 
     @classmethod
     def load(cls, path, index, *, mesh, dtype, config, runner_options):
-        from difflet_tpu.loading import load_transformer
         from difflet_tpu.encoders import decoder_lm, loading
         from difflet_tpu.encoders import tokenizers as T
-        from difflet_tpu.models import qwen_image
 
         self = cls(path, index, D.scheduler_config(path / "scheduler"))
         self.tokenizer = T.load_tokenizer(path / "tokenizer", "qwen2")
         lm_config = decoder_lm.DecoderLMConfig.from_dict(loading.read_config(path / "text_encoder"))
         self.text_encoder = decoder_lm.from_pretrained(path / "text_encoder", dtype=dtype,
                                                        mesh=D.encoder_mesh(decoder_lm, lm_config, mesh))
-        transformer = load_transformer(path / "transformer", dtype=dtype, mesh=mesh, config=config)
-        self.transformer_config = transformer.config
-        self.transformer = qwen_image.Runner(transformer, mesh, config, **runner_options)
-        del transformer
-        self.vae = D.load_vae(path / "vae", dtype=dtype, mesh=mesh)
-        self.vae_scale_factor = D.vae_scale_factor(self.vae)
-        self.dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
+        self.load_denoiser(path, mesh=mesh, dtype=dtype, config=config, runner_options=runner_options)
         self.check_components()
         self.init_encoder_home([self.text_encoder], config)
         return self
@@ -112,17 +104,11 @@ class QwenImagePipeline(D.DiffusionPipeline):
         (random latents from `jax.random`). Arguments this port does not honour are refused."""
         from difflet_tpu.encoders import tokenizers as T
 
-        self.check_refused(unsupported)
-        self.timings = D.Timings()
-        output_type = self.check_output_type(output_type)
-        height, width = self.check_size(height, width)
-        num_inference_steps = self.check_count("num_inference_steps", num_inference_steps)
-        num_images_per_prompt = self.check_count("num_images_per_prompt", num_images_per_prompt)
-        if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= 1024:
-            raise PipelineError(f"`max_sequence_length` cannot be greater than 1024 (or below 1), got "
-                                f"{max_sequence_length!r}")
-        prompts = T.as_prompt_list(prompt)
-        batch = len(prompts) * num_images_per_prompt
+        call = self.start_call(unsupported, prompt=prompt, output_type=output_type, height=height, width=width,
+                               num_inference_steps=num_inference_steps, num_images_per_prompt=num_images_per_prompt,
+                               max_sequence_length=max_sequence_length, max_sequence_limit=1024, sigmas=sigmas,
+                               latents=latents, seed=seed)
+        prompts, batch, num_images_per_prompt = call.prompts, call.batch, call.num_images_per_prompt
         has_neg = negative_prompt is not None
         if float(true_cfg_scale) > 1 and not has_neg:
             logger.warning("true_cfg_scale is passed as %s, but classifier-free guidance is not enabled since no "
@@ -134,10 +120,6 @@ class QwenImagePipeline(D.DiffusionPipeline):
             logger.warning("guidance_scale is passed as %s, but ignored since the model is not guidance-distilled.",
                            guidance_scale)
         do_true_cfg = float(true_cfg_scale) > 1 and has_neg
-        h, w = 2 * (height // (self.vae_scale_factor * 2)), 2 * (width // (self.vae_scale_factor * 2))
-        channels = self.transformer_config.in_channels // 4
-        schedule = self.schedule(num_inference_steps, (h // 2) * (w // 2), sigmas)
-        x = self.initial_latents(latents, seed, batch, channels, h, w, self.dtype)
         negatives = (D.match_batch(T.as_prompt_list(negative_prompt, "negative_prompt", allow_empty=True),
                                    len(prompts), "negative_prompt") if do_true_cfg else None)
 
@@ -147,8 +129,8 @@ class QwenImagePipeline(D.DiffusionPipeline):
         if do_true_cfg:
             neg_embeds, neg_mask = self.encode_prompt(negatives, num_images_per_prompt, max_sequence_length,
                                                       name="negative_prompt")
-        img_shapes = [[(1, h // 2, w // 2)]] * batch
-        self.encoders_out(dict(hidden_states=x, timestep=np.ones((batch,), np.float32),
+        img_shapes = [[(1, call.h // 2, call.w // 2)]] * batch
+        self.encoders_out(dict(hidden_states=call.latents, timestep=np.ones((batch,), np.float32),
                                encoder_hidden_states=prompt_embeds, encoder_hidden_states_mask=prompt_mask,
                                img_shapes=img_shapes))
 
@@ -161,20 +143,10 @@ class QwenImagePipeline(D.DiffusionPipeline):
                 v = D.true_cfg_rescaled(v, neg, float(true_cfg_scale))
             return v
 
-        self._stage("denoise", steps=num_inference_steps)
-        x = self.denoise(x, schedule, predict)
-        self.final_latents = x  # the packed latents before decoding, for inspection
-        if output_type == "latent":
-            image = x
-        else:
-            self._stage("decode")
-            start = time.perf_counter()
-            z = D.unpack_latents(x, height, width, self.vae_scale_factor)[:, :, None]  # [B, C, 1, h, w]
-            # the VAE's decode un-scales (latents / (1 / latents_std) + latents_mean) and keeps frame 0
-            image = D.wait(self.vae.decode(z))
-            self.timings.decode = time.perf_counter() - start
-            image = self.postprocess(image, output_type)
-        return PipelineOutput(images=image) if return_dict else (image,)
+        # [B, C, 1, h, w]: the VAE's decode un-scales (latents / (1 / latents_std) + latents_mean), keeps frame 0
+        return self.denoise_and_decode(
+            call, predict, lambda x: D.unpack_latents(x, call.height, call.width, self.vae_scale_factor)[:, :, None],
+            return_dict)
 
 
 PIPELINE = QwenImagePipeline

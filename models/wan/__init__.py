@@ -7,11 +7,10 @@ port adds the text K/V cache (`Runner.encode_text`, `Runner.text_kv_shapes`,
 Notes: docs/models/wan.md.
 """
 
-from difflet_tpu.pipeline import schedules as schedulers
 from difflet_tpu.port import Pipeline, port_spec
 from difflet_tpu.runner import Runner
 
-from . import config, keys, model, port
+from . import config, keys, model, port, schedule
 from .config import (IGNORED_KEYS, CLASS_NAME, EXPERT_BOUNDARY, FLOW_SHIFT, FLOW_SHIFTS, PRESETS, WanConfig,
                      config_from_diffusers, preset)
 from .keys import key_map
@@ -25,9 +24,10 @@ SPEC = port_spec(
     released="Wan2.1-T2V-14B", bench_shape=dict(height=480, width=832, frames=9),
     tiny_shape=dict(height=64, width=96, frames=9),
     # WanPipeline: 50 steps, classifier-free guidance 5.0 (batch 2), the flow
-    # shift per checkpoint (config.FLOW_SHIFTS).
-    pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedulers.wan_schedule(
-        steps, FLOW_SHIFTS.get(preset, FLOW_SHIFT)), steps=50, guidance=5.0, guidance_mode="cfg"),
+    # shift per checkpoint (config.FLOW_SHIFTS); Wan2.2-A14B's expert switch.
+    pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedule.schedule(
+        steps, FLOW_SHIFTS.get(preset, FLOW_SHIFT)), steps=50, guidance=5.0, guidance_mode="cfg",
+        expert=schedule.expert, arg_names=schedule.ARG_NAMES),
     # The Pallas all-gather kernel under SP on TPU (the reference PR's default for Wan).
     ag_default="pallas",
     experts=EXPERT_BOUNDARY,

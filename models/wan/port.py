@@ -39,7 +39,6 @@ from jax.sharding import PartitionSpec as P
 
 from difflet_tpu.parallel import padding
 from difflet_tpu.config import Config
-from difflet_tpu.pipeline import schedules
 from difflet_tpu.parallel.padding import patchify
 from difflet_tpu.parallel.mesh import BATCH, TP
 from difflet_tpu.port import Prepared, check_size, returned
@@ -47,6 +46,7 @@ from difflet_tpu.runner import Runner
 
 from .config import NUM_TRAIN_TIMESTEPS, TEXT_LEN_I2V, WanConfig
 from .rope import rope_tables
+from .schedule import expert
 
 FORWARD_ARGS = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image",
                 "return_dict", "attention_kwargs")
@@ -287,8 +287,8 @@ class WanExperts:
 
     def expert_for(self, timestep) -> str:
         """"high" or "low" for this step's timestep (all entries must agree): the one
-        switch rule, `schedules.wan22_expert`, per entry."""
-        which = {schedules.wan22_expert(float(t), self.boundary_ratio, self.num_train_timesteps)
+        switch rule, `schedule.expert`, per entry."""
+        which = {expert(float(t), self.boundary_ratio, self.num_train_timesteps)
                  for t in np.asarray(timestep).reshape(-1)}
         if len(which) > 1:
             raise ValueError(f"timestep entries straddle the expert boundary {self.boundary_timestep}: "
