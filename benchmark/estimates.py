@@ -2,7 +2,7 @@
 
     python benchmark/estimates.py run [--topology v5e:2x2] [--only wan,flux] [--out benchmark/results]
     python benchmark/estimates.py ops          # the PR's op-level sites, compiled (reference_ops_v5e.json)
-    python benchmark/estimates.py table [--from-check REPORT]
+    python benchmark/estimates.py table [--from-check REPORT] [--write | --check]
     python benchmark/estimates.py calibration [--from-check REPORT]
     python benchmark/estimates.py readme [--check]   # the results table and the bigger slices
 
@@ -11,7 +11,8 @@ process each: deviceless compiles need a fresh libtpu) and keeps its JSON.
 `table` prints the results table with every row's expected time on a TPU:
 the raw estimate calibrated per kind of work by
 `difflet_tpu.tools.calibration.CALIBRATION` (or by the factors refit on a
-`python -m difflet_tpu.check` report with `--from-check`). `calibration`
+`python -m difflet_tpu.check` report with `--from-check`); `--write` puts it
+in docs/benchmarks.md ("Results"), `--check` exits 1 if that differs. `calibration`
 prints the fit's points and residuals; `readme` rewrites the README's
 headline table from the same constants (`--check`: exit 1 if it differs).
 Everything here is an ESTIMATE from the compiled schedule, not a measurement.
@@ -172,13 +173,14 @@ SLICES_END = "<!-- end of bigger slices -->"
 
 def mesh_ms(mesh_dir, name: str, mode: str) -> tuple[float, dict]:
     """(expected ms per step, the row) of a committed bigger-slice plan (benchmark/meshes.py),
-    re-priced from its raw replay with today's per-kind factors of its chip (no recompile)."""
+    re-priced from its raw replay with today's per-kind factors of its chip (no recompile);
+    a chip without fitted factors (v6e) gets the raw replay (`Factors()`, all 1.0)."""
     from difflet_tpu.tools import calibration
 
     data = json.loads((pathlib.Path(mesh_dir) / f"{name}.json").read_text())
     row = next(r for r in data["results"] if r["mode"] == mode and "error" not in r)
     chip = data["topology"].split(":")[0]
-    return calibration.expected_ms(row["breakdown_raw"], calibration.CALIBRATION[chip]), row
+    return calibration.expected_ms(row["breakdown_raw"], calibration.CALIBRATION.get(chip, calibration.Factors())), row
 
 
 def slices_block(mesh_dir) -> str:
@@ -202,16 +204,21 @@ def slices_block(mesh_dir) -> str:
     return "\n".join([SLICES_BEGIN, "", textwrap.fill(text, 76, break_on_hyphens=False), "", SLICES_END])
 
 
+def replace_block(text: str, begin: str, end: str, block: str, where: str) -> str:
+    """`text` with what stands from `begin` to `end` (markers included) replaced by `block`."""
+    if begin not in text or end not in text:
+        sys.exit(f"{where} has no {begin} ... {end} block")
+    a, rest = text.split(begin, 1)
+    _, b = rest.split(end, 1)
+    return a + block + b
+
+
 def readme(args):
     path = ROOT / "README.md"
     text = new = path.read_text()
     for begin, end, block in ((README_BEGIN, README_END, lambda: readme_block(args.out)),
                               (SLICES_BEGIN, SLICES_END, lambda: slices_block(pathlib.Path(args.out) / "meshes"))):
-        if begin not in new or end not in new:
-            sys.exit(f"README.md has no {begin} ... {end} block")
-        a, rest = new.split(begin, 1)
-        _, b = rest.split(end, 1)
-        new = a + block() + b
+        new = replace_block(new, begin, end, block(), "README.md")
     if args.check:
         if new != text:
             print("README.md's generated blocks (results table, bigger slices) differ from "
@@ -318,7 +325,27 @@ def table(args):
         lines.append(f"| {r['model']} | {best} | {cal:.1f} | {r['ideal_ms']:.1f} | {cal - r['ideal_ms']:.1f} | "
                      f"{compute - r['ideal_ms']:.1f} | {b['nonmatmul_ms'] + b['other_ms']:.1f} | "
                      f"{b['exposed_transfer_ms'] + b['sync_collective_ms'] + b['exposed_dma_ms']:.1f} |")
-    print("\n".join(lines))
+    block = "\n".join([RESULTS_BEGIN, "", *lines, "", RESULTS_END])
+    if not (args.check or args.write):
+        print("\n".join(lines))
+        return
+    if getattr(args, "from_check", None):
+        sys.exit("table --check / --write: docs/benchmarks.md holds the constants' table, not a --from-check refit")
+    path = ROOT / "docs" / "benchmarks.md"
+    text = path.read_text()
+    new = replace_block(text, RESULTS_BEGIN, RESULTS_END, block, "docs/benchmarks.md")
+    if args.check:
+        if new != text:
+            print("docs/benchmarks.md's results table differs from `python benchmark/estimates.py table`",
+                  file=sys.stderr)
+            sys.exit(1)
+        return
+    path.write_text(new)
+    print("docs/benchmarks.md: results table rewritten")
+
+
+RESULTS_BEGIN = "<!-- results: python benchmark/estimates.py table --write -->"
+RESULTS_END = "<!-- end of results -->"
 
 
 def main(argv=None):
@@ -329,7 +356,9 @@ def main(argv=None):
     ap.add_argument("--out", default=str(ROOT / "benchmark" / "results"))
     ap.add_argument("--from-check", metavar="REPORT", help="table / calibration: factors refit on a "
                     "`python -m difflet_tpu.check --json` report of a TPU run instead of the constants")
-    ap.add_argument("--check", action="store_true", help="readme: exit 1 if README.md differs, write nothing")
+    ap.add_argument("--check", action="store_true", help="readme / table: exit 1 if README.md / docs/benchmarks.md "
+                    "differs, write nothing")
+    ap.add_argument("--write", action="store_true", help="table: rewrite docs/benchmarks.md's results block")
     args = ap.parse_args(argv)
     dict(run=run, table=table, reestimate=reestimate, ops=ops, calibration=calibration_table,
          readme=readme)[args.what](args)

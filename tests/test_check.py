@@ -125,27 +125,57 @@ def test_calibration_constants_are_the_fit_of_the_committed_results():
     assert all(c.band[0] - 1e-3 <= calibration.residual(p, c) <= c.band[1] + 1e-3 for p in pts if p.fit)
 
 
+def _expected(b, c):
+    """The calibrated step from a raw breakdown, written out (the reference for `expected_ms`)."""
+    return (c.matmul * b["matmul_ms"] + c.nonmatmul * (b["nonmatmul_ms"] + b["other_ms"])
+            + c.transfer * (b["sync_collective_ms"] + b["exposed_transfer_ms"]) + c.pallas * b["pallas_ms"]
+            + b["exposed_dma_ms"])
+
+
+def _mesh_raw(name, mode):
+    mesh = json.loads((ROOT / f"benchmark/results/meshes/{name}.json").read_text())
+    return next(r for r in mesh["results"] if r["mode"] == mode)["breakdown_raw"]
+
+
 def test_readme_table_comes_from_the_constants():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmark" / "estimates.py"), "readme", "--check"],
                           capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     wan = {r["mode"]: r for r in json.loads((ROOT / "benchmark/results/wan.json").read_text())["results"]}
     c = calibration.CALIBRATION["v5e"]
-    b = wan["tp"]["breakdown_raw"]
-    tp = (c.matmul * b["matmul_ms"] + c.nonmatmul * (b["nonmatmul_ms"] + b["other_ms"])
-          + c.transfer * (b["sync_collective_ms"] + b["exposed_transfer_ms"]) + c.pallas * b["pallas_ms"]
-          + b["exposed_dma_ms"])
+    tp = _expected(wan["tp"]["breakdown_raw"], c)
     line = next(l for l in (ROOT / "README.md").read_text().splitlines() if l.startswith("| Wan2.1-14B 480x832x9 |"))
     assert line.split("|")[2].strip() == f"{tp:.0f}"
     # the bigger-slices paragraph: the v5e-8 cfg=2,tp=4 plan re-priced from its raw replay by the same constants
-    mesh = json.loads((ROOT / "benchmark/results/meshes/wan9_v5e2x4_cfg2tp4.json").read_text())
-    b = next(r for r in mesh["results"] if r["mode"] == "sp-pallas")["breakdown_raw"]
-    v5e8 = (c.matmul * b["matmul_ms"] + c.nonmatmul * (b["nonmatmul_ms"] + b["other_ms"])
-            + c.transfer * (b["sync_collective_ms"] + b["exposed_transfer_ms"]) + c.pallas * b["pallas_ms"]
-            + b["exposed_dma_ms"])
+    v5e8 = _expected(_mesh_raw("wan9_v5e2x4_cfg2tp4", "sp-pallas"), c)
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"Wan2.1-14B 480x832x9 with CFG is {v5e8:.0f} ms per step on a v5e-8 as `cfg=2,tp=4`" in readme
     assert "fitted band -21% .. +14%" in readme
+
+
+def test_benchmarks_doc_tables_come_from_the_constants():
+    for script in ("estimates.py", "meshes.py"):  # the results table, the bigger-slices tables
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmark" / script), "table", "--check"],
+                              capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    block = doc.split("<!-- bigger slices tables: python benchmark/meshes.py table -->")[1].split(
+        "<!-- end of bigger slices tables -->")[0]
+    rows = {tuple(x.strip() for x in l.split("|")[1:6]): l.split("|") for l in block.splitlines()
+            if l.startswith("| v") and l.count("|") == 14}
+    assert len(rows) == 22
+    # v5e: the raw replay priced with today's per-kind factors; v6e (no fitted factors): the raw replay
+    c = calibration.CALIBRATION["v5e"]
+    v5e4 = _expected(_mesh_raw("wan9_v5e2x2_cfgb2", "sp-pallas"), c)
+    v5e8 = _expected(_mesh_raw("wan9_v5e2x4_cfg2tp4", "sp-pallas"), c)
+    row = rows[("v5e:2x2", "wan:Wan2.1-T2V-14B (480x832x9)", "2", "`tp=4`", "sp-pallas")]
+    assert row[7].strip() == f"{v5e4:.1f}" and row[8].strip() == "per-kind fit"
+    assert "v6e" not in calibration.CALIBRATION
+    row = rows[("v6e:2x2", "wan:Wan2.1-T2V-14B (480x832x9)", "2", "`tp=4`", "sp-pallas")]
+    assert row[7].strip() == f"{_mesh_raw('wan9_v6e2x2_tp4', 'sp-pallas')['step_ms']:.1f}"
+    assert row[8].strip() == "uncalibrated (raw)"
+    assert f"**{v5e8 / v5e4:.3f}x**" in " ".join(block.split())
+    assert "still carries the old single factor" not in doc
 
 
 def test_site_cases_are_the_benchmark_cases():
