@@ -37,6 +37,17 @@ class PortConfig:
         return self.num_attention_heads * self.attention_head_dim
 
 
+class ImagePatchConfig(PortConfig):
+    """A port on square 2-D patches of a latent image (FLUX, Qwen-Image): `patch_size`,
+    `in_channels`, `out_channels` (None: as `in_channels`)."""
+
+    @property
+    def out_features(self) -> int:
+        """proj_out's width: patch_size**2 * (out_channels or in_channels) (diffusers leaves unpatchify
+        to the pipeline)."""
+        return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
+
+
 class UnknownOption(ValueError):
     """A keyword override that is not a config key of the port."""
 

@@ -10,6 +10,8 @@ generic part can be tested on it without a real port.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import pathlib
 
 import jax
 
@@ -99,14 +101,32 @@ def rel_l2(a, b) -> float:
 def read_fixture_io(case_dir):
     """A diffusers fixture's `io.npz` as (forward kwargs, outputs): `in.<kwarg>`
     and `out.<field>` with the prefixes dropped; 0-d inputs as Python scalars."""
-    import pathlib
-
     import numpy as np
 
     z = np.load(pathlib.Path(case_dir) / "io.npz")
     inputs = {k[3:]: (z[k].item() if z[k].ndim == 0 else z[k]) for k in z.files if k.startswith("in.")}
     outputs = {k[4:]: z[k] for k in z.files if k.startswith("out.")}
     return inputs, outputs
+
+
+@functools.lru_cache(maxsize=None)
+def fixture_sample(case_dir):
+    """(forward kwargs, expected `sample`) of a fixture case, read once per case."""
+    kwargs, out = read_fixture_io(case_dir)
+    return kwargs, out["sample"]
+
+
+def load_fixture_transformer(case_dir, tp=None, *, split_rope=True, dtype=jnp.float32):
+    """(model, mesh): a fixture case's `transformer/` folder loaded as the runtime loads it,
+    replicated (`tp` None) or on a `tp` mesh of the CPU devices."""
+    from difflet_tpu.config import Config
+    from difflet_tpu.loading import load_transformer
+    from difflet_tpu.parallel.mesh import make_mesh
+
+    mesh = None if tp is None else make_mesh(tp)
+    model = load_transformer(pathlib.Path(case_dir) / "transformer", dtype=dtype, mesh=mesh,
+                             config=Config(split_rope=split_rope))
+    return model, mesh
 
 
 # --------------------------------------------------------------------------

@@ -19,23 +19,9 @@ import os
 import sys
 import time
 
+from difflet_tpu.check.steps import SITE_CASES  # light: no jax
+
 SECTIONS = ("ports", "streaming", "sites", "steps", "pr-ops")
-# Every case of benchmark/estimates.py (name -> (model, shape, guidance)): their sites on a TPU.
-SITE_CASES = {
-    "wan": ("wan:Wan2.1-T2V-14B", dict(height=480, width=832, frames=9), 1.0),
-    "flux": ("flux:flux.1-dev", dict(height=1024, width=1024, frames=1), None),
-    "hunyuan_video": ("hunyuan_video:hunyuan-video", dict(height=320, width=512, frames=61), None),
-    "ltx2": ("ltx2:ltx-2.0", dict(height=480, width=704, frames=49), 1.0),
-    "wan_81": ("wan:Wan2.1-T2V-14B", dict(height=480, width=832, frames=81), 1.0),
-    "wan_720p_81": ("wan:Wan2.1-T2V-14B", dict(height=720, width=1280, frames=81), 1.0),
-    "hunyuan_video_544p": ("hunyuan_video:hunyuan-video", dict(height=544, width=960, frames=129), None),
-    "hunyuan_video_720p": ("hunyuan_video:hunyuan-video", dict(height=720, width=1280, frames=129), None),
-    "ltx2_121": ("ltx2:ltx-2.0", dict(height=480, width=704, frames=121), 1.0),
-    "wan_cfg": ("wan:Wan2.1-T2V-14B", dict(height=480, width=832, frames=9), 5.0),
-    "ltx2_cfg": ("ltx2:ltx-2.0", dict(height=480, width=704, frames=49), 3.0),
-    "qwen_image": ("qwen_image:qwen-image", dict(height=1024, width=1024, frames=1), 1.0),
-    "qwen_image_1328": ("qwen_image:qwen-image", dict(height=1328, width=1328, frames=1), 1.0),
-}
 NO_TPU = ("No TPU was found: the ports and the kernels ran on CPU devices (the kernels in Pallas interpret "
           "mode) and NOTHING WAS TIMED; every number below that is not an error is a numerical check. "
           "Run the same command on a TPU VM for timings.")

@@ -45,6 +45,11 @@ def label(r: dict) -> str:
     return f"{r['name']} ({r['impl']})"
 
 
+def section(title: str, *columns: str) -> list:
+    """A Markdown section's heading and its table's header rows."""
+    return ["", f"## {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def markdown(report: dict) -> str:
     fmt = lambda v, spec=".3f": "" if v is None else format(v, spec)
     L = [f"# difflet-tpu check: {report['platform']}", ""]
@@ -58,22 +63,22 @@ def markdown(report: dict) -> str:
              + f"; {len(fails)} failed.")
     L += [f"- {f}" for f in fails]
     if report.get("ports"):
-        L += ["", "## Ports (tiny presets) against float64", "", "| port | mode | mesh | dtype | rel. error | tol | result |",
-              "|---|---|---|---|---|---|---|"]
+        L += section("Ports (tiny presets) against float64", "port", "mode", "mesh", "dtype", "rel. error", "tol",
+                     "result")
         for r in report["ports"]:
             L.append(f"| {r['port']} | {r['mode']} | {r['mesh']} | {r['dtype']} | {fmt(r.get('rel_err'), '.2e')} | "
                      f"{r['tol']:g} | {r.get('error', 'ok')} |")
     if report.get("streaming"):
-        L += ["", "## Streaming kernels: credit / semaphore paths", "", "| kernel | rows | widths | chunks | max abs err | result |",
-              "|---|---|---|---|---|---|"]
+        L += section("Streaming kernels: credit / semaphore paths", "kernel", "rows", "widths", "chunks",
+                     "max abs err", "result")
         for r in report["streaming"]:
             L.append(f"| {r['kind']} | {r['rows']} | {r['widths']} | {r.get('chunks')} | {r.get('max_abs_err', '')} | "
                      f"{r.get('error', 'ok')} |")
     for sec, title in (("sites", "Collective-matmul sites"), ("steps", "Denoise steps")):
         if not report.get(sec):
             continue
-        L += ["", f"## {title}", "", "| what | impl | rel. error vs plain | measured ms | est. raw ms | expected ms | "
-              "expected / measured | result |", "|---|---|---|---|---|---|---|---|"]
+        L += section(title, "what", "impl", "rel. error vs plain", "measured ms", "est. raw ms", "expected ms",
+                     "expected / measured", "result")
         for r in report[sec]:
             L.append(f"| {r['name']} | {r['impl']} | {fmt(r.get('rel_err_vs_plain'), '.2e')} | {fmt(r.get('measured_ms'))} | "
                      f"{fmt(r.get('estimate_raw_ms'))} | {fmt(r.get('expected_ms'))} | "

@@ -15,7 +15,6 @@ embeddings and LayerNorms replicated (layers.py).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -54,8 +53,7 @@ class CLIPTextConfig:
         """From a `config.json` (a `CLIPTextConfig`, or a full `CLIPConfig`'s `text_config`)."""
         if d.get("model_type") == "clip" and "text_config" in d:
             d = d["text_config"]
-        fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in fields})
+        return cls(**loading.known_fields(cls, d))
 
 
 # FLUX.1-dev `text_encoder/config.json` (openai/clip-vit-large-patch14's text tower).

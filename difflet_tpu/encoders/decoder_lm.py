@@ -37,7 +37,6 @@ row-parallel; embedding and norms replicated. The query and KV head counts must 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -106,8 +105,7 @@ class DecoderLMConfig:
         mrope = rope.get("mrope_section")
         if model_type.startswith("qwen2_5_vl") and mrope is None:
             mrope = [16, 24, 24]  # transformers' default for Qwen2.5-VL
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in text.items() if k in fields}
+        kwargs = loading.known_fields(cls, text)
         kwargs.update(rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
                       mrope_section=None if mrope is None else tuple(mrope),
                       attention_bias=model_type != "llama" or bool(text.get("attention_bias", False)),

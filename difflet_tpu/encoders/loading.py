@@ -19,6 +19,7 @@ placed with `NamedSharding(mesh, spec)` (its `tp_spec`, layers.py) on `mesh`, or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import struct
@@ -109,6 +110,13 @@ def read_config(folder) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}")
     return json.loads(path.read_text())
+
+
+def known_fields(cls, d: dict) -> dict:
+    """The entries of a transformers `config.json` dict that are fields of the config dataclass
+    `cls` (the file carries many the encoder does not read: tokenizer ids, dtypes, ...)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
 
 
 class Checkpoint:

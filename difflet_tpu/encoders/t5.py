@@ -24,7 +24,6 @@ the embedding, the bias tables and the norms replicated.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -75,9 +74,7 @@ class T5Config:
         """From a `config.json`; `model_type` "umt5" sets `per_layer_relative_bias`."""
         if d.get("model_type") not in ("t5", "umt5"):
             raise ValueError(f"expected a T5 or UMT5 config.json, got model_type {d.get('model_type')!r}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in fields},
-                   per_layer_relative_bias=d["model_type"] == "umt5")
+        return cls(**loading.known_fields(cls, d), per_layer_relative_bias=d["model_type"] == "umt5")
 
 
 # FLUX.1-dev `text_encoder_2/config.json` (google/t5-v1_1-xxl's encoder).

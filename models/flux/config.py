@@ -42,7 +42,7 @@ PRESETS: dict[str, dict] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class FluxConfig(PC.PortConfig):
+class FluxConfig(PC.ImagePatchConfig):
     """The port's frozen config (diffusers names)."""
 
     patch_size: int = 1
@@ -65,11 +65,6 @@ class FluxConfig(PC.PortConfig):
     @property
     def mlp_hidden_dim(self) -> int:
         return int(self.inner_dim * MLP_RATIO)
-
-    @property
-    def out_features(self) -> int:
-        """proj_out's width: patch_size**2 * out_channels (diffusers leaves unpatchify to the pipeline)."""
-        return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
 
 # Every FluxTransformer2DModel.__init__ argument (diffusers transformer_flux.py) and its type.

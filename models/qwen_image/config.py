@@ -58,7 +58,7 @@ PRESETS: dict[str, dict] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenImageConfig(PC.PortConfig):
+class QwenImageConfig(PC.ImagePatchConfig):
     """The port's frozen config (diffusers names and defaults)."""
 
     patch_size: int = 2
@@ -81,11 +81,6 @@ class QwenImageConfig(PC.PortConfig):
     @property
     def mlp_dim(self) -> int:
         return self.inner_dim * MLP_RATIO
-
-    @property
-    def out_features(self) -> int:
-        """proj_out's width: patch_size**2 * (out_channels or in_channels)."""
-        return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
 
 # Every QwenImageTransformer2DModel.__init__ argument (diffusers transformer_qwenimage.py) and its type.

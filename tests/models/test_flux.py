@@ -25,7 +25,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from difflet_tpu.testing import read_fixture_io, rel_l2
+from difflet_tpu.testing import fixture_sample, load_fixture_transformer, rel_l2
 from difflet_tpu import loading, models
 from difflet_tpu.config import Config
 from difflet_tpu.layers import mmdit
@@ -48,17 +48,12 @@ TOL64 = 1e-6
 rel = rel_l2
 
 
-@functools.lru_cache(maxsize=None)
 def fixture(case):
-    kwargs, out = read_fixture_io(FIXTURES / case)
-    return kwargs, out["sample"]
+    return fixture_sample(FIXTURES / case)
 
 
 def load(case, tp=None, *, split_rope=True, dtype=jnp.float32):
-    mesh = None if tp is None else make_mesh(tp)
-    model = loading.load_transformer(FIXTURES / case / "transformer", dtype=dtype, mesh=mesh,
-                                     config=Config(split_rope=split_rope))
-    return model, mesh
+    return load_fixture_transformer(FIXTURES / case, tp, split_rope=split_rope, dtype=dtype)
 
 
 @functools.lru_cache(maxsize=None)

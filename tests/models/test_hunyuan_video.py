@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from difflet_tpu.testing import read_fixture_io, rel_l2
+from difflet_tpu.testing import fixture_sample, load_fixture_transformer, rel_l2
 from difflet_tpu import loading
 from difflet_tpu.config import Config
 from difflet_tpu.layers import mmdit
@@ -45,17 +45,13 @@ TOL = 1e-5
 rel = rel_l2
 
 
-@functools.lru_cache(maxsize=None)
 def fixture(case):
     """(diffusers forward kwargs, expected sample) of a fixture case."""
-    kwargs, out = read_fixture_io(FIXTURES / case)
-    return kwargs, out["sample"]
+    return fixture_sample(FIXTURES / case)
 
 
 def load(case, tp=None, *, split_rope=True, dtype=jnp.float32):
-    mesh = make_mesh(tp) if tp else None
-    return loading.load_transformer(FIXTURES / case / "transformer", dtype=dtype, mesh=mesh,
-                                    config=Config(split_rope=split_rope))
+    return load_fixture_transformer(FIXTURES / case, tp or None, split_rope=split_rope, dtype=dtype)[0]
 
 
 @functools.lru_cache(maxsize=None)

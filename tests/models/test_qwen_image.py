@@ -31,7 +31,7 @@ from difflet_tpu.parallel.modes import Parallel
 from difflet_tpu.models import qwen_image as qi
 from difflet_tpu.models.qwen_image import rope
 from difflet_tpu.pipeline.denoise import CompileCounter
-from difflet_tpu.testing import read_fixture_io, rel_l2
+from difflet_tpu.testing import fixture_sample, load_fixture_transformer, rel_l2
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 FAST = {"xla_backend_optimization_level": 0}
@@ -40,18 +40,13 @@ TOL = 1e-5
 rel = rel_l2
 
 
-@functools.lru_cache(maxsize=None)
 def fixture(case):
-    kwargs, out = read_fixture_io(FIXTURES / case)
-    return kwargs, out["sample"]
+    return fixture_sample(FIXTURES / case)
 
 
 @functools.lru_cache(maxsize=None)
 def load(case, tp=None, split_rope=True):
-    mesh = None if tp is None else make_mesh(tp)
-    model = loading.load_transformer(FIXTURES / case / "transformer", dtype=jnp.float32, mesh=mesh,
-                                     config=Config(split_rope=split_rope))
-    return model, mesh
+    return load_fixture_transformer(FIXTURES / case, tp, split_rope=split_rope)
 
 
 def runner(model, mesh, mode=None, **kw):
