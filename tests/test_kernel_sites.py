@@ -20,7 +20,7 @@ import pytest
 
 from difflet_tpu.bench import cases, cli
 from difflet_tpu.tools import sweep_tiles
-from difflet_tpu.parallel import collective_matmul as cm
+from difflet_tpu.parallel import site_plan
 from difflet_tpu.pipeline import denoise as PL
 from difflet_tpu.parallel.mesh import make_mesh
 
@@ -40,9 +40,9 @@ def test_every_kernel_site_runs_the_kernel(name):
     spec, preset = PL.resolve_model(args.model[0])
     shape = cases.shape_for(spec, preset, args)
     batch = 2 if name.endswith("_cfg") else 1  # the CFG cases' step is one batch-2 call
-    cm._NOTICED.clear()
+    site_plan._NOTICED.clear()
     # the sweep's walk: the SP step traced with both kernels forced, every kernel call recorded
     sites = sweep_tiles.model_sites(spec, preset, shape, batch, make_mesh(4), jnp.bfloat16)
     assert {site.kind for site, _ in sites} == {"ag", "rs"}, sites  # both kernels ran
-    assert not cm._NOTICED, f"a site fell back to the ring: {sorted(cm._NOTICED)}"
+    assert not site_plan._NOTICED, f"a site fell back to the ring: {sorted(site_plan._NOTICED)}"
     print(name, {kind: sum(site.kind == kind for site, _ in sites) for kind in ("ag", "rs")}, "sites")
