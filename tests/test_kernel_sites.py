@@ -5,8 +5,8 @@ videos of issue 14) is traced, not compiled, at its released model size on a
 4-device `tp` ring with both Pallas kernels forced (`sp_kernel` and
 `sp_rs_kernel` "pallas"), bf16, abstract weights: the tile sweep's walk
 (`sweep_tiles.model_sites`), which records every kernel call the dispatch
-(difflet_tpu.parallel.collective_matmul) makes; a site the kernels do not take would fall back to
-the ring with a notice (`collective_matmul._NOTICED`). The kernels' plans are
+(difflet_tpu.parallel.collective_matmul) makes; a site the kernels do not take would be
+planned onto the ring with a notice (`site_plan._NOTICED`). The kernels' plans are
 chip-independent but for VMEM, 128 MiB on both v5e and v6e (the default of
 `_common.vmem_capacity_bytes` off TPU), so one walk covers both. A long
 sequence takes several chunks a half; a fallback is not allowed.
