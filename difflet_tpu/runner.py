@@ -41,10 +41,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from difflet_tpu import checks, runtime
-from difflet_tpu.parallel import collective_matmul as cm
-from difflet_tpu.parallel import padding
+from difflet_tpu.parallel import padding, site_plan
 from difflet_tpu.config import Config
-from difflet_tpu.kernels import _common as kernel_rules
 from difflet_tpu.parallel.mesh import BATCH, TP, batch_axes, batch_ways, mesh_shape
 from difflet_tpu.parallel.modes import Parallel, check_divisible, param_specs
 
@@ -238,16 +236,10 @@ class Runner:
     # ---- what ports use in `prepare` ----------------------------------------
 
     def row_multiple(self) -> int:
-        """Token streams are padded to a multiple of this: 1 unless SP; under SP
-        2P (each rank's rows are two ring halves), and whole sublane tiles per
-        half when a Pallas kernel is chosen (its layout rule, kernels/_common.py)."""
-        if not self.par.seq_sharded:
-            return 1
-        mult = 2 * self.par.size
-        if self.par.mode == "sp" and ("pallas" in (self.par.ag_impl, self.par.rs_impl)
-                                      or self.par.rs_impl == "auto"):
-            mult *= kernel_rules.sublane_rows(self.dtype)
-        return mult
+        """Token streams are padded to a multiple of this: the site planner's pad rule
+        (`site_plan.pad_multiple`: 1 unless SP; under SP 2P, each rank's rows two ring
+        halves, and whole sublane tiles per half where a Pallas kernel may be planned)."""
+        return site_plan.pad_multiple(self.par, self.dtype)
 
     def rows(self, n: int, what: str = "tokens") -> int:
         """`n` rows of a stream as compiled: padded by `row_multiple`, or `n` when it
@@ -257,8 +249,15 @@ class Runner:
             return n
         if not self.pad:
             raise ValueError(f"SP cannot split {n} {what} over tp={self.par.size} (a multiple of {mult} is "
-                             f"needed): {cm.split_rule(self.par.size)}; or let the Runner pad (pad=True)")
+                             f"needed): {site_plan.split_rule(self.par.size)}; or let the Runner pad (pad=True)")
         return padding.padded_length(n, mult)
+
+    def pad_stream(self, x, what: str = "tokens", axis: int = 1):
+        """`(padded, rows)`: one token stream `x` (its tokens on `axis`; numpy or jax)
+        zero-padded eagerly to `rows(n, what)` rows, and that length. Another input of
+        the same stream (per-token timesteps, a text mask) takes `padding.pad_to(y, rows)`."""
+        rows = self.rows(x.shape[axis], what)
+        return padding.pad_to(x, rows, axis), rows
 
     def row_spec(self, ndim: int = 3, axis: int = 1, batch: int | None = 0) -> P:
         """PartitionSpec of an activation whose `axis` is the token axis (sharded
@@ -300,7 +299,10 @@ class Runner:
 
     def pad_key_mask(self, *streams):
         """The key mask (False for pad keys) of token streams `(valid, padded)` concatenated
-        in that order, `[sum of padded]`, made and placed once per geometry (`constant`)."""
+        in that order, `[sum of padded]`, made and placed once per geometry (`constant`);
+        None where no stream is padded or pad keys stay unmasked (`mask_pad_keys` off)."""
+        if not self.mask_pad_keys or all(n == padded for n, padded in streams):
+            return None
         return self.constant(("pad_key_mask", *streams),
                              lambda: np.concatenate([padding.key_mask(n, padded) for n, padded in streams]))
 

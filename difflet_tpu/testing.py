@@ -176,8 +176,8 @@ def _toy_prepare(run, kw):
     if x.ndim != 3 or x.shape[-1] != run.cfg.in_channels:
         raise ValueError(f"hidden_states: shape {x.shape}, expected (B, S, {run.cfg.in_channels})")
     n = x.shape[1]
-    rows = run.rows(n)
-    inputs = dict(x=padding.pad_tokens(x, rows)[0], t=np.asarray(kw["timestep"], np.float32),
+    x, rows = run.pad_stream(x)
+    inputs = dict(x=x, t=np.asarray(kw["timestep"], np.float32),
                   mask=padding.key_mask(n, rows, batch=x.shape[0]))
     specs = dict(x=run.row_spec(), t=run.batch_spec(), mask=run.batch_spec())  # the mask is (B, S)
     return Prepared(key=None, inputs=inputs, specs=specs, out_specs=run.row_spec(),

@@ -5,8 +5,8 @@ videos of issue 14) is traced, not compiled, at its released model size on a
 4-device `tp` ring with both Pallas kernels forced (`sp_kernel` and
 `sp_rs_kernel` "pallas"), bf16, abstract weights: the tile sweep's walk
 (`sweep_tiles.model_sites`), which records every kernel call the dispatch
-(difflet_tpu.parallel.collective_matmul) makes; a site the kernels do not take would fall back to
-the ring with a notice (`collective_matmul._NOTICED`). The kernels' plans are
+(difflet_tpu.parallel.collective_matmul) makes; a site the kernels do not take would be
+planned onto the ring with a notice (`site_plan._NOTICED`). The kernels' plans are
 chip-independent but for VMEM, 128 MiB on both v5e and v6e (the default of
 `_common.vmem_capacity_bytes` off TPU), so one walk covers both. A long
 sequence takes several chunks a half; a fallback is not allowed.
@@ -20,7 +20,7 @@ import pytest
 
 from difflet_tpu.bench import cases, cli
 from difflet_tpu.tools import sweep_tiles
-from difflet_tpu.parallel import collective_matmul as cm
+from difflet_tpu.parallel import site_plan
 from difflet_tpu.pipeline import denoise as PL
 from difflet_tpu.parallel.mesh import make_mesh
 
@@ -40,9 +40,9 @@ def test_every_kernel_site_runs_the_kernel(name):
     spec, preset = PL.resolve_model(args.model[0])
     shape = cases.shape_for(spec, preset, args)
     batch = 2 if name.endswith("_cfg") else 1  # the CFG cases' step is one batch-2 call
-    cm._NOTICED.clear()
+    site_plan._NOTICED.clear()
     # the sweep's walk: the SP step traced with both kernels forced, every kernel call recorded
     sites = sweep_tiles.model_sites(spec, preset, shape, batch, make_mesh(4), jnp.bfloat16)
     assert {site.kind for site, _ in sites} == {"ag", "rs"}, sites  # both kernels ran
-    assert not cm._NOTICED, f"a site fell back to the ring: {sorted(cm._NOTICED)}"
+    assert not site_plan._NOTICED, f"a site fell back to the ring: {sorted(site_plan._NOTICED)}"
     print(name, {kind: sum(site.kind == kind for site, _ in sites) for kind in ("ag", "rs")}, "sites")

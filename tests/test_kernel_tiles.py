@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from difflet_tpu.parallel import collective_matmul as cm
+from difflet_tpu.parallel import site_plan
 from difflet_tpu.kernels import tiles as KT
 from difflet_tpu.config import Config
 from difflet_tpu.parallel.mesh import make_mesh
@@ -75,9 +76,11 @@ def test_parallel_carries_the_table_into_every_collective_matmul(monkeypatch, tm
     mesh = make_mesh(4)
     par = Parallel.for_mesh(mesh, Config(sp=True, kernel_tiles=FIXTURE))
     assert par.tiles == KT.load(FIXTURE)
-    seen = []
-    monkeypatch.setattr(cm, "all_gather_matmul", lambda *a, **k: seen.append(("ag", k["tiles"])))
-    monkeypatch.setattr(cm, "matmul_reduce_scatter", lambda *a, **k: seen.append(("rs", k["tiles"])))
+    seen, plan = [], site_plan.plan  # every site is planned with the table (the planner owns the tile)
+    monkeypatch.setattr(site_plan, "plan", lambda site, impl, **k: seen.append((site.kind, k["tiles"])) or plan(
+        site, impl, **k))
+    monkeypatch.setattr(cm, "all_gather_matmul", lambda *a, **k: None)
+    monkeypatch.setattr(cm, "matmul_reduce_scatter", lambda *a, **k: None)
     x, w = jnp.zeros((8, 128)), jnp.zeros((128, 128))
     par.column(x, [w])
     par.row([(x, w)])

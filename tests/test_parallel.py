@@ -1,6 +1,5 @@
 """One step written once runs on one device, under TP and under SP with the same numbers."""
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -76,106 +75,12 @@ def test_heads_must_divide():
         Parallel(mode="tp", size=2).local_heads(3)
 
 
-@pytest.mark.parametrize("chip,k,dtype,expect", [
-    ("v5e", 1280, jnp.bfloat16, "pallas"),  # Wan attention out at P = 4: ICI-bound
-    ("v5e", 3456, jnp.bfloat16, "jax"),     # Wan FFN down: compute-bound
-    ("v5e", 768 + 3072, jnp.bfloat16, "jax"),  # FLUX single-block proj_out pairs
-    ("v5e", 3456, jnp.float32, "pallas"),   # twice the bytes per hop
-    ("v6e", 3456, jnp.bfloat16, "pallas"),  # 4.7x the FLOP/s, 2x the link
-])
-def test_rs_auto_takes_the_kernel_where_hops_are_ici_bound(chip, k, dtype, expect):
-    """The rule against the hop arithmetic written out: per hop, both halves'
-    matmul (2 B s k N flops at peak) vs one half of sums each way over a link."""
-    from difflet_tpu.parallel import chips
-
-    B, S, N, P_ = 1, 4736, 5120, 4
-    s = S // P_
-    c = chips.CHIPS[chip]
-    compute = 2 * B * s * k * N / c.bf16_flops
-    transfer = jnp.dtype(dtype).itemsize * B * (s // 2) * N / c.ici_link_bw
-    assert (transfer > compute) == (expect == "pallas")
-    par = Parallel(mode="sp", size=P_, rs_impl="auto", chip=chip)
-    x = jax.ShapeDtypeStruct((B, S, k), dtype)
-    w = jax.ShapeDtypeStruct((k, N), dtype)
-    assert par.rs_site_impl([(x, w)]) == expect
-    assert Parallel(mode="sp", size=P_, rs_impl="jax", chip=chip).rs_site_impl([(x, w)]) == "jax"
-
-
 def test_rs_auto_needs_chip_constants():
     with pytest.raises(ValueError, match="chip must be one of"):
         Parallel(mode="sp", size=4, rs_impl="auto")
     mesh = make_mesh(2)
     assert Parallel.for_mesh(mesh, Config(sp=True)).rs_impl == "jax"  # CPU: the ring
     assert Parallel.for_mesh(mesh, Config(sp=True, sp_rs_kernel="pallas")).rs_impl == "pallas"
-
-
-# ---- per site: ring or plain collective (`plain_collective_pays`) ----------
-
-def _m_star(chip, P_, k, n, w, b):
-    """The rows below which the plain path wins, solved by hand from the chip constants,
-    in the regime the closed form assumes (ring hops bound by the weight read, no ring
-    transfer exposed, the plain matmul compute-bound)."""
-    return (P_ * b * k * n / chip.hbm_bw - (P_ - 1) * chip.ici_latency) / (
-        2 * P_ * k * n / chip.bf16_flops + b * (P_ - 1) * w / (2 * chip.ici_link_bw))
-
-
-@pytest.mark.parametrize("chip", ["v5e", "v6e"])
-@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
-def test_plain_collective_boundary_from_chip_constants(chip, kind):
-    from difflet_tpu.parallel import chips
-    from difflet_tpu.parallel.modes import plain_collective_pays
-
-    c = chips.CHIPS[chip]
-    P_, k, n, b = 4, 3072, 3072, 2  # FLUX.1-dev's ff_context.net.0.proj / .2 at P = 4, bf16
-    m = _m_star(c, P_, k, n, k if kind == "all_gather" else n, b)
-    lo, hi = math.floor(m), math.floor(m) + 1
-    # the closed form's regime holds on both sides of the boundary
-    assert b * k * n / c.hbm_bw > 2 * hi * k * n / c.bf16_flops                       # hops weight-bound
-    assert b * k * n / c.hbm_bw > b * (hi / 2) * k / c.ici_link_bw + c.ici_latency   # no transfer exposed
-    assert 2 * P_ * lo * k * n / c.bf16_flops > b * k * n / c.hbm_bw                 # plain matmul compute-bound
-    assert plain_collective_pays(kind, lo, k, n, b, P_, c)
-    assert not plain_collective_pays(kind, hi, k, n, b, P_, c)
-    assert {"v5e": 151, "v6e": 233}[chip] == lo
-
-
-@pytest.mark.parametrize("site,rows,k,n,heads,expect", [
-    ("ag", 128, 3072, 3072, False, "xla"),      # FLUX text ff_context.net.0.proj: 512 tokens / 4
-    ("ag", 128, 3072, 3 * 768, True, "pallas"),  # FLUX text add_q/k/v_proj: the layer's relayout charged
-    ("ag", 128, 3072, 3 * 768, False, "xla"),    # ... which alone decides it
-    ("ag", 1024, 3072, 3072, False, "pallas"),  # FLUX image ff.net.0.proj: 4096 tokens / 4
-    ("rs", 128, 3072, 3072, False, "xla"),      # FLUX text ff_context.net.2 (would run the JAX ring)
-    ("rs", 128, 768, 3072, False, "pallas"),    # FLUX text to_add_out: ICI-bound hops, "auto" takes the kernel
-    ("rs", 1024, 3072, 3072, False, "jax"),     # FLUX image ff.net.2: compute-bound hops, the JAX ring
-])
-def test_site_impl_takes_plain_collectives_for_few_rows(site, rows, k, n, heads, expect):
-    from difflet_tpu.parallel import collective_matmul as cm
-
-    P_, layers = 4, 19
-    x = jax.ShapeDtypeStruct((1, rows if site == "ag" else rows * P_, k), jnp.bfloat16)
-    w = cm.LayerWeight(jax.ShapeDtypeStruct((layers, k, n), jnp.bfloat16), jnp.int32(0))  # a scanned layer
-    par = Parallel(mode="sp", size=P_, ag_impl="pallas", rs_impl="auto", chip="v5e")
-    got = par.ag_site_impl(x, [w], heads) if site == "ag" else par.rs_site_impl([(x, w)])
-    assert got == expect
-    # without chip constants (off TPU) nothing changes
-    off = Parallel(mode="sp", size=P_, ag_impl="pallas", rs_impl="jax")
-    assert (off.ag_site_impl(x, [w], heads) if site == "ag" else off.rs_site_impl([(x, w)])) == (
-        "pallas" if site == "ag" else "jax")
-
-
-def test_site_impl_prices_the_ring_that_would_run():
-    """A row site the kernel keeps (to_add_out at 128 rows: 35 us against 42 us) goes plain
-    when the JAX ring would run it (2P half-row dots, each reading the weight)."""
-    from difflet_tpu.parallel import chips
-    from difflet_tpu.parallel.modes import plain_collective_pays, plain_seconds, ring_seconds
-
-    c = chips.CHIPS["v5e"]
-    args = ("reduce_scatter", 128, 768, 3072, 2, 4, c)
-    assert ring_seconds(*args, "pallas") < plain_seconds(*args) < ring_seconds(*args, "jax")
-    assert not plain_collective_pays(*args, "pallas") and plain_collective_pays(*args, "jax")
-    x = jax.ShapeDtypeStruct((1, 512, 768), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((768, 3072), jnp.bfloat16)
-    assert Parallel(mode="sp", size=4, rs_impl="pallas", chip="v5e").rs_site_impl([(x, w)]) == "pallas"
-    assert Parallel(mode="sp", size=4, rs_impl="jax", chip="v5e").rs_site_impl([(x, w)]) == "xla"
 
 
 @pytest.mark.parametrize("chip", ["v5e", None])

@@ -88,6 +88,20 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
     assert _top_level_imports(modules["difflet_tpu.b"], "difflet_tpu.b", modules) == {"difflet_tpu.a"}
 
 
+def test_runner_reads_the_site_planner():
+    """The Runner's pad rule comes from the one planner (`parallel.site_plan`): runner.py
+    imports no kernel module, at module level or in a function."""
+    path = ROOT / "difflet_tpu" / "runner.py"
+    names = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Import):
+            names |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom):
+            names |= {f"{n.module}.{a.name}" for a in n.names}
+    assert not [m for m in names if "kernels" in m], names
+    assert "difflet_tpu.parallel.site_plan" in names
+
+
 def test_runtime_loads_no_tooling():
     """A fresh process that imports the Runner, the loader, every port, the encoders,
     the VAEs and the pipelines loads nothing of difflet_tpu.tools or difflet_tpu.bench."""

@@ -32,14 +32,16 @@ Rules:
   differ by rank assign different receive offsets to their collective
   permutes, and a peer then writes into the wrong buffer: wrong values, inf or
   a hang. See the reference PR's root-cause analysis.)
-* `impl="pallas"` runs the Pallas kernels of `difflet_tpu.kernels`
-  (kernels/all_gather_matmul_stream.py, kernels/matmul_reduce_scatter_stream.py:
-  one call each, its ring steps a runtime loop, the halves streamed in row
-  chunks through a window of VMEM slots, one chunk a half where they fit)
-  when they support the shape, and falls back to the JAX ring with one notice
-  per shape otherwise; `impl="xla"` is the plain collective + dot (the
-  `sp-xla` baseline, which XLA may decompose itself). A `kernel_tiles` table
-  sets the kernels' column tile per site.
+* Each call executes the plan of its site (`difflet_tpu.parallel.site_plan`,
+  where the implementation is decided; `Parallel.column` / `row` pass it, a
+  direct call plans from `impl=`): "pallas" runs the Pallas kernels of
+  `difflet_tpu.kernels` (kernels/all_gather_matmul_stream.py,
+  kernels/matmul_reduce_scatter_stream.py: one call each, its ring steps a
+  runtime loop, the halves streamed in row chunks through a window of VMEM
+  slots, one chunk a half where they fit) with the plan's blocks; "jax" the
+  rings below (the planner takes them, with one notice per shape, where the
+  kernel was asked for and cannot take the site); "xla" the plain collective +
+  dot (the `sp-xla` baseline, which XLA may decompose itself).
 
 Weights are arrays, or `LayerWeight`s: one layer of a stacked `[L, K, N]`
 array, as `difflet_tpu.layers.nn.scan_blocks` hands a scanned block its linears.
@@ -74,18 +76,16 @@ the rest of the epilogue per chunk, `heads` after assembling the rows).
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from difflet_tpu.kernels import tiles as kernel_tiles
+from difflet_tpu.parallel import site_plan
 from difflet_tpu.parallel.mesh import TP
+from difflet_tpu.parallel.site_plan import IMPLS, split_rule
 
-log = logging.getLogger(__name__)
-
-IMPLS = ("jax", "pallas", "xla")
 ASSEMBLE = ("concat", "dus")
 
 
@@ -179,11 +179,20 @@ def as_array(w):
     return w[...] if isinstance(w, LayerWeight) else w
 
 
+def _layer(weights):
+    """The layer of weights that are all `LayerWeight`s of one layer (the kernels then
+    read their stacks), else None."""
+    if weights and all(isinstance(w, LayerWeight) and w.layer is weights[0].layer for w in weights):
+        return weights[0].layer
+    return None
+
+
 def _stacked(weights):
     """(stacks, layer) for the kernels: the stacks of `LayerWeight`s of one
     layer, else the arrays themselves and layer None."""
-    if weights and all(isinstance(w, LayerWeight) and w.layer is weights[0].layer for w in weights):
-        return [w.stack for w in weights], weights[0].layer
+    layer = _layer(weights)
+    if layer is not None:
+        return [w.stack for w in weights], layer
     return [as_array(w) for w in weights], None
 
 
@@ -220,54 +229,22 @@ def _sum_dots(pairs):
 # Checks (trace time, before anything is compiled)
 # --------------------------------------------------------------------------
 
-def split_rule(P: int) -> str:
-    """The sequence-length rule of the rings, for error messages."""
-    return (f"the sequence must be a multiple of 2*P = {2 * P} rows, so each rank's shard "
-            f"splits into two equal halves that travel in opposite directions; pad it eagerly "
-            f"before the compiled step (difflet_tpu.parallel.padding.pad_tokens)")
-
-
-def _check_impl(impl):
-    if impl not in IMPLS:
+def _check_impl(impl, plan, tiles):
+    if plan is not None and (impl is not None or tiles is not None):
+        raise ValueError("give a plan (Parallel.column_plan / row_plan) or impl= and tiles=, not both")
+    if impl is not None and impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def _check_shard(fn, rows, P):
-    if rows % 2:
-        raise ValueError(f"{fn}: this rank's shard has {rows} rows (sequence {rows * P}); {split_rule(P)}")
+def _check_plan(plan, site):
+    if plan.site != site:
+        raise ValueError(f"the plan is for another site: {plan.site} (this call: {site})")
 
 
-# --------------------------------------------------------------------------
-# All-gather + matmul
-# --------------------------------------------------------------------------
-
-def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat",
-                      epilogues=None, interpret=False, tiles=None):
-    """Gathers the sequence shards of `x` while multiplying them by `weights`.
-
-    Args:
-      x: this rank's rows, `[..., S/P, K]`; S a multiple of 2P.
-      weights: column shards `[K, N_i/P]` (arrays or `LayerWeight`s), any
-        number, widths may differ.
-      impl: "jax" (this ring), "pallas" (the kernel, ring fallback) or "xla".
-      assemble: "concat" (one gather over the arrived chunks, in global row
-        order) or "dus" (dynamic_update_slice into a buffer).
-      epilogues: optional per-weight row-wise functions (bias, activation)
-        applied to each product chunk, so they fuse into the ring's matmuls;
-        the Pallas kernel applies `Epilogue`s itself (on its float32 tile)
-        and any other function after the kernel.
-      interpret: run a Pallas kernel in TPU interpret mode (off TPU).
-      tiles: a `kernel_tiles.KernelTiles` table: the kernel's column tile at
-        this site, where the table has one (a tile sweep measured it).
-
-    Returns:
-      A list with one `[..., S, N_i/P]` array per weight, rows in global order;
-      for an `Epilogue(sum_squares=True)` the pair `(y, ssq)`, ssq `[..., S, 1]`
-      (this rank's columns; not summed over ranks).
-    """
-    _check_impl(impl)
-    if assemble not in ASSEMBLE:
-        raise ValueError(f"assemble must be one of {ASSEMBLE}, got {assemble!r}")
+def column_site(x, weights, epilogues, P) -> kernel_tiles.Site:
+    """The column site of `all_gather_matmul(x, weights, epilogues=...)` on a ring of P,
+    as the all-gather kernel would take it (what `site_plan.plan` plans); the call's
+    shape errors first, before anything is planned or traced."""
     weights = list(weights)
     epilogues = list(epilogues) if epilogues is not None else [None] * len(weights)
     if len(epilogues) != len(weights):
@@ -277,44 +254,107 @@ def all_gather_matmul(x, weights, *, axis_name=TP, impl="jax", assemble="concat"
             raise ValueError(f"all_gather_matmul: weight {w.shape} does not take x {x.shape}")
         if isinstance(e, Epilogue) and e.bias is not None and tuple(e.bias.shape) != (w.shape[1],):
             raise ValueError(f"all_gather_matmul: bias {tuple(e.bias.shape)} does not match weight {w.shape}")
+    rows = x.shape[-2]
+    if rows % 2:
+        raise ValueError(f"all_gather_matmul: this rank's shard has {rows} rows (sequence {rows * P}); "
+                         f"{split_rule(P)}")
+    from difflet_tpu.kernels import all_gather_matmul_stream as kernel
+
+    layer = _layer(weights)
+    fused = [e if isinstance(e, Epilogue) else None for e in epilogues]
+    biases = [None if e is None or e.bias is None else (_kernel_bias_rows(e.bias, layer), e.bias.dtype)
+              for e in fused]
+    heads, _, _ = _kernel_heads(kernel, x, epilogues)
+    return kernel_tiles.Site("ag", [x.shape], [w.shape for w in weights], str(x.dtype), P, biases,
+                             [None if e is None else e.activation for e in fused],
+                             [False if e is None else e.sum_squares for e in fused], heads)
+
+
+def row_site(pairs, P) -> kernel_tiles.Site:
+    """The row site of `matmul_reduce_scatter(pairs)` on a ring of P (as `column_site`)."""
+    pairs = list(pairs)
+    if not pairs:
+        raise ValueError("matmul_reduce_scatter: at least one (x, w) pair")
+    rows, width = pairs[0][0].shape[-2], pairs[0][1].shape[-1]
+    for x, w in pairs:
+        if x.shape[-2] != rows or w.ndim != 2 or w.shape != (x.shape[-1], width):
+            raise ValueError(f"matmul_reduce_scatter: pair x {x.shape}, w {w.shape} does not match "
+                             f"rows {rows} and width {width}")
+    if rows % (2 * P):
+        raise ValueError(f"matmul_reduce_scatter: {rows} rows; {split_rule(P)}")
+    return kernel_tiles.Site("rs", [x.shape for x, _ in pairs], [w.shape for _, w in pairs],
+                             str(pairs[0][0].dtype), P)
+
+
+# --------------------------------------------------------------------------
+# All-gather + matmul
+# --------------------------------------------------------------------------
+
+def all_gather_matmul(x, weights, *, axis_name=TP, impl=None, plan=None, assemble="concat",
+                      epilogues=None, interpret=False, tiles=None):
+    """Gathers the sequence shards of `x` while multiplying them by `weights`.
+
+    Args:
+      x: this rank's rows, `[..., S/P, K]`; S a multiple of 2P.
+      weights: column shards `[K, N_i/P]` (arrays or `LayerWeight`s), any
+        number, widths may differ.
+      plan: the site's `site_plan.SitePlan` (`Parallel.column_plan`), executed as is.
+      impl, tiles: without a plan, what the site is planned from
+        (`site_plan.plan`, no chip constants): impl "jax" (this ring; the
+        default), "pallas" (the kernel where it takes the site, else the ring
+        with one notice) or "xla"; tiles a `kernel_tiles.KernelTiles` table:
+        the kernel's column tile at this site, where the table has one (a tile
+        sweep measured it).
+      assemble: "concat" (one gather over the arrived chunks, in global row
+        order) or "dus" (dynamic_update_slice into a buffer).
+      epilogues: optional per-weight row-wise functions (bias, activation)
+        applied to each product chunk, so they fuse into the ring's matmuls;
+        the Pallas kernel applies `Epilogue`s itself (on its float32 tile)
+        and any other function after the kernel.
+      interpret: run a Pallas kernel in TPU interpret mode (off TPU).
+
+    Returns:
+      A list with one `[..., S, N_i/P]` array per weight, rows in global order;
+      for an `Epilogue(sum_squares=True)` the pair `(y, ssq)`, ssq `[..., S, 1]`
+      (this rank's columns; not summed over ranks).
+    """
+    _check_impl(impl, plan, tiles)
+    if assemble not in ASSEMBLE:
+        raise ValueError(f"assemble must be one of {ASSEMBLE}, got {assemble!r}")
+    weights = list(weights)
+    epilogues = list(epilogues) if epilogues is not None else [None] * len(weights)
     P = lax.axis_size(axis_name)
-    _check_shard("all_gather_matmul", x.shape[-2], P)
+    site = column_site(x, weights, epilogues, P)
     finish = lambda ys: [y if e is None else e(y) for y, e in zip(ys, epilogues)]
     if P == 1:
         return finish([x @ as_array(w) for w in weights])
-    if impl == "xla":
+    if plan is None:
+        plan = site_plan.plan(site, impl or "jax", tiles=tiles)
+    _check_plan(plan, site)
+    if plan.impl == "xla":
         return finish(all_gather_matmul_reference(x, weights, axis_name=axis_name))
-    if impl == "pallas":
+    if plan.impl == "pallas":
         from difflet_tpu.kernels import all_gather_matmul_stream as kernel
 
         stacks, layer = _stacked(weights)
         fused = [isinstance(e, Epilogue) for e in epilogues]
         biases = [_kernel_bias(e.bias, layer) if f else None for e, f in zip(epilogues, fused)]
-        acts = [e.activation if f else None for e, f in zip(epilogues, fused)]
-        ssq = [e.sum_squares if f else False for e, f in zip(epilogues, fused)]
-        heads, norms, rope = _kernel_heads(kernel, x, epilogues)
-        bias_specs = [None if b is None else (b.size // b.shape[-1], b.dtype) for b in biases]
-        site = kernel_tiles.Site("ag", [x.shape], [w.shape for w in weights], str(x.dtype), P,
-                                 bias_specs, acts, ssq, heads)
-        blocks = tiles.blocks(site) if tiles is not None else None
-        reason = kernel.unsupported_reason(x.shape, [w.shape[1] for w in weights], x.dtype, P, blocks=blocks,
-                                           biases=bias_specs, activations=acts, sum_squares=ssq, heads=heads)
-        if reason is None:
-            kernel_tiles.record(site, blocks)
-            ys = kernel.all_gather_matmul_stream(x, stacks, layer=layer, biases=biases, activations=acts,
-                                                 sum_squares=ssq, heads=heads, norms=norms, rope=rope,
-                                                 axis_name=axis_name, blocks=blocks, interpret=interpret)
-            # what the kernel did not do follows it: callables that are not `Epilogue`s, and heads
-            # it could not write
-            out = []
-            for y, e, f, hd in zip(ys, epilogues, fused, heads):
-                if e is not None and not f:
-                    y = e(y)
-                elif f and e.heads is not None and hd is None:
-                    y = e.heads(y)
-                out.append(y)
-            return out
-        _notice_fallback("all_gather_matmul", (x.shape, tuple(w.shape for w in weights), str(x.dtype)), reason)
+        heads, norms, tables = _kernel_heads(kernel, x, epilogues)
+        rope = None if tables is None else tuple(t.astype(jnp.float32) for t in tables)
+        kernel_tiles.record(site, plan.blocks)
+        ys = kernel.all_gather_matmul_stream(x, stacks, layer=layer, biases=biases, activations=list(site.activations),
+                                             sum_squares=list(site.sum_squares), heads=heads, norms=norms, rope=rope,
+                                             axis_name=axis_name, blocks=plan.blocks, interpret=interpret)
+        # what the kernel did not do follows it: callables that are not `Epilogue`s, and heads
+        # it could not write
+        out = []
+        for y, e, f, hd in zip(ys, epilogues, fused, heads):
+            if e is not None and not f:
+                y = e(y)
+            elif f and e.heads is not None and hd is None:
+                y = e.heads(y)
+            out.append(y)
+        return out
     rowwise = [e.rowwise() if isinstance(e, Epilogue) else e for e in epilogues]
     ys = _ag_ring(x, [as_array(w) for w in weights], rowwise, axis_name, P, assemble)
     return [e.heads(y) if isinstance(e, Epilogue) and e.heads is not None else y for y, e in zip(ys, epilogues)]
@@ -324,8 +364,8 @@ def _kernel_heads(kernel, x, epilogues):
     """Per weight the kernel's `Heads` (None where the epilogue has no `heads` or the kernel
     cannot write them: `kernel.heads_reason`, half-width tables, or RoPE tables other
     than the call's first),
-    the norm weights, and the call's RoPE `(cos, sin)` float32 `[S, D]` (or None)."""
-    heads, norms, rope, tables = [], [], None, None
+    the norm weights, and the call's RoPE tables `(cos, sin)` `[S, D]` (or None)."""
+    heads, norms, tables = [], [], None
     for e in epilogues:
         h = e.heads if isinstance(e, Epilogue) else None
         ok = h is not None and kernel.heads_reason(h.head_dim, h.rope is None or bool(h.rope[2])) is None
@@ -340,9 +380,13 @@ def _kernel_heads(kernel, x, epilogues):
         heads.append(kernel.Heads(h.head_dim, h.norm is not None, float(h.eps), h.rope is not None, h.scale)
                      if ok else None)
         norms.append(h.norm if ok and h.norm is not None else None)
-    if tables is not None:
-        rope = tuple(t.astype(jnp.float32) for t in tables)
-    return heads, norms, rope
+    return heads, norms, tables
+
+
+def _kernel_bias_rows(bias, layer) -> int:
+    """Rows of a bias as the kernel takes it (`_kernel_bias`): L for a stack read at the
+    weights' layer, else 1."""
+    return bias.stack.shape[0] if isinstance(bias, LayerWeight) and layer is not None and bias.layer is layer else 1
 
 
 def _kernel_bias(bias, layer):
@@ -415,7 +459,7 @@ def _assemble_dus(yf, yb, idx, P, s):
 # Matmul + reduce-scatter
 # --------------------------------------------------------------------------
 
-def matmul_reduce_scatter(pairs, *, axis_name=TP, impl="jax", interpret=False, tiles=None):
+def matmul_reduce_scatter(pairs, *, axis_name=TP, impl=None, plan=None, interpret=False, tiles=None):
     """This rank's rows of `sum_i x_i @ w_i`, reduced over the `tp` axis.
 
     Args:
@@ -424,43 +468,31 @@ def matmul_reduce_scatter(pairs, *, axis_name=TP, impl="jax", interpret=False, t
         width. Two pairs serve FLUX's and HunyuanVideo's single-block
         `proj_out` (attention and MLP halves), summed without concatenating
         their inputs.
-      impl: "jax" (this ring), "pallas" (the kernel, ring fallback) or "xla".
-      tiles: a `kernel_tiles.KernelTiles` table, as `all_gather_matmul`'s.
+      plan: the site's `site_plan.SitePlan` (`Parallel.row_plan`), executed as is.
+      impl, tiles: without a plan, what the site is planned from, as
+        `all_gather_matmul`'s.
 
     Returns:
       `[..., S/P, N]`: rows `[r*S/P, (r+1)*S/P)` of the sum for rank r.
     """
-    _check_impl(impl)
+    _check_impl(impl, plan, tiles)
     pairs = [(x, w) for x, w in pairs]
-    if not pairs:
-        raise ValueError("matmul_reduce_scatter: at least one (x, w) pair")
-    rows, width = pairs[0][0].shape[-2], pairs[0][1].shape[-1]
-    for x, w in pairs:
-        if x.shape[-2] != rows or w.ndim != 2 or w.shape != (x.shape[-1], width):
-            raise ValueError(f"matmul_reduce_scatter: pair x {x.shape}, w {w.shape} does not match "
-                             f"rows {rows} and width {width}")
     P = lax.axis_size(axis_name)
-    if rows % (2 * P):
-        raise ValueError(f"matmul_reduce_scatter: {rows} rows; {split_rule(P)}")
+    site = row_site(pairs, P)
     if P == 1:
         return _sum_dots(pairs)
-    if impl == "xla":
+    if plan is None:
+        plan = site_plan.plan(site, impl or "jax", tiles=tiles)
+    _check_plan(plan, site)
+    if plan.impl == "xla":
         return matmul_reduce_scatter_reference(pairs, axis_name=axis_name)
-    if impl == "pallas":
+    if plan.impl == "pallas":
         from difflet_tpu.kernels import matmul_reduce_scatter_stream as kernel
 
-        site = kernel_tiles.Site("rs", [x.shape for x, _ in pairs], [w.shape for _, w in pairs],
-                                 str(pairs[0][0].dtype), P)
-        blocks = tiles.blocks(site) if tiles is not None else None
-        reason = kernel.unsupported_reason([x.shape for x, _ in pairs], [w.shape for _, w in pairs],
-                                           pairs[0][0].dtype, P, blocks=blocks)
-        if reason is None:
-            stacks, layer = _stacked([w for _, w in pairs])
-            kernel_tiles.record(site, blocks)
-            return kernel.matmul_reduce_scatter_stream([(x, w) for (x, _), w in zip(pairs, stacks)], layer=layer,
-                                                       axis_name=axis_name, blocks=blocks, interpret=interpret)
-        _notice_fallback("matmul_reduce_scatter",
-                         (tuple(x.shape for x, _ in pairs), tuple(w.shape for _, w in pairs)), reason)
+        stacks, layer = _stacked([w for _, w in pairs])
+        kernel_tiles.record(site, plan.blocks)
+        return kernel.matmul_reduce_scatter_stream([(x, w) for (x, _), w in zip(pairs, stacks)], layer=layer,
+                                                   axis_name=axis_name, blocks=plan.blocks, interpret=interpret)
     return _rs_ring([(x, as_array(w)) for x, w in pairs], axis_name, P)
 
 
@@ -503,15 +535,3 @@ def _rs_ring(pairs, axis_name, P):
             recv_f = lax.ppermute(pf.astype(dtype), axis_name, fwd)
             recv_b = lax.ppermute(pb.astype(dtype), axis_name, bwd)
     return jnp.concatenate([pf, pb], axis=-2).astype(dtype)
-
-
-# --------------------------------------------------------------------------
-
-_NOTICED: set = set()
-
-
-def _notice_fallback(op, key, reason):
-    if (op, key) in _NOTICED:
-        return
-    _NOTICED.add((op, key))
-    log.warning("%s: Pallas kernel unsupported for %s (%s); using the JAX ring", op, key, reason)

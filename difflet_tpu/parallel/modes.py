@@ -16,9 +16,9 @@ sp-xla     as sp, with plain           as sp, with plain `psum_scatter`
            decompose it)
 =========  ==========================  =================================
 
-Under sp on a TPU whose chip constants are known, a site whose rows per rank
-are too few for its ring to pay takes sp-xla's collectives instead
-(`plain_collective_pays`, per site).
+Under sp each site's implementation (kernel, JAX ring or sp-xla's plain
+collectives, per site) is decided by `site_plan.plan`: `column_plan` /
+`row_plan` ask it, `collective_matmul` executes what it decides.
 
 Each model declares its parallel plan once (`PLAN`: module path pattern ->
 COLUMN / ROW / SHARDED / REPLICATED); `param_specs` turns it into
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +37,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from difflet_tpu.parallel import collective_matmul as cm
-from difflet_tpu.parallel import chips
+from difflet_tpu.parallel import chips, site_plan
 from difflet_tpu.kernels import tiles as kernel_tiles
 from difflet_tpu.config import Config
 from difflet_tpu.parallel.mesh import TP
@@ -60,7 +59,7 @@ class Parallel:
     axis: str = TP
     size: int = 1
     ag_impl: str = "jax"
-    rs_impl: str = "jax"      # "jax", "pallas", "xla", or "auto": per site by `rs_site_impl`
+    rs_impl: str = "jax"      # "jax", "pallas", "xla", or "auto": per site by `site_plan.plan`
     chip: str | None = None   # chips.CHIPS key of the mesh's TPU (per-site choices); None off TPU
     assemble: str = "concat"
     attn_impl: str = "xla"
@@ -133,14 +132,13 @@ class Parallel:
         `epilogues` are row-wise functions (bias, activation) per output.
         A weight is an array or a `cm.LayerWeight` (one layer of a stack, which
         only the Pallas kernels read in place). `heads`: the outputs are split
-        into attention heads (q/k/v), which `ag_site_impl` prices.
+        into attention heads (q/k/v), which `column_plan` prices.
         """
         weights = list(weights)
         if self.seq_sharded:
-            impl = "xla" if self.mode == "sp-xla" else self.ag_site_impl(x, weights, heads)
-            return cm.all_gather_matmul(x, weights, axis_name=self.axis, impl=impl,
-                                        assemble=self.assemble, epilogues=epilogues,
-                                        interpret=self.interpret, tiles=self.tiles)
+            return cm.all_gather_matmul(x, weights, axis_name=self.axis,
+                                        plan=self.column_plan(x, weights, epilogues, heads),
+                                        assemble=self.assemble, epilogues=epilogues, interpret=self.interpret)
         epilogues = epilogues or [None] * len(weights)
         return [y if e is None else e(y) for y, e in zip((x @ cm.as_array(w) for w in weights), epilogues)]
 
@@ -156,51 +154,27 @@ class Parallel:
         elif self.mode == "tp":
             y = cm.matmul_all_reduce(pairs, axis_name=self.axis)
         else:
-            impl = "xla" if self.mode == "sp-xla" else self.rs_site_impl(pairs)
-            y = cm.matmul_reduce_scatter(pairs, axis_name=self.axis, impl=impl,
-                                         interpret=self.interpret, tiles=self.tiles)
+            y = cm.matmul_reduce_scatter(pairs, axis_name=self.axis, plan=self.row_plan(pairs),
+                                         interpret=self.interpret)
         return y if bias is None else y + bias
 
-    def ag_site_impl(self, x, weights, heads=False) -> str:
-        """`ag_impl` for this column site: "xla" (plain all-gather + one matmul) where
-        `plain_collective_pays` against the ring `ag_impl` runs, for this rank's rows on
-        this chip (`relayout` where the outputs go to attention `heads` and the weights
-        are layers of a stack); without chip constants (`chip` None: off TPU) always
-        `ag_impl`."""
-        if self.ag_impl == "xla":
-            return "xla"
+    def column_plan(self, x, weights, epilogues=None, heads=False) -> site_plan.SitePlan:
+        """The `site_plan.SitePlan` of this column site under SP: what `ag_impl` asks
+        ("xla" under sp-xla), priced on this chip (`relayout` where the outputs go to
+        attention `heads` and the weights are layers of a stack)."""
+        weights = list(weights)
         relayout = heads and any(isinstance(w, cm.LayerWeight) for w in weights)
-        if self._plain_pays("all_gather", math.prod(x.shape[:-1]), x.shape[-1], sum(w.shape[-1] for w in weights),
-                            jnp.dtype(x.dtype).itemsize, self.ag_impl, relayout):
-            return "xla"
-        return self.ag_impl
+        return site_plan.plan(cm.column_site(x, weights, epilogues, self.size), self._asked(self.ag_impl),
+                              chip=self.chip, relayout=relayout, tiles=self.tiles)
 
-    def rs_site_impl(self, pairs) -> str:
-        """`rs_impl` for this row site, "auto" decided here: the Pallas kernel where its
-        ring hops are ICI-bound on this chip (`kernels.matmul_reduce_scatter_stream.ici_bound`),
-        the JAX ring where they are compute-bound; then, with chip constants, "xla" (one
-        matmul + plain reduce-scatter) where `plain_collective_pays` against that ring
-        for this rank's rows."""
-        if self.rs_impl == "xla":
-            return "xla"
-        k = sum(x.shape[-1] for x, _ in pairs)
-        itemsize = jnp.dtype(pairs[0][0].dtype).itemsize
-        impl = self.rs_impl
-        if impl == "auto":
-            from difflet_tpu.kernels import matmul_reduce_scatter_stream as rs_kernel
+    def row_plan(self, pairs) -> site_plan.SitePlan:
+        """The `site_plan.SitePlan` of this row site under SP: what `rs_impl` asks
+        ("auto" decided there; "xla" under sp-xla), priced on this chip."""
+        return site_plan.plan(cm.row_site(pairs, self.size), self._asked(self.rs_impl), chip=self.chip,
+                              tiles=self.tiles)
 
-            impl = "pallas" if rs_kernel.ici_bound(k, itemsize, chips.CHIPS[self.chip]) else "jax"
-        rows = math.prod(pairs[0][0].shape[:-1]) // self.size
-        if self._plain_pays("reduce_scatter", rows, k, pairs[0][1].shape[-1], itemsize, impl):
-            return "xla"
-        return impl
-
-    def _plain_pays(self, kind, rows, k, n, itemsize, ring, relayout=False) -> bool:
-        """`plain_collective_pays` on this chip and ring; False without chip constants
-        (off TPU) or on one rank."""
-        return (self.chip is not None and self.size > 1
-                and plain_collective_pays(kind, rows, k, n, itemsize, self.size, chips.CHIPS[self.chip],
-                                          ring, relayout))
+    def _asked(self, impl: str) -> str:
+        return "xla" if self.mode == "sp-xla" else impl
 
     # ---- other collectives ----------------------------------------------
 
@@ -234,7 +208,7 @@ class Parallel:
             return x
         n = x.shape[axis]
         if n % (2 * self.size):
-            raise ValueError(f"cannot shard {n} rows over {self.size} ranks: {cm.split_rule(self.size)}")
+            raise ValueError(f"cannot shard {n} rows over {self.size} ranks: {site_plan.split_rule(self.size)}")
         rows = n // self.size
         return lax.dynamic_slice_in_dim(x, lax.axis_index(self.axis) * rows, rows, axis=axis)
 
@@ -247,103 +221,6 @@ class Parallel:
         if heads % self.size:
             raise ValueError(f"{heads} heads do not divide over tp={self.size} ranks")
         return heads // self.size
-
-
-# --------------------------------------------------------------------------
-# Per site: ring or plain collective
-# --------------------------------------------------------------------------
-
-def weight_relayout_seconds(k: int, n: int, itemsize: int, chip) -> float:
-    """Two reads and two writes of a `[k, n]` weight at HBM bandwidth: a scanned layer's
-    weight sliced out of its stack and transposed, which XLA does before a plain dot
-    whose output it lays out heads-major for attention. Seen in the deviceless v5e:2x2
-    compile of FLUX.1-dev with add_q/k/v_proj on the plain all-gather: a dynamic-slice
-    and a transpose copy of each 3072 x 768 layer per block, which cost more than the
-    kernel they replaced saved (1.4 ms a step). XLA fused the slice into the dot
-    where the output stays row-major (ff_context.net.0.proj / .2: no copy). The
-    Pallas kernels read a stacked layer in place."""
-    return 4 * itemsize * k * n / chip.hbm_bw
-
-
-def ring_seconds(kind: str, rows: int, k: int, n: int, itemsize: int, P: int, chip,
-                 impl: str = "pallas", relayout: bool = False) -> float:
-    """Modelled time of one collective-matmul ring on `chip` (an `chips.Chip`).
-
-    `kind`: "all_gather" (a column site) or "reduce_scatter" (a row site); `rows`: this
-    rank's rows m (all batch rows); `k`, `n`: the local matmul's contraction and output
-    widths (column site: K and the sum of this rank's columns; row site: this rank's
-    sum of k_i and N); `itemsize` b. The Pallas kernel (`impl` "pallas") multiplies m
-    rows by the whole local weight at each of its P hops, streaming the weight from HBM
-    again every hop (as `estimate.collective_matmul_hops` prices it):
-    c = max(2 m k n / peak, b k n / HBM bandwidth); the JAX ring ("jax") multiplies the
-    two halves as separate dots, c = 2 max(m k n / peak, b k n / HBM bandwidth). Each of
-    the first P-1 hops sends one half each way, t = b (m/2) w / link + latency (w = k:
-    rows of x for the all-gather; w = n: accumulators for the reduce-scatter), exposed
-    where it exceeds c. Ring = P c + (P-1) max(0, t - c), plus, for the JAX ring (which
-    slices the layer out of its stack like the plain path), `weight_relayout_seconds`
-    where `relayout`.
-
-    Below `kernels._common.FEW_ROWS` rows the streaming all-gather kernel holds its
-    weights in VMEM and reads them once, not P times; this model still charges P reads
-    on purpose. Charging one flipped FLUX.1-dev's text MLP input from the plain path to
-    the kernel, and the compiled step got slower (127.7 -> 129.0 ms estimated on
-    v5e:2x2: the text `to_add_out` kernel's first sends then queue behind transfers
-    still in flight); docs/benchmarks.md, row 3c.
-    """
-    w = k if kind == "all_gather" else n
-    if impl == "jax":
-        c = 2 * max(rows * k * n / chip.bf16_flops, itemsize * k * n / chip.hbm_bw)
-    else:
-        c = max(2 * rows * k * n / chip.bf16_flops, itemsize * k * n / chip.hbm_bw)
-    t = itemsize * (rows / 2) * w / chip.ici_link_bw + chip.ici_latency
-    copy = weight_relayout_seconds(k, n, itemsize, chip) if relayout and impl == "jax" else 0.0
-    return P * c + (P - 1) * max(0.0, t - c) + copy
-
-
-def plain_seconds(kind: str, rows: int, k: int, n: int, itemsize: int, P: int, chip,
-                  relayout: bool = False) -> float:
-    """Modelled time of the plain path (`impl="xla"`) for the same site as
-    `ring_seconds`: one matmul of all P m rows (column site; row site: all rows of the
-    partial sum) reading the weight once, max(2 P m k n / peak, b k n / HBM bandwidth),
-    plus the synchronous collective of the P m rows of width w (all-gather of x: w = k;
-    reduce-scatter of the sums: w = n) as `estimate` prices a ring collective:
-    (P-1)/P of b P m w bytes over two links, b (P-1) m w / (2 link), plus P-1
-    latencies, plus `weight_relayout_seconds` where `relayout`."""
-    w = k if kind == "all_gather" else n
-    matmul = max(2 * P * rows * k * n / chip.bf16_flops, itemsize * k * n / chip.hbm_bw)
-    collective = itemsize * (P - 1) * rows * w / (2 * chip.ici_link_bw) + (P - 1) * chip.ici_latency
-    copy = weight_relayout_seconds(k, n, itemsize, chip) if relayout else 0.0
-    return matmul + collective + copy
-
-
-def plain_collective_pays(kind: str, rows: int, k: int, n: int, itemsize: int, P: int, chip,
-                          ring: str = "pallas", relayout: bool = False) -> bool:
-    """Whether a sequence-parallel site ("all_gather": a column site; "reduce_scatter":
-    a row site) is cheaper as the plain collective + one local matmul than as the ring
-    it would run (`ring`: "pallas" or "jax"):
-    `plain_seconds(...) < ring_seconds(...)` (see both for the terms). `relayout`: the
-    site's weights are layers of a stack and its outputs go to attention heads
-    (`weight_relayout_seconds`).
-
-    Few rows per rank make every ring hop bound by re-reading the weight from HBM
-    (below peak / HBM bandwidth = 197e12 / 819e9 = 240 rows on v5e, 560 on v6e), so
-    the ring pays P weight reads (the JAX ring 2P) where the plain path pays one and an
-    exposed collective of the rows. For the kernel, weight-bound hops, no ring transfer
-    exposed, the plain matmul compute-bound and no relayout, the inequality is
-        P b k n / HBM bw > 2 P m k n / peak + b (P-1) m w / (2 link) + (P-1) latency,
-    i.e. m < m* = (P b k n / HBM bw - (P-1) latency) / (2 P k n / peak + b (P-1) w / (2 link)):
-    v5e (CHIPS: 197 TFLOP/s bf16, 819 GB/s HBM, 45 GB/s per link, 1 us per hop), P = 4,
-    bf16, k = n = 3072 (FLUX.1-dev's ff_context.net.0.proj / .2 at P = 4): m* = 151
-    rows (v6e: 233). So FLUX's text stream (512 tokens, 128 rows a rank) takes the
-    plain all-gather for ff_context.net.0.proj (78 us against the kernel's 92 us) and
-    the plain reduce-scatter for ff_context.net.2, whose compute-bound hops would run
-    the JAX ring (78 us against 184 us); it keeps the kernels for add_q/k/v_proj
-    (heads: 135 us against 69 us) and to_add_out (k = 768, ICI-bound hops that send
-    the sums hop by hop: 42 us against 35 us); its image stream (1024 rows) keeps
-    every ring.
-    """
-    return (plain_seconds(kind, rows, k, n, itemsize, P, chip, relayout)
-            < ring_seconds(kind, rows, k, n, itemsize, P, chip, ring, relayout))
 
 
 # --------------------------------------------------------------------------

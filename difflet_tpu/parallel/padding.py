@@ -21,19 +21,29 @@ def padded_length(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def pad_to(x, rows: int, axis: int = 1):
+    """`x` zero-padded along `axis` to `rows` entries (`x` itself when it has them).
+    Runs eagerly (numpy or jax arrays); every port's `prepare` pads through this
+    (`Runner.pad_stream`)."""
+    n = x.shape[axis]
+    if rows < n:
+        raise ValueError(f"cannot pad {n} entries on axis {axis} to {rows}")
+    if rows == n:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, rows - n)
+    lib = np if isinstance(x, np.ndarray) else jnp
+    return lib.pad(x, widths)
+
+
 def pad_tokens(x, multiple: int, axis: int = 1):
     """Pads `x` along `axis` with zeros to a multiple of `multiple`.
 
     Returns `(padded, pad_count)`. Runs eagerly (numpy or jax arrays).
     """
     n = x.shape[axis]
-    pad = padded_length(n, multiple) - n
-    if pad == 0:
-        return x, 0
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    lib = np if isinstance(x, np.ndarray) else jnp
-    return lib.pad(x, widths), pad
+    rows = padded_length(n, multiple)
+    return pad_to(x, rows, axis), rows - n
 
 
 def patchify(x, patch_size):

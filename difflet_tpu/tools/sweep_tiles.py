@@ -93,17 +93,12 @@ def site_heads(site):
 
 def candidates(site, max_col_tile):
     """(column tile, StreamPlan) for every tile the streaming kernel's plan takes as asked."""
-    from difflet_tpu.kernels import _common, all_gather_matmul_stream as ags, matmul_reduce_scatter_stream as rss
+    from difflet_tpu.kernels import _common
+    from difflet_tpu.parallel import site_plan
 
     out = []
     for tn in _common.column_tile_candidates(site.widths, max_col_tile):
-        blocks = _common.StreamBlocks(col_tile_limit=tn)
-        if site.kind == "ag":
-            reason, plan = ags.plan(site.x_shapes[0], site.widths, site.dtype, site.ring, blocks=blocks,
-                                    biases=list(site.biases), activations=list(site.activations),
-                                    sum_squares=list(site.sum_squares), heads=site_heads(site))
-        else:
-            reason, plan = rss.plan(site.x_shapes, site.w_shapes, site.dtype, site.ring, blocks=blocks)
+        reason, plan = site_plan.kernel_plan(site, _common.StreamBlocks(col_tile_limit=tn))
         if reason is None and plan.col_tile == tn:
             out.append((tn, plan))
     return out

@@ -15,7 +15,6 @@ import hashlib
 import jax
 import numpy as np
 
-from difflet_tpu.parallel import padding
 from difflet_tpu.layers.rope import RopeLayout
 from difflet_tpu.port import (Prepared, call_model, check_per_sample, packed_image_grid, packed_streams, randn,
                               returned_sample, shape)
@@ -99,16 +98,17 @@ def prepare(run, kw: dict) -> Prepared:
     """diffusers kwargs -> the step's inputs (eager: validation, padding, tables)."""
     B, n_img, n_txt = _check(run, kw)
     dtype = run.dtype
-    n_img_pad, n_txt_pad = run.rows(n_img, "image tokens"), run.rows(n_txt, "text tokens")
-    masked = run.mask_pad_keys and (n_img_pad > n_img or n_txt_pad > n_txt)
+    hidden_states, n_img_pad = run.pad_stream(kw["hidden_states"], "image tokens")
+    encoder_hidden_states, n_txt_pad = run.pad_stream(kw["encoder_hidden_states"], "text tokens")
+    kv_mask = run.pad_key_mask((n_txt, n_txt_pad), (n_img, n_img_pad))
 
     def proj(x):  # diffusers: x.to(model dtype) * 1000, then Timesteps(256)
         return timestep_proj(np.broadcast_to(np.asarray(x).reshape(-1), (B,)), dtype)
 
     rows = run.row_spec()
     inputs = dict(
-        hidden_states=padding.pad_tokens(kw["hidden_states"], n_img_pad)[0],
-        encoder_hidden_states=padding.pad_tokens(kw["encoder_hidden_states"], n_txt_pad)[0],
+        hidden_states=hidden_states,
+        encoder_hidden_states=encoder_hidden_states,
         pooled_projections=kw["pooled_projections"],
         timesteps_proj=proj(kw["timestep"]),
         guidance_proj=proj(kw["guidance"]) if kw.get("guidance") is not None else np.zeros((B, 256), np.float32))
@@ -116,10 +116,10 @@ def prepare(run, kw: dict) -> Prepared:
     specs = {k: run.batch_spec() for k in inputs}  # pooled, timestep and guidance: (B, ...)
     specs["hidden_states"] = specs["encoder_hidden_states"] = rows
     specs["freqs_cos"] = specs["freqs_sin"] = P()
-    if masked:
-        inputs["kv_mask"] = run.pad_key_mask((n_txt, n_txt_pad), (n_img, n_img_pad))
+    if kv_mask is not None:
+        inputs["kv_mask"] = kv_mask
         specs["kv_mask"] = P()
-    return Prepared(key=masked, inputs=inputs, specs=specs, out_specs=rows,
+    return Prepared(key=kv_mask is not None, inputs=inputs, specs=specs, out_specs=rows,
                     finish=returned_sample(n_img, kw.get("return_dict", True)))
 
 

@@ -106,12 +106,11 @@ def prepare(run, kw: dict) -> Prepared:
 
     patches = patchify(kw["hidden_states"], (c.patch_size_t, c.patch_size, c.patch_size))
     inputs = dict(
-        patches=_cast(padding.pad_tokens(patches, geom.n_img_pad)[0], dtype),
+        patches=_cast(padding.pad_to(patches, geom.n_img_pad), dtype),
         timestep=vec(kw["timestep"]),
-        encoder_hidden_states=_cast(padding.pad_tokens(kw["encoder_hidden_states"], geom.n_txt_pad)[0], dtype),
+        encoder_hidden_states=_cast(padding.pad_to(kw["encoder_hidden_states"], geom.n_txt_pad), dtype),
         # pad text tokens are invalid: zeros in the mask
-        encoder_attention_mask=_cast(padding.pad_tokens(kw["encoder_attention_mask"], geom.n_txt_pad)[0],
-                                     np.float32),
+        encoder_attention_mask=_cast(padding.pad_to(kw["encoder_attention_mask"], geom.n_txt_pad), np.float32),
         pooled_projections=_cast(kw["pooled_projections"], dtype),
         guidance=vec(kw.get("guidance")))
     inputs["freqs_cos"], inputs["freqs_sin"] = run.constant(

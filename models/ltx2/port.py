@@ -44,15 +44,6 @@ def _cast(x, dtype):
     return np.asarray(x).astype(dtype)
 
 
-def _pad_rows(x, rows: int, axis: int = 1):
-    n = x.shape[axis]
-    if n == rows:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, rows - n)
-    return (np if isinstance(x, np.ndarray) else jnp).pad(x, widths)
-
-
 def _expect(name, x, shape):
     got = tuple(x.shape)
     if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
@@ -121,7 +112,7 @@ def _rope_tables(run, video_coords, audio_coords, kw, fps, nv_pad):
                                     max_positions=(c.cross_pos_embed_max_pos,), **common),
         }
         for name in ("video", "ca_video"):
-            out[name] = tuple(_pad_rows(t, nv_pad) for t in out[name])
+            out[name] = tuple(padding.pad_to(t, nv_pad) for t in out[name])
         return out
 
     return run.constant(("rope", video_key, audio_key, nv_pad), make)
@@ -203,14 +194,14 @@ def prepare(run, kwargs: dict) -> Prepared:
         if value is not None:
             inputs[name], specs[name] = value, spec
 
-    put("hidden_states", _pad_rows(_cast(hs, dtype), nv_pad), rows)
+    put("hidden_states", padding.pad_to(_cast(hs, dtype), nv_pad), rows)
     put("audio_hidden_states", _cast(ahs, dtype))
     put("encoder_hidden_states", _cast(ehs, dtype))
     put("audio_encoder_hidden_states", _cast(aehs, dtype))
     for name, t in (("timestep", timestep), ("video_ca_timestep", video_ca_timestep)):
         t = _cast(t, tdtype)
         if t.ndim == 2 and t.shape[1] == nv:  # per video token: sharded like the rows
-            put(name, _pad_rows(t, nv_pad), run.row_spec(2))
+            put(name, padding.pad_to(t, nv_pad), run.row_spec(2))
         else:
             put(name, t)
     put("audio_timestep", _cast(audio_timestep, tdtype))
@@ -227,8 +218,7 @@ def prepare(run, kwargs: dict) -> Prepared:
         if np.all(np.asarray(mask) == 1):
             continue  # all valid: diffusers' bias is 0 everywhere, adding it changes nothing
         put(name, _cast(mask, dtype))
-    if nv_pad != nv and run.mask_pad_keys:
-        put("video_kv_mask", run.pad_key_mask((nv, nv_pad)), REPLICATED)
+    put("video_kv_mask", run.pad_key_mask((nv, nv_pad)), REPLICATED)
     for name, (cos, sin) in tables.items():
         # one table for the batch (the grid), or per sample (the caller's coordinates)
         spec = CHANNELS if cos.shape[0] == 1 else P(BATCH, None, TP)

@@ -28,7 +28,7 @@ Every forward runs inside one `shard_map` over the mesh's `tp` axis (or plain
   in and a reduce-scatter out. No row reordering: the joint sequence is gathered
   stream by stream. Each site's collective is fused into its matmuls (the Pallas
   AG kernel, TPU default, or the JAX rings) or, where a rank's rows are too few
-  for a ring to pay, plain (`difflet_tpu.parallel.modes.plain_collective_pays`: on TPU,
+  for a ring to pay, plain (`difflet_tpu.parallel.site_plan.plain_collective_pays`: on TPU,
   the short text stream's MLP).
 """
 

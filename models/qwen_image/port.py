@@ -23,7 +23,6 @@ from __future__ import annotations
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from difflet_tpu.parallel import padding
 from difflet_tpu.port import (Prepared, call_model, check_per_sample, packed_image_grid, packed_streams, randn,
                               returned_sample, shape)
 
@@ -113,13 +112,14 @@ def prepare(run, kw: dict) -> Prepared:
     """diffusers kwargs -> the step's inputs (eager: validation, padding, tables, masks)."""
     B, n_img, n_txt, shapes = _check(run, kw)
     c = run.cfg
-    n_img_pad, n_txt_pad = run.rows(n_img, "image tokens"), run.rows(n_txt, "text tokens")
-    pad_masked = run.mask_pad_keys and (n_img_pad > n_img or n_txt_pad > n_txt)
+    hidden_states, n_img_pad = run.pad_stream(kw["hidden_states"], "image tokens")
+    encoder_hidden_states, n_txt_pad = run.pad_stream(kw["encoder_hidden_states"], "text tokens")
+    pad_mask = run.pad_key_mask((n_txt, n_txt_pad), (n_img, n_img_pad))
 
     rows = run.row_spec()
     inputs = dict(
-        hidden_states=padding.pad_tokens(kw["hidden_states"], n_img_pad)[0],
-        encoder_hidden_states=padding.pad_tokens(kw["encoder_hidden_states"], n_txt_pad)[0],
+        hidden_states=hidden_states,
+        encoder_hidden_states=encoder_hidden_states,
         timestep=np.broadcast_to(np.asarray(kw["timestep"], np.float32).reshape(-1), (B,)).copy())
     specs = dict(hidden_states=rows, encoder_hidden_states=rows, timestep=run.batch_spec())
     inputs["freqs_cos"], inputs["freqs_sin"] = run.constant(
@@ -137,8 +137,8 @@ def prepare(run, kw: dict) -> Prepared:
             kv[:, n_txt:n_txt_pad] = kv[:, n_txt_pad + n_img:] = True
         inputs["kv_mask"], specs["kv_mask"] = kv, run.batch_spec()  # (B, S): per sample
         key = "text"
-    elif pad_masked:
-        inputs["kv_mask"] = run.pad_key_mask((n_txt, n_txt_pad), (n_img, n_img_pad))
+    elif pad_mask is not None:
+        inputs["kv_mask"] = pad_mask
         specs["kv_mask"] = P()
         key = "pad"
     else:

@@ -176,23 +176,21 @@ def prepare(run, kw: dict) -> Prepared:
     B, grid, per_token = _check(run, kw)
     c = run.cfg
     N = math.prod(grid)
-    rows = run.rows(N, "patch tokens")
     row_spec = run.row_spec()
 
-    patches = patchify(kw["hidden_states"], c.patch_size)
+    patches, rows = run.pad_stream(patchify(kw["hidden_states"], c.patch_size), "patch tokens")
     t = kw["timestep"]
     t = _xp(t).asarray(t).astype(jnp.promote_types(run.dtype, jnp.float32))
-    if rows > N:
-        patches = padding.pad_tokens(patches, rows, axis=1)[0]
-        if per_token:
-            t = padding.pad_tokens(t, rows, axis=1)[0]
+    if per_token:
+        t = padding.pad_to(t, rows)
     inputs = dict(patches=patches, timestep=t)
     specs = dict(patches=row_spec, timestep=run.row_spec(2, 1) if per_token else run.batch_spec())
     inputs["freqs_cos"], inputs["freqs_sin"] = run.constant(("rope", grid, rows),
                                                             lambda: rope_tables(c, grid, rows))
     specs["freqs_cos"] = specs["freqs_sin"] = P()
-    if rows > N and run.mask_pad_keys:
-        inputs["kv_mask"] = run.pad_key_mask((N, rows))
+    kv_mask = run.pad_key_mask((N, rows))
+    if kv_mask is not None:
+        inputs["kv_mask"] = kv_mask
         specs["kv_mask"] = P()
 
     ehs, img = kw.get("encoder_hidden_states"), kw.get("encoder_hidden_states_image")

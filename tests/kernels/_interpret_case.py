@@ -138,7 +138,7 @@ def run(spec):
         def emit(self, record):
             warnings.append(record.getMessage())
 
-    logging.getLogger("difflet_tpu.parallel.collective_matmul").addHandler(Count(level=logging.WARNING))
+    logging.getLogger("difflet_tpu.parallel.site_plan").addHandler(Count(level=logging.WARNING))
     result = {}
     if chunks is not None:
         result["chunks"] = chunks

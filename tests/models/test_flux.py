@@ -105,7 +105,7 @@ def test_pallas_kernels_fall_back_at_fixture_sizes(caplog):
     assert (r.par.ag_impl, r.par.rs_impl) == ("pallas", "pallas")
     assert r.row_multiple() == 64
     kwargs, ref = fixture("flux")
-    with caplog.at_level(logging.WARNING, logger="difflet_tpu.parallel.collective_matmul"):
+    with caplog.at_level(logging.WARNING, logger="difflet_tpu.parallel.site_plan"):
         out = r(**kwargs).sample
     assert rel(out, ref) <= TOL
     assert not caplog.records or any("using the JAX ring" in m.getMessage() for m in caplog.records)
@@ -118,7 +118,7 @@ def test_sp_pallas_kernels_run_in_the_model(caplog, monkeypatch):
     (D = 256 = 4 heads x 64, so 128-wide q/k/v shards; MLP 1024 -> 512 a rank), 32
     image + 24 text tokens (text padded to 32: 8-row halves a rank); SP on 2 devices
     equals one device, every collective matmul ran a kernel and none fell back."""
-    from difflet_tpu.parallel import collective_matmul as cm
+    from difflet_tpu.parallel import site_plan
     from difflet_tpu.kernels import all_gather_matmul_stream as ag_kernel
     from difflet_tpu.kernels import matmul_reduce_scatter_stream as rs_kernel
 
@@ -141,14 +141,14 @@ def test_sp_pallas_kernels_run_in_the_model(caplog, monkeypatch):
     # the dispatch's kernels
     monkeypatch.setattr(ag_kernel, "all_gather_matmul_stream", counted("ag", ag_kernel.all_gather_matmul_stream))
     monkeypatch.setattr(rs_kernel, "matmul_reduce_scatter_stream", counted("rs", rs_kernel.matmul_reduce_scatter_stream))
-    cm._NOTICED.clear()
+    site_plan._NOTICED.clear()
     r = runner(model, make_mesh(2), "sp", Config(sp=True, sp_kernel="pallas", sp_rs_kernel="pallas"))
     assert (r.par.ag_impl, r.par.rs_impl, r.par.interpret) == ("pallas", "pallas", True)
     assert r.row_multiple() == 32
-    with caplog.at_level(logging.WARNING, logger="difflet_tpu.parallel.collective_matmul"):
+    with caplog.at_level(logging.WARNING, logger="difflet_tpu.parallel.site_plan"):
         out = np.asarray(r(**kwargs).sample)
     assert not [rec for rec in caplog.records if "unsupported" in rec.getMessage()], caplog.text
-    assert not cm._NOTICED, f"a kernel fell back to the ring: {cm._NOTICED}"
+    assert not site_plan._NOTICED, f"a kernel fell back to the ring: {site_plan._NOTICED}"
     # double block: 2 AG (qkv, add_qkv) + 2 AG (ff, ff_context), 4 RS; single block: 1 AG, 1 RS
     assert calls == {"ag": 5, "rs": 5}, calls
     assert out.shape == ref.shape == (1, 32, 16) and np.linalg.norm(ref) > 0

@@ -97,13 +97,13 @@ def test_sp_matches_tp_with_padding():
     ("rs", 1024, 3072, 3072, False, "jax"),      # image img_mlp.net.2: compute-bound hops
 ])
 def test_sites_at_1024px_on_v5e(site, rows, k, n, heads, expect):
-    """The shared per-site rule (`parallel.plain_collective_pays`) at the released config,
+    """The shared per-site rule (`parallel.site_plan.plain_collective_pays`) at the released config,
     1024x1024 with 128 prompt tokens on v5e:2x2: the text stream's MLP (32 rows a rank)
     runs on plain collectives, its attention linears and the image stream on the rings."""
     x = jax.ShapeDtypeStruct((1, rows if site == "ag" else 4 * rows, k), jnp.bfloat16)
     w = cm.LayerWeight(jax.ShapeDtypeStruct((60, k, n), jnp.bfloat16), jnp.int32(0))
     par = Parallel(mode="sp", size=4, ag_impl="pallas", rs_impl="auto", chip="v5e")
-    assert (par.ag_site_impl(x, [w], heads) if site == "ag" else par.rs_site_impl([(x, w)])) == expect
+    assert (par.column_plan(x, [w], heads=heads) if site == "ag" else par.row_plan([(x, w)])).impl == expect
 
 
 # --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from difflet_tpu.testing import read_fixture_io, rel_l2
-from difflet_tpu.parallel import collective_matmul as cm
+from difflet_tpu.parallel import site_plan
 from difflet_tpu import loading
 from difflet_tpu.config import Config
 from difflet_tpu.parallel.mesh import TP, make_mesh
@@ -73,10 +73,10 @@ def test_parity_sp_pallas_config_falls_back_on_fixture_shapes():
     """Config(sp_kernel="pallas", sp_rs_kernel="pallas") on a fixture: the kernels
     reject 16-column shards (their unsupported_reason), the JAX ring runs."""
     _, ref = fixture("wan_i2v")
-    cm._NOTICED.clear()
+    site_plan._NOTICED.clear()
     out = run("wan_i2v", 4, "sp", Config(sp_kernel="pallas", sp_rs_kernel="pallas"))
     assert rel(out, ref) <= 1e-5
-    assert {op for op, _ in cm._NOTICED} == {"all_gather_matmul", "matmul_reduce_scatter"}
+    assert {op for op, _ in site_plan._NOTICED} == {"all_gather_matmul", "matmul_reduce_scatter"}
 
 
 @pytest.mark.slow
@@ -88,10 +88,10 @@ def test_sp_pallas_kernels_interpret_mode():
     model = wan.build(c, dtype=jnp.float32, rngs=nnx.Rngs(0))
     kwargs = wan.example_inputs(c, height=64, width=96, frames=9, text_len=16)
     ref = wan.Runner(model)(**kwargs).sample
-    cm._NOTICED.clear()
+    site_plan._NOTICED.clear()
     mesh = make_mesh(4)
     out = wan.Runner(model, mesh, Config(sp_kernel="pallas", sp_rs_kernel="pallas"), "sp")(**kwargs).sample
-    assert not cm._NOTICED, f"a kernel fell back to the ring: {cm._NOTICED}"
+    assert not site_plan._NOTICED, f"a kernel fell back to the ring: {site_plan._NOTICED}"
     assert rel(out, ref) <= 1e-5
 
 
