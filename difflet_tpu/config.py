@@ -36,14 +36,14 @@ class Config:
         "pallas" (the Pallas kernel, kernels/all_gather_matmul_stream.py); None takes the model's default on
         TPU and the JAX ring elsewhere (`DIFFLET_TPU_SP_KERNEL`). On a TPU with
         chip constants, a site with too few rows per rank for the ring to pay
-        takes the plain all-gather instead (`parallel.plain_collective_pays`).
+        takes the plain all-gather instead (`parallel.site_plan.plain_collective_pays`).
     sp_rs_kernel: matmul-reduce-scatter implementation under SP: "jax" (the
         ring), "pallas" (the kernel) or "auto": on a TPU whose chip constants are
         known (`parallel.chips.CHIPS`), the kernel at each site whose ring hops are
         ICI-bound (`kernels.matmul_reduce_scatter_stream.ici_bound`) and the ring
         elsewhere; the ring off TPU (`DIFFLET_TPU_SP_RS_KERNEL`). On a TPU with
         chip constants, a site with too few rows per rank for the ring it would run
-        to pay takes the plain reduce-scatter instead (`parallel.plain_collective_pays`).
+        to pay takes the plain reduce-scatter instead (`parallel.site_plan.plain_collective_pays`).
     sp_ag_assemble: how the JAX all-gather ring builds its output: "concat"
         (one gather over the arrived chunks) or "dus" (dynamic_update_slice
         into a buffer) (`DIFFLET_TPU_SP_AG_ASSEMBLE`).

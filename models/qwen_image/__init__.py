@@ -21,7 +21,7 @@ from .schedule import SCHEDULER, schedule
 # against 274 ms for the JAX rings with concat assembly and 233 ms with dus assembly;
 # docs/models/qwen_image.md). The reference PR measured the kernel 1% slower than the
 # ring on a v5e-4 (179.7 vs 178.0 ms); DIFFLET_TPU_SP_KERNEL=jax picks the ring. The
-# text stream's MLP takes plain collectives on TPU (`parallel.plain_collective_pays`).
+# text stream's MLP takes plain collectives on TPU (`parallel.site_plan.plain_collective_pays`).
 AG_DEFAULT = "pallas"
 
 SPEC = port_spec(
