@@ -213,7 +213,9 @@ def test_across_heads_qk_norm_reduced_over_ranks(monkeypatch):
             xf = x.astype(jnp.float64)
             return rms_norm(x, weight, eps, sum_sq=jnp.sum(xf * xf, -1, keepdims=True), dim=dim)
 
-        monkeypatch.setattr(ltx2_model, "rms_norm_across_heads", local_only)
+        from difflet_tpu.layers import across_heads
+
+        monkeypatch.setattr(across_heads, "rms_norm_across_heads", local_only)
         s, a = run_f64("ltx2_pad", runner=runner_f64("ltx2_pad", 4, "tp", cache=False))
         assert rel(s, ref_s) > 1e-3
 
