@@ -50,7 +50,8 @@ def build(variant: str, tp: int, sumsq_given: bool):
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from difflet_tpu.layers.attention import apply_rotary_emb, attend, merge_heads, split_heads
+    from difflet_tpu.layers.attention import attend, merge_heads, split_heads
+    from difflet_tpu.layers.rope import apply_rotary_emb
     from difflet_tpu.layers.normalization import rms_norm, rms_norm_across_heads
     from difflet_tpu.parallel.mesh import TP
     from difflet_tpu.parallel.modes import Parallel

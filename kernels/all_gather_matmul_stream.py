@@ -181,6 +181,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from difflet_tpu.layers.rope.rotate import rotate as rope_rotate
+
 from . import _common
 
 COLLECTIVE_ID = 9  # each kernel its own barrier semaphore id (matmul_reduce_scatter_stream: 10)
@@ -388,8 +390,8 @@ def _write_heads(tn, head: Heads, norm_w, rbuf, obuf, par, *, unit):
     """The head-major epilogue of the column tile in obuf[par] [2 B hc, tn] (already
     rounded to x's dtype, as the unfused path's projection output), in place: RMSNorm
     in float32 (`rsqrt(mean(t^2) + eps) * w`, rounded), split-halves RoPE
-    `t cos + rot(t) sin` (rot(t) = [-t2, t1]: one lane roll by D/2 and a sign, exact;
-    rounded), then `scale` (rounded), the order and roundings of
+    `t cos + rot(t) sin` (`layers.rope.rotate`, the XLA paths' formula; rot(t) =
+    [-t2, t1]: one lane roll by D/2 and a sign, exact; rounded), then `scale` (rounded), the order and roundings of
     `layers.attention.HeadsOut`. Per head a runtime loop over row blocks, so the
     code is one block's per head (Mosaic unrolls a value's vregs: code grows with the
     rows a body covers); the RoPE rows come from rbuf [cos / sin, 2 B hc, D], the step's
@@ -413,7 +415,7 @@ def _write_heads(tn, head: Heads, norm_w, rbuf, obuf, par, *, unit):
             t = ((t * lax.rsqrt(ms + head.eps)) * w).astype(dt).astype(f)
         if head.rope:
             rot = pltpu.roll(t, D // 2, 1) * sign
-            t = (t * rbuf[0, r, :] + rot * rbuf[1, r, :]).astype(dt).astype(f)
+            t = rope_rotate(t, rot, rbuf[0, r, :], rbuf[1, r, :]).astype(dt).astype(f)
         if scale is not None:
             t = t * scale
         obuf[par, r, lanes] = t.astype(dt)

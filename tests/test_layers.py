@@ -425,7 +425,7 @@ def test_rotary_emb_matmul_rotation_is_bit_exact(split, D):
     else:
         rot = np.stack([-xd[..., 1::2], xd[..., 0::2]], -1).reshape(xd.shape)
     want = xd * f64(cos)[:, None] + rot * f64(sin)[:, None]
-    r = layers.attention.rotation_matrix(D, split).astype(np.float64)
+    r = layers.rope.rotation_matrix(D, split).astype(np.float64)
     np.testing.assert_array_equal(xd @ r, rot)  # a signed permutation: one +-1 per row and column
     assert (np.abs(r).sum(0) == 1).all() and (np.abs(r).sum(1) == 1).all()
     for dtype in (jnp.float32, jnp.bfloat16):

@@ -30,7 +30,8 @@ from flax import nnx
 from difflet_tpu.layers import nn
 from difflet_tpu.parallel.modes import COLUMN, ROW
 
-from .attention import HeadsOut, apply_rotary_emb, attend, merge_heads, split_heads
+from .attention import HeadsOut, attend, merge_heads, split_heads
+from .rope import apply_rotary_emb
 from .feedforward import FeedForward, gelu_tanh
 from .normalization import AdaLN, Weight, modulate, rms_norm
 

@@ -109,7 +109,7 @@ def rms_norm_across_heads(par, x, scale, eps: float, dim: int, sum_sq=None):
 def rms_scale_across_heads(par, sum_sq, eps: float, dim: int):
     """The per-token factor `rsqrt(mean of squares + eps)` of `rms_norm_across_heads`
     from this rank's partial sum of squares `[..., 1]` (summed over the `tp` ranks in
-    float32), for `attention.rms_norm_rope`."""
+    float32), for `rope.rms_norm_rope`."""
     f = nn.fp32(sum_sq.dtype)
     return jax.lax.rsqrt(par.sum_over_ranks(sum_sq.astype(f)) / dim + eps)
 

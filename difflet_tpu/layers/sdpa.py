@@ -17,6 +17,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from difflet_tpu.kernels import cross_attention as cross_kernel
+
 IMPLS = ("xla", "splash")
 LANE = 128  # splash's lane width: block_kv_compute (so every kv block) is a multiple of it
 
@@ -183,6 +185,21 @@ def attention(q, k, v, kv_mask=None, *, impl="xla", interpret=False, head_major=
         q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
     mask = None if kv_mask is None else kv_mask[:, None, None, :]
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0 if q_scaled else None, implementation="xla")
+
+
+def fuses_rms_cross(par, q_shape, k, dtype, head_dim: int) -> bool:
+    """Whether `rms_cross_attention` takes this query-side norm and attention as one
+    kernel: with splash attention (TPU, or interpreted), the shapes and dtypes
+    `kernels.cross_attention` takes. q_shape `[B, n, D]` (every head), k `[B, L, D]`."""
+    return (par.attn_impl == "splash" and dtype in (jnp.bfloat16, jnp.float32) and k.dtype == dtype
+            and cross_kernel.unsupported_reason(q_shape, k.shape, head_dim, dtype) is None)
+
+
+def rms_cross_attention(par, q, weight, k, v, *, head_dim: int, eps: float):
+    """q's across-heads RMSNorm (weight `[D]`), splash's relayouts, the heads' split and merge
+    and the attention in one kernel (`kernels.cross_attention`; `fuses_rms_cross` says when):
+    q `[B, n, D]` not normalised, k/v `[B, L, D]`, every head; the result `[B, n, D]`."""
+    return cross_kernel.rms_cross_attention(q, weight, k, v, head_dim=head_dim, eps=eps, interpret=par.interpret)
 
 
 def reference_attention(q, k, v, kv_mask=None, bias=None, scale=None):

@@ -11,7 +11,6 @@ from .config import IGNORED_KEYS, CLASS_NAME, PRESETS, FluxConfig, config_from_d
 from .keys import key_map
 from .port import example_inputs, flops
 from .model import PLAN, FluxTransformer2DModel, build
-from .rope import rope_tables
 
 SPEC = port_spec(
     config, model, keys, port, name="flux", model_class=FluxTransformer2DModel,
@@ -27,4 +26,4 @@ SPEC = port_spec(
 )
 
 __all__ = ["SPEC", "IGNORED_KEYS", "CLASS_NAME", "PRESETS", "FluxConfig", "config_from_diffusers", "key_map", "Runner",
-           "example_inputs", "flops", "PLAN", "FluxTransformer2DModel", "build", "rope_tables"]
+           "example_inputs", "flops", "PLAN", "FluxTransformer2DModel", "build"]

@@ -5,7 +5,7 @@ compiles), pads each stream eagerly under SP (`Runner.rows`), and builds on
 the host what diffusers computes from scalars and ids: the timestep /
 guidance sinusoids (cast to the model dtype before the x1000, as
 `CombinedTimestepGuidanceTextProjEmbeddings` does) and the RoPE tables
-(`rope.py`; cached while the ids stay the same). `forward` is the step.
+(`layers.rope.position_tables`; cached while the ids stay the same). `forward` is the step.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ import hashlib
 import jax
 import numpy as np
 
-from difflet_tpu.layers.rope import RopeLayout
+from difflet_tpu.layers.rope import RopeLayout, position_tables
 from difflet_tpu.port import (Prepared, call_model, check_per_sample, packed_image_grid, packed_streams, randn,
                               returned_sample, shape)
 from jax.sharding import PartitionSpec as P
 
-from .config import FluxConfig
+from .config import ROPE_THETA, FluxConfig
 from .model import timestep_proj
-from .rope import rope_tables
 
 FORWARD_ARGS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids",
                 "txt_ids", "guidance", "joint_attention_kwargs", "controlnet_block_samples",
@@ -85,7 +84,7 @@ def _tables(run, txt_ids, img_ids, n_txt_pad, n_img_pad):
         cos = np.ones((n_txt_pad + n_img_pad, hd), np.float32)
         sin = np.zeros((n_txt_pad + n_img_pad, hd), np.float32)
         for ids, start in ((txt_ids, 0), (img_ids, n_txt_pad)):
-            ct, st = rope_tables(ids, c.axes_dims_rope)
+            ct, st = position_tables(ids, c.axes_dims_rope, ROPE_THETA)
             cos[start:start + len(ids)] = ct
             sin[start:start + len(ids)] = st
         rope = RopeLayout(c.num_attention_heads, hd, c.split_rope)

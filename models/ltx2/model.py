@@ -12,7 +12,7 @@ leaf only. One forward serves every parallel mode through `Parallel`:
   they run as plain TP (`apar`: column-parallel locally, all-reduce after the
   row-parallel output).
 
-RoPE tables are computed on the host (`rope.py`) and arrive sharded over
+RoPE tables are computed on the host (`layers.rope.fractional`) and arrive sharded over
 heads (audio-to-video attention's q table also by rows, for `SP_LOCAL_PLAN`);
 the text masks are diffusers' additive -10000 bias; video pad rows (added
 eagerly by the Runner for SP) are dropped as keys in video self-attention and
@@ -26,16 +26,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from difflet_tpu.layers import nn
 from difflet_tpu.parallel.collective_matmul import row_sum_squares
-from difflet_tpu.layers import (FeedForward, PixArtAlphaTextProjection, RMSNorm, TimestepEmbedding, Weight, attend,
-                                get_timestep_embedding, merge_heads, modulate, rms_norm, rms_norm_across_heads,
-                                split_heads)
-from difflet_tpu.layers import apply_rotary_emb as rotate
-from difflet_tpu.layers.attention import rotation_matrix
+from difflet_tpu.layers import (FeedForward, PixArtAlphaTextProjection, RMSNorm, TimestepEmbedding,
+                                get_timestep_embedding, modulate, rms_norm)
+from difflet_tpu.layers.across_heads import AcrossHeadsAttention
+from difflet_tpu.layers.rope import GroupedRope
 from difflet_tpu.parallel.modes import COLUMN, REPLICATED, ROW, SHARDED
 
 from .config import LTX2Config
@@ -90,43 +88,6 @@ SP_LOCAL_PLAN = {
 }
 
 TEXT_MASK_BIAS = -10000.0  # diffusers: (1 - mask) * -10000.0
-MAX_FLAT_ROTATION = 1024  # widest (this rank's) q/k whose RoPE rotation is one block-diagonal matmul
-
-
-class Rope(NamedTuple):
-    """cos/sin tables of one RoPE, this rank's channels; `groups` = global
-    rotation groups of the "half" layout (None: interleaved tables)."""
-
-    cos: jax.Array
-    sin: jax.Array
-    groups: int | None
-
-
-def apply_rotary_emb(par, x, rope: Rope):
-    """Rotates this rank's channels `[B, N, C]` of q or k (float32 math, cast back)."""
-    if rope.groups is None:  # diffusers' interleaved pairs (2i, 2i+1)
-        return rotate(x, rope.cos, rope.sin, split=False)
-    # split halves within each group (diffusers' split, or permuted interleaved); the
-    # "half" tables hold one angle per pair
-    b, n, c = x.shape
-    g = rope.groups // par.size
-    cos = rope.cos.reshape(rope.cos.shape[0], n, g, -1)
-    sin = rope.sin.reshape(rope.sin.shape[0], n, g, -1)
-    if x.dtype != jnp.bfloat16 or c > MAX_FLAT_ROTATION:
-        return rotate(x.reshape(b, n, g, c // g), cos, sin, split=True).reshape(b, n, c)
-    # bf16: `rotate`'s rotation matmul over the flat rows, with the group matrices on a
-    # block diagonal, so x is not relaid as [n * g, c / g] rows for it (exact, as there:
-    # one non-zero product per output, accumulated in float32)
-    f = nn.fp32(x.dtype)
-    full = lambda t: (t if t.shape[-1] == c // g else jnp.concatenate([t, t], axis=-1)).reshape(t.shape[0], n, c)
-    r = np.kron(np.eye(g, dtype=np.float32), rotation_matrix(c // g, True))
-    rot = jnp.einsum("...c,ce->...e", x, jnp.asarray(r, x.dtype), preferred_element_type=f)
-    return (x.astype(f) * full(cos).astype(f) + rot * full(sin).astype(f)).astype(x.dtype)
-
-
-def torch_lerp(start, end, weight):
-    """`torch.lerp` as its CPU kernel computes it (exact at weight 0 and 1)."""
-    return jnp.where(jnp.abs(weight) < 0.5, start + weight * (end - start), end - (end - start) * (1 - weight))
 
 
 # --------------------------------------------------------------------------
@@ -169,70 +130,8 @@ class LTX2AdaLayerNormSingle(nnx.Module):
 
 
 # --------------------------------------------------------------------------
-# Attention and feed-forward
+# Attention: `layers.across_heads` (every attention of the block)
 # --------------------------------------------------------------------------
-
-class LTX2Attention(nnx.Module):
-    def __init__(self, query_dim, heads, dim_head, *, cross_attention_dim=None, bias=True, out_bias=True,
-                 norm_eps=1e-6, apply_gated_attention=False, dtype, rngs):
-        self.heads, self.head_dim = heads, dim_head
-        self.inner_dim = heads * dim_head
-        self.norm_eps = norm_eps
-        kv_dim = query_dim if cross_attention_dim is None else cross_attention_dim
-        self.norm_q = Weight(self.inner_dim, dtype=dtype)
-        self.norm_k = Weight(self.inner_dim, dtype=dtype)
-        self.to_q = nn.Linear(query_dim, self.inner_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.to_k = nn.Linear(kv_dim, self.inner_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.to_v = nn.Linear(kv_dim, self.inner_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.to_out = nnx.Dict({"0": nn.Linear(self.inner_dim, query_dim, bias=out_bias, dtype=dtype, rngs=rngs)})
-        self.to_gate_logits = (nn.Linear(query_dim, heads, dtype=dtype, rngs=rngs)
-                               if apply_gated_attention else None)
-
-    def __call__(self, qpar, kvpar, hidden_states, encoder_hidden_states=None, *, query_rotary_emb=None,
-                 key_rotary_emb=None, kv_mask=None, attention_bias=None, perturbation=None):
-        """`qpar` runs the query side and the output (its rows), `kvpar` the key/value side.
-
-        kv_mask: bool `[Skv]`/`[B, Skv]`, False for pad keys. attention_bias:
-        additive `(B, 1, Skv)`. perturbation: STG lerp weight `(B, 1, 1)`
-        (LTX2PerturbedAttnProcessor), 1 = plain attention, 0 = values only.
-        """
-        gated = self.to_gate_logits is not None
-        # q and k come with their per-row sums of squares over this rank's columns for the
-        # across-heads norms (accumulated by the all-gather kernel, else by the dot's epilogue)
-        if encoder_hidden_states is None:  # self-attention: one gather feeds q, k, v (and the gate)
-            outs = nn.column(qpar, hidden_states, [self.to_q, self.to_k, self.to_v]
-                             + ([self.to_gate_logits] if gated else []),
-                             sum_squares=[True, True, False] + ([False] if gated else []), row_major=True)
-            (query, query_ssq), (key, key_ssq), value = outs[:3]
-        else:
-            outs = nn.column(qpar, hidden_states, [self.to_q] + ([self.to_gate_logits] if gated else []),
-                             sum_squares=[True] + ([False] if gated else []), row_major=True)
-            query, query_ssq = outs[0]
-            (key, key_ssq), value = nn.column(kvpar, encoder_hidden_states, [self.to_k, self.to_v],
-                                              sum_squares=[True, False], row_major=True)
-        gate_logits = outs[-1] if gated else None
-
-        query = rms_norm_across_heads(qpar, query, self.norm_q.scale[...], self.norm_eps, self.inner_dim,
-                                      sum_sq=query_ssq)
-        key = rms_norm_across_heads(kvpar, key, self.norm_k.scale[...], self.norm_eps, self.inner_dim,
-                                    sum_sq=key_ssq)
-        if query_rotary_emb is not None:
-            query = apply_rotary_emb(qpar, query, query_rotary_emb)
-            key = apply_rotary_emb(kvpar, key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
-        if qpar.size < kvpar.size:  # queries with every head (`SP_LOCAL_PLAN`): keys and values too
-            key, value = kvpar.gather_columns(key), kvpar.gather_columns(value)
-
-        qpar.local_heads(self.heads)  # a clear error if the heads do not divide over the ranks
-        split = lambda t: split_heads(t, self.head_dim)
-        out = attend(qpar, split(query), split(key), split(value), kv_mask, attention_bias)
-        out = merge_heads(out).astype(query.dtype)
-        if perturbation is not None:
-            out = torch_lerp(value, out, perturbation.astype(out.dtype))
-        if gated:
-            gates = 2.0 * jax.nn.sigmoid(gate_logits)
-            out = merge_heads(split(out) * gates[..., None])
-        return nn.row(qpar, [(out, self.to_out["0"])])
-
 
 # --------------------------------------------------------------------------
 # The block
@@ -261,11 +160,11 @@ class BlockInputs(NamedTuple):
     temb_ca_audio_gate: jax.Array
     temb_prompt: jax.Array | None
     temb_prompt_audio: jax.Array | None
-    video_rotary_emb: Rope
-    audio_rotary_emb: Rope
-    ca_video_rotary_emb: Rope
-    ca_audio_rotary_emb: Rope
-    ca_video_local_rotary_emb: Rope | None  # this rank's video rows, every channel (SP_LOCAL_PLAN)
+    video_rotary_emb: GroupedRope
+    audio_rotary_emb: GroupedRope
+    ca_video_rotary_emb: GroupedRope
+    ca_audio_rotary_emb: GroupedRope
+    ca_video_local_rotary_emb: GroupedRope | None  # this rank's video rows, every channel (SP_LOCAL_PLAN)
     encoder_attention_mask: jax.Array | None  # additive (B, 1, L)
     audio_encoder_attention_mask: jax.Array | None
     video_kv_mask: jax.Array | None  # bool [Nv_padded]: False for pad rows
@@ -283,29 +182,29 @@ class LTX2VideoTransformerBlock(nnx.Module):
     def __init__(self, c: LTX2Config, *, dtype, rngs):
         dim, adim = c.inner_dim, c.audio_inner_dim
         eps, affine = c.norm_eps, c.norm_elementwise_affine
-        attn = lambda q, h, d, **kw: LTX2Attention(q, h, d, bias=c.attention_bias, out_bias=c.attention_out_bias,
-                                                   norm_eps=eps, dtype=dtype, rngs=rngs, **kw)
+        attn = lambda q, h, d, **kw: AcrossHeadsAttention(q, h, d, bias=c.attention_bias, out_bias=c.attention_out_bias,
+                                                          eps=eps, row_major=True, dtype=dtype, rngs=rngs, **kw)
         H, Dh, Ha, Dha = c.num_attention_heads, c.attention_head_dim, c.audio_num_attention_heads, \
             c.audio_attention_head_dim
         self.perturbed_attn = c.perturbed_attn
 
         # 1. Self-attention (video and audio)
         self.norm1 = RMSNorm(dim, eps, affine, dtype=dtype)
-        self.attn1 = attn(dim, H, Dh, apply_gated_attention=c.gated_attn)
+        self.attn1 = attn(dim, H, Dh, gated=c.gated_attn)
         self.audio_norm1 = RMSNorm(adim, eps, affine, dtype=dtype)
-        self.audio_attn1 = attn(adim, Ha, Dha, apply_gated_attention=c.audio_gated_attn)
+        self.audio_attn1 = attn(adim, Ha, Dha, gated=c.audio_gated_attn)
         # 2. Prompt cross-attention
         self.norm2 = RMSNorm(dim, eps, affine, dtype=dtype)
-        self.attn2 = attn(dim, H, Dh, cross_attention_dim=c.cross_attention_dim, apply_gated_attention=c.gated_attn)
+        self.attn2 = attn(dim, H, Dh, kv_dim=c.cross_attention_dim, gated=c.gated_attn)
         self.audio_norm2 = RMSNorm(adim, eps, affine, dtype=dtype)
-        self.audio_attn2 = attn(adim, Ha, Dha, cross_attention_dim=c.audio_cross_attention_dim,
-                                apply_gated_attention=c.audio_gated_attn)
+        self.audio_attn2 = attn(adim, Ha, Dha, kv_dim=c.audio_cross_attention_dim,
+                                gated=c.audio_gated_attn)
         # 3. Audio-to-video (Q video, K/V audio) and video-to-audio (Q audio, K/V video)
         self.audio_to_video_norm = RMSNorm(dim, eps, affine, dtype=dtype)
-        self.audio_to_video_attn = attn(dim, Ha, Dha, cross_attention_dim=adim, apply_gated_attention=c.gated_attn)
+        self.audio_to_video_attn = attn(dim, Ha, Dha, kv_dim=adim, gated=c.gated_attn)
         self.video_to_audio_norm = RMSNorm(adim, eps, affine, dtype=dtype)
-        self.video_to_audio_attn = attn(adim, Ha, Dha, cross_attention_dim=dim,
-                                        apply_gated_attention=c.audio_gated_attn)
+        self.video_to_audio_attn = attn(adim, Ha, Dha, kv_dim=dim,
+                                        gated=c.audio_gated_attn)
         # 4. Feed-forward
         self.norm3 = RMSNorm(dim, eps, affine, dtype=dtype)
         self.ff = FeedForward(dim, activation_fn=c.activation_fn, bias=c.ff_bias, dtype=dtype, rngs=rngs)
@@ -343,8 +242,8 @@ class LTX2VideoTransformerBlock(nnx.Module):
             shift_text_q, scale_text_q, gate_text_q = video_ada_params[6:9]
         norm1 = self.norm1(hidden_states) if sum_sq is None else norm_after_add(self.norm1, hidden_states, sum_sq)
         norm_hidden_states = norm1 * (1 + scale_msa) + shift_msa
-        attn_hidden_states = self.attn1(par, par, norm_hidden_states, query_rotary_emb=b.video_rotary_emb,
-                                        kv_mask=b.video_kv_mask, perturbation=perturbation)
+        attn_hidden_states = self.attn1(par, norm_hidden_states, rope=b.video_rotary_emb, kv_mask=b.video_kv_mask,
+                                        perturbation=perturbation)
         hidden_states = hidden_states + attn_hidden_states * gate_msa
 
         # 1.2. Audio self-attention
@@ -354,8 +253,8 @@ class LTX2VideoTransformerBlock(nnx.Module):
         if self.audio_cross_attn_adaln:
             audio_shift_text_q, audio_scale_text_q, audio_gate_text_q = audio_ada_params[6:9]
         norm_audio_hidden_states = self.audio_norm1(audio_hidden_states) * (1 + audio_scale_msa) + audio_shift_msa
-        attn_audio_hidden_states = self.audio_attn1(apar, apar, norm_audio_hidden_states,
-                                                    query_rotary_emb=b.audio_rotary_emb, perturbation=perturbation)
+        attn_audio_hidden_states = self.audio_attn1(apar, norm_audio_hidden_states, rope=b.audio_rotary_emb,
+                                                    perturbation=perturbation)
         audio_hidden_states = audio_hidden_states + attn_audio_hidden_states * audio_gate_msa
 
         # 2. Cross-attention with the text (Q: video or audio; K, V: text, replicated)
@@ -377,8 +276,8 @@ class LTX2VideoTransformerBlock(nnx.Module):
             norm_hidden_states = norm_hidden_states * (1 + scale_text_q) + shift_text_q
         if self.cross_attn_adaln:
             encoder_hidden_states = encoder_hidden_states * (1 + scale_text_kv) + shift_text_kv
-        attn_hidden_states = self.attn2(par, apar, norm_hidden_states, encoder_hidden_states,
-                                        attention_bias=b.encoder_attention_mask)
+        attn_hidden_states = self.attn2(par, norm_hidden_states, encoder_hidden_states, kvpar=apar,
+                                        bias=b.encoder_attention_mask)
         if self.video_cross_attn_adaln:
             attn_hidden_states = attn_hidden_states * gate_text_q
         hidden_states = hidden_states + attn_hidden_states
@@ -390,9 +289,8 @@ class LTX2VideoTransformerBlock(nnx.Module):
         if self.cross_attn_adaln:
             audio_encoder_hidden_states = audio_encoder_hidden_states * (1 + audio_scale_text_kv) \
                 + audio_shift_text_kv
-        attn_audio_hidden_states = self.audio_attn2(apar, apar, norm_audio_hidden_states,
-                                                    audio_encoder_hidden_states,
-                                                    attention_bias=b.audio_encoder_attention_mask)
+        attn_audio_hidden_states = self.audio_attn2(apar, norm_audio_hidden_states, audio_encoder_hidden_states,
+                                                    bias=b.audio_encoder_attention_mask)
         if self.audio_cross_attn_adaln:
             attn_audio_hidden_states = attn_audio_hidden_states * audio_gate_text_q
         audio_hidden_states = audio_hidden_states + attn_audio_hidden_states
@@ -417,11 +315,10 @@ class LTX2VideoTransformerBlock(nnx.Module):
                 mod_norm_hidden_states = norm_hidden_states * (1 + video_a2v_ca_scale) + video_a2v_ca_shift
                 mod_norm_audio_hidden_states = norm_audio_hidden_states * (1 + audio_a2v_ca_scale) \
                     + audio_a2v_ca_shift
-                local = par.cross_local  # SP_LOCAL_PLAN
-                a2v_attn_hidden_states = self.audio_to_video_attn(
-                    par.local() if local else par, apar, mod_norm_hidden_states, mod_norm_audio_hidden_states,
-                    query_rotary_emb=b.ca_video_local_rotary_emb if local else b.ca_video_rotary_emb,
-                    key_rotary_emb=b.ca_audio_rotary_emb)
+                a2v_attn_hidden_states = self.audio_to_video_attn(  # local: SP_LOCAL_PLAN
+                    par, mod_norm_hidden_states, mod_norm_audio_hidden_states, kvpar=apar, local=True,
+                    rope=b.ca_video_rotary_emb, local_rope=b.ca_video_local_rotary_emb,
+                    key_rope=b.ca_audio_rotary_emb)
                 hidden_states = hidden_states + a2v_gate * a2v_attn_hidden_states
 
             # 3.3. v2a: Q audio, K/V video (gathered rows, pad keys dropped); output all-reduced
@@ -430,9 +327,8 @@ class LTX2VideoTransformerBlock(nnx.Module):
                 mod_norm_audio_hidden_states = norm_audio_hidden_states * (1 + audio_v2a_ca_scale) \
                     + audio_v2a_ca_shift
                 v2a_attn_hidden_states = self.video_to_audio_attn(
-                    apar, par, mod_norm_audio_hidden_states, mod_norm_hidden_states,
-                    query_rotary_emb=b.ca_audio_rotary_emb, key_rotary_emb=b.ca_video_rotary_emb,
-                    kv_mask=b.video_kv_mask)
+                    apar, mod_norm_audio_hidden_states, mod_norm_hidden_states, kvpar=par,
+                    rope=b.ca_audio_rotary_emb, key_rope=b.ca_video_rotary_emb, kv_mask=b.video_kv_mask)
                 audio_hidden_states = audio_hidden_states + v2a_gate * v2a_attn_hidden_states
 
         # 4. Feed-forward
@@ -494,7 +390,7 @@ class LTX2VideoTransformer3DModel(nnx.Module):
         if c.prompt_modulation and c.use_prompt_adaln_single:
             self.prompt_adaln = adaln(dim, 2)
             self.audio_prompt_adaln = adaln(adim, 2)
-        # 4. RoPE: host-side tables (rope.py), no parameters.
+        # 4. RoPE: host-side tables (layers.rope.fractional), no parameters.
         # 5. Transformer blocks, stacked for one scan
         self.transformer_blocks = nn.stacked(lambda r: LTX2VideoTransformerBlock(c, dtype=dtype, rngs=r),
                                              c.num_layers, rngs)
@@ -520,8 +416,8 @@ class LTX2VideoTransformer3DModel(nnx.Module):
 
         # 1. RoPE tables (this rank's channels)
         groups = rope_groups(c)
-        ropes = {k: Rope(inputs[f"rope_{k}_cos"], inputs[f"rope_{k}_sin"], groups[k]) for k in groups}
-        ropes["ca_video_local"] = (Rope(inputs["rope_ca_video_local_cos"], inputs["rope_ca_video_local_sin"],
+        ropes = {k: GroupedRope(inputs[f"rope_{k}_cos"], inputs[f"rope_{k}_sin"], groups[k]) for k in groups}
+        ropes["ca_video_local"] = (GroupedRope(inputs["rope_ca_video_local_cos"], inputs["rope_ca_video_local_sin"],
                                         groups["ca_video"]) if "rope_ca_video_local_cos" in inputs else None)
 
         # 2. Input projections

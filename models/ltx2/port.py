@@ -3,7 +3,7 @@
 `prepare` validates the kwargs against the config (errors before anything
 compiles), pads the video rows eagerly under SP (`Runner.rows`: 2310 -> 2312
 at P=4) with a pad-key mask, and builds the RoPE tables on the host
-(`rope.py`, as diffusers' `LTX2AudioVideoRotaryPosEmbed`; cached per geometry
+(`layers.rope.fractional`, as diffusers' `LTX2AudioVideoRotaryPosEmbed`; cached per geometry
 or coordinates, placed once). The audio rows and the text stay replicated
 (TP) while the video rows are sequence-sharded. `forward` is the step;
 `finish` cuts the video pad off and returns `(sample, audio_sample)`, as
@@ -24,7 +24,7 @@ from difflet_tpu.parallel import padding
 from difflet_tpu.parallel.mesh import BATCH, TP
 from difflet_tpu.port import Prepared, returned
 
-from . import rope
+from difflet_tpu.layers.rope import fractional as rope
 from .config import LTX2Config, config_from_diffusers
 
 FORWARD_ARGS = (

@@ -15,7 +15,8 @@ attention multiplies q and k as complex pairs (2i, 2i+1) by them
   `max_vid_index = max(h//2, w//2)` over the shapes (Layer3D: at least the
   layer count), for every token of the text (masked ones too).
 
-Numerics as torch's float32: the inverse frequencies `1 / pow(theta, k / d)`
+The tables are `layers.rope.segment_tables`; what is Qwen-Image's own is which
+positions each token takes (`image_positions`). Numerics as torch's float32: the inverse frequencies `1 / pow(theta, k / d)`
 and the angles `position * inv` are float32 products (bit-equal to torch's);
 cos and sin are taken in float64 and rounded to float32 (torch's differ from
 that by at most one ulp). The joint table is `[text | text pad | image | image
@@ -28,7 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from difflet_tpu.layers import rope
+from difflet_tpu.layers.rope import axes as rope
+from difflet_tpu.layers.rope import RopeLayout
 
 from .config import ROPE_TABLE, ROPE_THETA, QwenImageConfig
 
@@ -71,26 +73,14 @@ def check_shapes(shapes, n_txt: int, layer3d: bool = False):
 def angles(positions, axes_dim) -> np.ndarray:
     """float32 angles `[S, sum(axes_dim) / 2]`: per axis `position * inv` (`rope.rope_inv_freqs`)."""
     positions = np.asarray(positions)
-    return np.concatenate([(positions[:, i].astype(np.float32)[:, None] * rope.rope_inv_freqs(d, ROPE_THETA)[None, :])
-                           .astype(np.float32) for i, d in enumerate(axes_dim)], axis=1)
+    return np.concatenate([rope.angles_f32(positions[:, i], d, ROPE_THETA) for i, d in enumerate(axes_dim)], axis=1)
 
 
 def joint_tables(c: QwenImageConfig, shapes, n_txt: int, n_txt_pad: int, n_img_pad: int):
     """cos, sin `[n_txt_pad + n_img_pad, head_dim]` float32 for [text | pad | image | pad]."""
     img_pos, max_vid = image_positions(shapes, c.use_layer3d_rope)
     txt_pos = np.repeat((max_vid + np.arange(n_txt))[:, None], 3, axis=1)
-    half = c.attention_head_dim // 2
-    theta = np.zeros((n_txt_pad + n_img_pad, half), np.float32)
-    theta[:n_txt] = angles(txt_pos, c.axes_dims_rope)
-    theta[n_txt_pad:n_txt_pad + len(img_pos)] = angles(img_pos, c.axes_dims_rope)
-    theta = theta.astype(np.float64)
-    cos = np.repeat(np.cos(theta).astype(np.float32), 2, axis=1)
-    sin = np.repeat(np.sin(theta).astype(np.float32), 2, axis=1)
-    valid = np.zeros(n_txt_pad + n_img_pad, bool)
-    valid[:n_txt] = True
-    valid[n_txt_pad:n_txt_pad + len(img_pos)] = True
-    cos[~valid], sin[~valid] = 1.0, 0.0
-    if c.split_rope:
-        perm = rope.rope_permutation(c.attention_head_dim)
-        cos, sin = cos[:, perm], sin[:, perm]
-    return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+    cos, sin = rope.segment_tables(((0, txt_pos), (n_txt_pad, img_pos)), n_txt_pad + n_img_pad, c.axes_dims_rope,
+                                   ROPE_THETA)
+    layout = RopeLayout(c.num_attention_heads, c.attention_head_dim, c.split_rope)
+    return np.ascontiguousarray(layout.table(cos)), np.ascontiguousarray(layout.table(sin))

@@ -10,7 +10,7 @@ into its matmul, every row output a reduce-scatter fused into its matmul.
 Numerics follow diffusers: LayerNorms, modulation arithmetic and the gated
 residual adds in float32 (`.float()` ... `.type_as`), `time_embedder`,
 `scale_shift_table`s and `norm2` kept in float32, RoPE tables computed in
-float64 and stored as float32 (see `rope_tables`). "float32" here means
+float64 and stored as float32 (see `rope.rope_tables`). "float32" here means
 `promote_types(dtype, float32)`, so a float64 model stays float64 (tests).
 
 Shapes inside the step (B batch, n = this rank's rows under SP, else all N
@@ -25,11 +25,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from difflet_tpu.layers import nn
-from difflet_tpu.layers import (FeedForward, LayerNorm, PixArtAlphaTextProjection, TimestepEmbedding, Weight,
-                                attend, get_timestep_embedding, merge_heads, modulate, rms_norm_across_heads,
-                                rms_norm_rope, rms_scale_across_heads, row_moments)
-from difflet_tpu.kernels.cross_attention import rms_cross_attention
-from difflet_tpu.kernels.cross_attention import unsupported_reason as cross_attention_unsupported
+from difflet_tpu.layers import (FeedForward, LayerNorm, PixArtAlphaTextProjection, TimestepEmbedding,
+                                get_timestep_embedding, modulate, row_moments)
+from difflet_tpu.layers.across_heads import AcrossHeadsAttention
+from difflet_tpu.layers.rope import HeadRope
 from difflet_tpu.layers.normalization import few_rows_linear
 from difflet_tpu.parallel.modes import COLUMN, REPLICATED, ROW, SHARDED, Parallel
 
@@ -84,7 +83,7 @@ PLAN = {
 # Under SP with `Parallel.cross_local` (Config.sp_cross_local): cross-attention on this
 # rank's rows with every head, no ring. Its q and output projections (and q's norm)
 # are replicated over tp; the text K/V keep the column plan (computed per head shard)
-# and are gathered to all heads (`WanAttention.cross_attention`). At 480x832x9 on a
+# and are gathered to all heads (`layers.across_heads`, `local=True`). At 480x832x9 on a
 # v5e-4 both attn2 rings have ICI-bound hops (a 592 x 5120 bf16 half each way per hop
 # against a 1280-column matmul; docs/models/wan.md).
 SP_LOCAL_PLAN = {
@@ -105,112 +104,14 @@ def _chunks(mod, k: int):
 
 
 # --------------------------------------------------------------------------
-# Attention
+# Attention: `layers.across_heads` (attn1 with RoPE and pad keys dropped; attn2 on
+# the text K/V of `context_kv`, local under `par.cross_local`: SP_LOCAL_PLAN)
 # --------------------------------------------------------------------------
 
-class WanAttention(nnx.Module):
-    def __init__(self, c: WanConfig, *, added_kv_proj_dim: int | None, dtype, rngs: nnx.Rngs):
-        dim = c.inner_dim
-        self.heads, self.head_dim, self.dim, self.eps = c.num_attention_heads, c.attention_head_dim, dim, c.eps
-        self.to_q = nn.Linear(dim, dim, dtype=dtype, rngs=rngs)
-        self.to_k = nn.Linear(dim, dim, dtype=dtype, rngs=rngs)
-        self.to_v = nn.Linear(dim, dim, dtype=dtype, rngs=rngs)
-        self.to_out = nnx.Dict({"0": nn.Linear(dim, dim, dtype=dtype, rngs=rngs)})
-        self.norm_q = Weight(dim, dtype=dtype)
-        self.norm_k = Weight(dim, dtype=dtype)
-        if added_kv_proj_dim is not None:
-            self.add_k_proj = nn.Linear(added_kv_proj_dim, dim, dtype=dtype, rngs=rngs)
-            self.add_v_proj = nn.Linear(added_kv_proj_dim, dim, dtype=dtype, rngs=rngs)
-            self.norm_added_k = Weight(dim, dtype=dtype)
-        else:
-            self.add_k_proj = self.add_v_proj = self.norm_added_k = None
-
-    def _norm(self, par, x, weight, sum_sq=None):
-        return rms_norm_across_heads(par, x, weight.scale[...], self.eps, self.dim, sum_sq=sum_sq)
-
-    def _norm_rope(self, par, x, sum_sq, weight, cos, sin, split_rope):
-        """`apply_rotary_emb(heads(norm(x)))` by `rms_norm_rope`: the norm's factor from the
-        per-token sum of squares, its weight `[local heads, head_dim]`."""
-        h = par.local_heads(self.heads)
-        r = rms_scale_across_heads(par, sum_sq, self.eps, self.dim)[..., None]  # [B, S, 1, 1]
-        return rms_norm_rope(self._heads(par, x), r, weight.scale[...].reshape(h, self.head_dim),
-                             cos[:, None], sin[:, None], split_rope)
-
-    def _heads(self, par, t):
-        return t.reshape(*t.shape[:-1], par.local_heads(self.heads), self.head_dim)
-
-    def _attend(self, par, q, k, v, kv_mask=None):
-        return merge_heads(attend(par, q, k, v, kv_mask))
-
-    def self_attention(self, par, x, cos, sin, kv_mask, split_rope: bool):
-        """attn1: x this rank's rows (SP) or all rows; RoPE; pad keys dropped by kv_mask."""
-        # (B, S, D/P) each; q's and k's per-row sums of squares (B, S, 1) for the norms
-        (q, q_ssq), (k, k_ssq), v = nn.column(par, x, [self.to_q, self.to_k, self.to_v],
-                                              sum_squares=[True, True, False])
-        # each across-heads norm as its per-token factor and channel weight, applied inside
-        # the RoPE (the same bits as normalising first; no pass writes the normalised q / k)
-        q = self._norm_rope(par, q, q_ssq, self.norm_q, cos, sin, split_rope)
-        k = self._norm_rope(par, k, k_ssq, self.norm_k, cos, sin, split_rope)
-        v = self._heads(par, v)
-        o = self._attend(par, q, k, v, kv_mask)
-        return nn.row(par, [(o, self.to_out["0"])])
-
-    def context_kv(self, par, context, context_image, all_heads: bool = False):
-        """attn2's K/V from the replicated text (and image) tokens: local columns, no gather.
-
-        They do not depend on the latents or the timestep, so a pipeline
-        computes them once per prompt (`Runner.encode_text`). `all_heads`: every
-        head's K/V on every rank (gathered once here; `par.cross_local`'s cache).
-        """
-        kv = {"k": self._norm(par, self.to_k(context), self.norm_k), "v": self.to_v(context)}
-        if self.add_k_proj is not None:
-            kv["k_img"] = self._norm(par, self.add_k_proj(context_image), self.norm_added_k)
-            kv["v_img"] = self.add_v_proj(context_image)
-        return {k: par.gather_columns(v) for k, v in kv.items()} if all_heads else kv
-
-    def cross_attention(self, par, x, kv):
-        """attn2: q from the video rows, K/V from `context_kv`; no RoPE, no mask.
-
-        Under `par.cross_local` (SP): on this rank's rows with every head and the
-        replicated to_q / norm_q / to_out (`SP_LOCAL_PLAN`), so no ring runs; K/V
-        given per head shard are gathered here (one all-gather per layer, which
-        XLA can overlap with the self-attention before it). The same products and
-        sums as the column / row split (to_out's sum over all heads in one dot
-        instead of per-rank partial sums reduced over tp)."""
-        if par.cross_local:
-            lp = par.local()
-            kv = {k: v if v.shape[-1] == self.dim else par.gather_columns(v) for k, v in kv.items()}
-            if self._fused_cross(lp, x, kv):
-                # the q norm, splash's relayouts and the heads' split / merge in one kernel
-                # (kernels/cross_attention.py): q and the output stay [B, n, D]
-                (q,) = nn.column(lp, x, [self.to_q])
-                o = rms_cross_attention(q, self.norm_q.scale[...], kv["k"], kv["v"], head_dim=self.head_dim,
-                                        eps=self.eps, interpret=lp.interpret)
-                return nn.row(lp, [(o, self.to_out["0"])])
-            # row-major, as the dot writes it (see nn.column)
-            ((q, q_ssq),) = nn.column(lp, x, [self.to_q], sum_squares=[True], row_major=True)
-            return self._cross(lp, q, q_ssq, kv)
-        ((q, q_ssq),) = nn.column(par, x, [self.to_q], sum_squares=[True])
-        return self._cross(par, q, q_ssq, kv)
-
-    def _fused_cross(self, par, x, kv) -> bool:
-        """Whether `cross_attention` under `par.cross_local` runs `rms_cross_attention`: with
-        splash attention (TPU, or interpreted), text K/V only (no I2V image tokens), shapes
-        and dtype the kernel takes."""
-        k = kv["k"]
-        return (par.attn_impl == "splash" and "k_img" not in kv and x.dtype in (jnp.bfloat16, jnp.float32)
-                and k.dtype == x.dtype
-                and cross_attention_unsupported((*x.shape[:-1], self.dim), k.shape, self.head_dim, x.dtype) is None)
-
-    def _cross(self, par, q, q_ssq, kv):
-        q = self._heads(par, self._norm(par, q, self.norm_q, q_ssq))
-        img = None
-        if "k_img" in kv:  # I2V: a separate attention over the image tokens, added before to_out
-            img = self._attend(par, q, self._heads(par, kv["k_img"]), self._heads(par, kv["v_img"]))
-        o = self._attend(par, q, self._heads(par, kv["k"]), self._heads(par, kv["v"]))
-        if img is not None:
-            o = o + img
-        return nn.row(par, [(o, self.to_out["0"])])
+def wan_attention(c: WanConfig, *, added_kv_proj_dim: int | None, dtype, rngs: nnx.Rngs) -> AcrossHeadsAttention:
+    """diffusers' `WanAttention` (q/k RMSNorm across heads, eps `c.eps`)."""
+    return AcrossHeadsAttention(c.inner_dim, c.num_attention_heads, c.attention_head_dim,
+                                added_kv_dim=added_kv_proj_dim, eps=c.eps, dtype=dtype, rngs=rngs)
 
 
 # --------------------------------------------------------------------------
@@ -274,8 +175,8 @@ class WanTransformerBlock(nnx.Module):
     def __init__(self, c: WanConfig, *, dtype, rngs: nnx.Rngs):
         dim = c.inner_dim
         self.eps = c.eps
-        self.attn1 = WanAttention(c, added_kv_proj_dim=None, dtype=dtype, rngs=rngs)
-        self.attn2 = WanAttention(c, added_kv_proj_dim=c.added_kv_proj_dim, dtype=dtype, rngs=rngs)
+        self.attn1 = wan_attention(c, added_kv_proj_dim=None, dtype=dtype, rngs=rngs)
+        self.attn2 = wan_attention(c, added_kv_proj_dim=c.added_kv_proj_dim, dtype=dtype, rngs=rngs)
         self.norm2 = LayerNorm(dim, c.eps, dtype=nn.fp32(dtype))  # cross_attn_norm=True
         self.ffn = FeedForward(dim, inner_dim=c.ffn_dim, activation_fn="gelu-approximate", dtype=dtype, rngs=rngs)
         self.scale_shift_table = nnx.Param(
@@ -293,12 +194,12 @@ class WanTransformerBlock(nnx.Module):
 
         # 1. Self-attention
         h = modulate(x.astype(f), shift_msa, scale_msa, self.eps, moments).astype(x.dtype)
-        attn = self.attn1.self_attention(par, h, cos, sin, kv_mask, split_rope)
+        attn = self.attn1(par, h, rope=HeadRope(cos, sin, split_rope), kv_mask=kv_mask)
         x = (x.astype(f) + attn * gate_msa).astype(x.dtype)
 
         # 2. Cross-attention (no modulation, no gate)
         h = self.norm2(x.astype(f)).astype(x.dtype)
-        x = x + self.attn2.cross_attention(par, h, kv)
+        x = x + self.attn2(par, h, kv=kv, local=True)
 
         # 3. Feed-forward
         h = modulate(x.astype(f), c_shift_msa, c_scale_msa, self.eps).astype(x.dtype)

@@ -24,7 +24,7 @@ from difflet_tpu.layers import rms_norm
 from difflet_tpu.parallel.mesh import TP, make_mesh
 from difflet_tpu.models import ltx2
 from difflet_tpu.models.ltx2 import model as ltx2_model
-from difflet_tpu.models.ltx2 import rope as ltx2_rope
+from difflet_tpu.layers.rope import fractional as ltx2_rope
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -213,7 +213,9 @@ def test_across_heads_qk_norm_reduced_over_ranks(monkeypatch):
             xf = x.astype(jnp.float64)
             return rms_norm(x, weight, eps, sum_sq=jnp.sum(xf * xf, -1, keepdims=True), dim=dim)
 
-        monkeypatch.setattr(ltx2_model, "rms_norm_across_heads", local_only)
+        from difflet_tpu.layers import across_heads
+
+        monkeypatch.setattr(across_heads, "rms_norm_across_heads", local_only)
         s, a = run_f64("ltx2_pad", runner=runner_f64("ltx2_pad", 4, "tp", cache=False))
         assert rel(s, ref_s) > 1e-3
 
@@ -237,11 +239,12 @@ def test_split_rope_permutation_of_interleaved_checkpoint():
 
 def test_bf16_split_rope_flat_rotation():
     """bf16 q/k rotate with one block-diagonal matmul over the flat channels
-    (`apply_rotary_emb`): per group of c/g channels, split halves
+    (`layers.rope.GroupedRope`): per group of c/g channels, split halves
     `[x1 cos - x2 sin, x2 cos + x1 sin]` against float64 numpy to bf16 rounding,
     full- and half-width tables, and bit-identical to the shared per-group
     rotation; a wrong rotation sign is caught."""
-    from difflet_tpu.layers import apply_rotary_emb as rotate
+    from difflet_tpu.layers.rope import GroupedRope
+    from difflet_tpu.layers.rope import apply_rotary_emb as rotate
     from difflet_tpu.parallel.modes import Parallel
 
     rng = np.random.default_rng(3)
@@ -256,7 +259,7 @@ def test_bf16_split_rope_flat_rotation():
         x1, x2 = xs[..., 0, :], xs[..., 1, :]
         (c1, c2), (s1, s2) = ((t[..., 0, :], t[..., 1, :]) for t in cs)
         want = np.stack([x1 * c1 - x2 * s1, x2 * c2 + x1 * s2], axis=-2).reshape(1, n, c)
-        got = ltx2_model.apply_rotary_emb(Parallel(), x, ltx2_model.Rope(jnp.asarray(cos), jnp.asarray(sin), g))
+        got = GroupedRope(jnp.asarray(cos), jnp.asarray(sin), g).apply(Parallel(), x)
         assert got.dtype == jnp.bfloat16
         got = np.asarray(got.astype(jnp.float32), np.float64)
         assert np.max(np.abs(got - want) / (np.abs(want) + 1e-3)) < 2 ** -7

@@ -102,7 +102,6 @@ def test_sp_cross_local_fused_kernel_interpret_mode(monkeypatch):
     kernel, once per block) and matches the one-device model and the unfused SP path;
     heads of 128 (the kernel's lane block), 16 text tokens (one key block)."""
     from difflet_tpu.layers import sdpa as attention_mod
-    from difflet_tpu.models.wan import model as wan_model
 
     c = wan.config_from_diffusers(dict(wan.PRESETS["tiny"], attention_head_dim=128, ffn_dim=512, num_layers=2))
     model = wan.build(c, dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -112,15 +111,15 @@ def test_sp_cross_local_fused_kernel_interpret_mode(monkeypatch):
     calls = []
 
     def counted(*a, **k):
-        calls.append(a[0].shape)
+        calls.append(a[1].shape)  # (par, q, ...)
         return kernel(*a, **k)
 
-    kernel = wan_model.rms_cross_attention
-    monkeypatch.setattr(wan_model, "rms_cross_attention", counted)
+    kernel = attention_mod.rms_cross_attention
+    monkeypatch.setattr(attention_mod, "rms_cross_attention", counted)
     outs = {}
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(wan_model.WanAttention, "_fused_cross", lambda *a: False)
+            monkeypatch.setattr(attention_mod, "fuses_rms_cross", lambda *a: False)
         # interpret-mode splash kernels built in one trace hold its tracers: build anew
         attention_mod._splash_kernel.cache_clear()
         r = wan.Runner(model, mesh, Config(sp_cross_local=True, check_vma=True), "sp")

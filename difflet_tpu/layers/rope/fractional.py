@@ -1,11 +1,12 @@
-"""LTX-2 RoPE on the host: fractional coordinates and cos/sin tables, exactly as
+"""LTX-2's RoPE on the host: fractional coordinates and cos/sin tables, exactly as
 diffusers' `LTX2AudioVideoRotaryPosEmbed` computes them.
 
 The angles reach ~1.6e4 rad, so the order of operations matters: coordinates
 and angles are float32, the frequency powers float64 (`rope_double_precision`)
 cast to float32, then one float32 multiply. Forming the angle in float64 gives
 ~1e-3 error in cos/sin. Everything here is numpy, run once per shape (the
-Runner caches the placed tables); the compiled step only rotates.
+Runner caches the placed tables); the compiled step only rotates
+(`rotate.GroupedRope`).
 
 Table layouts handed to the step (last axis sharded over `tp`, whole heads per rank):
 

@@ -6,7 +6,7 @@ q and k. q . k is invariant under one channel permutation applied to both, so
 each head's q/k projection rows (and biases, and q/k norm weights) are
 permuted once at load to [0, 2, 4, ..., 1, 3, 5, ...]; the cos/sin tables are
 permuted the same way, and the rotation becomes split halves: a slice and a
-concat (`layers.apply_rotary_emb`). V and everything after attention are untouched.
+concat (`rotate.apply_rotary_emb`). V and everything after attention are untouched.
 
 `rope_inv_freqs` gives RoPE's frequencies as torch rounds them.
 """
@@ -58,7 +58,7 @@ class RopeLayout:
     and the rotation pairs (2i, 2i+1). `split=True`: each head's q/k channels
     (projection rows, biases, q/k norm weights) are permuted once at load by
     `heads_permutation`, the tables by `rope_permutation`, and the step rotates
-    split halves (`layers.attention.apply_rotary_emb(..., split=True)`).
+    split halves (`rotate.apply_rotary_emb(..., split=True)`).
     """
 
     heads: int
