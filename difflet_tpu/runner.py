@@ -415,11 +415,13 @@ class Runner:
 
     def trace(self, *args, **kwargs):
         """`jax.stages.Traced` of the step for these kwargs; ShapeDtypeStructs stand
-        for arrays (their values are never needed to trace): for deviceless
-        compiles, `runner.trace(**inputs).lower().compile()`."""
+        for arrays (their values are never compiled in): for deviceless compiles,
+        `runner.trace(**inputs).lower().compile()`. `prepare` still validates them,
+        so each stands in as ones, a valid value of every input (an all-ones mask
+        keeps every text token; an all-zero one is refused)."""
         self._check_resident()
         kwargs = self.spec_kwargs(args, kwargs)
-        concrete = {k: (np.zeros(v.shape, v.dtype) if _is_abstract(v) else v) for k, v in kwargs.items()}
+        concrete = {k: (np.ones(v.shape, v.dtype) if _is_abstract(v) else v) for k, v in kwargs.items()}
         prep = self.prepare(concrete)
         self.check_batch(prep)
         step = self._step(prep.key, prep.specs, prep.out_specs)

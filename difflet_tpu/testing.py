@@ -222,7 +222,13 @@ def toy_spec():
         tiny_shape=dict(height=64, width=64, frames=1), example_inputs=_toy_example_inputs, flops=_toy_flops,
         pipeline=Pipeline(schedule=lambda steps, inputs, preset: S.flow_match_euler(
             S.SchedulerConfig(shift=1.0), steps, sigmas=np.linspace(1.0, 1 / steps, steps)),
-            steps=8, guidance=1.0, guidance_mode="none"))
+            steps=8, guidance=1.0, guidance_mode="none", expert=_toy_expert))
+
+
+def _toy_expert(timestep: float, boundary_ratio: float | None) -> int:
+    """The toy's expert for a step when a test gives it two (`PortSpec.experts`), switched as
+    Wan2.2-A14B's: expert 0 while `t >= boundary * 1000`, expert 1 after."""
+    return 0 if boundary_ratio is None or timestep >= boundary_ratio * 1000 else 1
 
 
 def register_toy_port():
