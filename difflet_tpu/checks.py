@@ -133,17 +133,29 @@ class WriteError(RuntimeError):
     """An output could not be written; nothing partial was left at its path."""
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path, data, what: str = "output") -> str:
-    """Writes `data` (str or bytes) to `path` through a temporary file in the same directory,
-    flushed and renamed over `path`: a reader never sees a partial file, and a failed write
-    (a full disk, an I/O error) leaves `path` as it was. Raises WriteError naming `what`."""
+    """Writes `data` (str, bytes, or a function that writes into the open binary file) to
+    `path` through a temporary file in the same directory, flushed and renamed over `path`:
+    a reader never sees a partial file, and a failed write (a full disk, an I/O error, an
+    exception of the writer) leaves `path` as it was. The file gets the mode `open()` would
+    give it (0666 less the umask), not the temporary file's 0600. Raises WriteError naming
+    `what` for an OS error; a writer's own exception propagates."""
     p = os.path.abspath(os.fspath(path))
-    mode = "wb" if isinstance(data, (bytes, bytearray)) else "w"
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(p)}.", suffix=".tmp", dir=os.path.dirname(p))
-        with os.fdopen(fd, mode) as f:
-            f.write(data)
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
@@ -169,6 +181,7 @@ def atomic_dir(path, what: str = "output"):
     try:
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{base}.", suffix=".tmp", dir=parent)
+        os.chmod(tmp, 0o777 & ~_umask())  # as makedirs would make it, not mkdtemp's 0700
     except OSError as e:
         raise WriteError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
     try:

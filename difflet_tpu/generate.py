@@ -28,9 +28,10 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from difflet_tpu import checks
 
 
 def parser() -> argparse.ArgumentParser:
@@ -106,20 +107,6 @@ def peak_device_memory(devices) -> int | None:
     return max(peaks) if peaks else None
 
 
-def write_json_atomic(path, data) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def load(args):
     """The pipeline at `args.path` on every device (one CPU device unless `--cpu-devices`), as
     `generate` and the bench's `--end-to-end` run it: (pipeline, mesh or None, device count, dtype, mode)."""
@@ -187,7 +174,7 @@ def run(args) -> dict:
                   image_shape=list(image.shape), load_s=load_s, **pipe.timings.as_dict(),
                   peak_device_memory_bytes=peak_device_memory(list(devices)))
     if args.json:
-        write_json_atomic(args.json, report)
+        checks.write_atomic(args.json, json.dumps(report, indent=2) + "\n", "--json")
         log(f"timings in {args.json}")
     return report
 
@@ -197,7 +184,7 @@ def main(argv=None) -> int:
     try:
         check_arguments(args)
         run(args)
-    except (ValueError, TypeError, FileNotFoundError, FloatingPointError, OSError) as e:
+    except (ValueError, TypeError, FileNotFoundError, FloatingPointError, OSError, checks.WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

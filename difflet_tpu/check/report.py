@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import platform
-import tempfile
+
+from difflet_tpu import checks
 
 SECTIONS = ("ports", "streaming", "sites", "steps")
 
@@ -88,13 +88,5 @@ def markdown(report: dict) -> str:
 
 
 def write(path: str, text: str) -> None:
-    """Writes atomically: no partial file is left behind."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".check-")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Writes atomically (`checks.write_atomic`): no partial file is left behind."""
+    checks.write_atomic(path, text, "report")

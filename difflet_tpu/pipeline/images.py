@@ -1,7 +1,7 @@
 """Images out of a pipeline: PIL conversion and PNG files written atomically.
 
 `to_pil` is diffusers' `VaeImageProcessor.numpy_to_pil` ([0, 1] float -> `round(255 x)` uint8).
-`save_png` writes to a temporary file in the destination's folder and `os.replace`s it into place,
+`save_png` writes to a temporary file in the destination's folder and renames it into place (`checks.write_atomic`),
 so a reader never sees a partial file and an error leaves none behind. `check_writable` refuses
 an unwritable destination before any work is done.
 """
@@ -9,10 +9,11 @@ an unwritable destination before any work is done.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from difflet_tpu import checks
 
 
 def check_image(images) -> np.ndarray:
@@ -68,19 +69,7 @@ def save_png(image, path) -> Path:
 
     path = check_writable(path)
     pil = image if isinstance(image, Image.Image) else to_pil(image)[0]
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pil.save(f, format="PNG")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    checks.write_atomic(path, lambda f: pil.save(f, format="PNG"), "image")
     return path
 
 
