@@ -74,6 +74,11 @@ def check_arguments(args) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    for name in ("guidance", "true_cfg"):
+        try:
+            D.DiffusionPipeline.check_scale(f"--{name.replace('_', '-')}", getattr(args, name))
+        except D.PipelineError as e:
+            raise ValueError(str(e)) from None
     images.check_writable(args.out)
     if args.batch > 1:
         stem = Path(args.out)

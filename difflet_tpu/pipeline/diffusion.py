@@ -375,13 +375,15 @@ class DiffusionPipeline:
 
     def start_call(self, unsupported: dict, *, prompt, output_type, height, width, num_inference_steps,
                    num_images_per_prompt, max_sequence_length, max_sequence_limit: int, sigmas, latents,
-                   seed) -> Call:
+                   seed, scales: dict | None = None) -> Call:
         """`__call__`'s checks before any work, in diffusers' order, and what they give: the schedule
-        and the initial packed latents."""
+        and the initial packed latents. `scales`: name -> a guidance scale (None: not given)."""
         from difflet_tpu.encoders import tokenizers as T
 
         self.check_refused(unsupported)
         self.timings = Timings()
+        for name, value in (scales or {}).items():
+            self.check_scale(name, value)
         output_type = self.check_output_type(output_type)
         height, width = self.check_size(height, width)
         num_inference_steps = self.check_count("num_inference_steps", num_inference_steps)
@@ -438,6 +440,16 @@ class DiffusionPipeline:
                 raise PipelineError(f"`{name}` must be a positive multiple of {multiple} (the VAE's "
                                     f"{self.vae_scale_factor}x and the 2x2 latent packing), got {v!r}")
         return int(height), int(width)
+
+    @staticmethod
+    def check_scale(name: str, value) -> None:
+        """A guidance scale is a finite real number or None (a NaN would only show as a
+        non-finite image after the whole run)."""
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not np.isfinite(value):
+            raise PipelineError(f"`{name}` must be a finite real number, got {value!r}")
 
     @staticmethod
     def check_count(name: str, value, minimum: int = 1) -> int:

@@ -64,6 +64,7 @@ def _no_model_index(tmp_path):
     ("unwritable_out", "does not exist"),
     ("no_model_index", "no model_index.json"),
     ("not_png", "must be a .png"),
+    ("nan_guidance", "--guidance` must be a finite real number, got nan"),
 ])
 def test_bad_input_refused(tmp_path, capsys, case, match):
     out = tmp_path / "x.png"
@@ -71,7 +72,8 @@ def test_bad_input_refused(tmp_path, capsys, case, match):
             "height_30": [SCHNELL, "--prompt", "a cat", "--height", "30"],
             "unwritable_out": [SCHNELL, "--prompt", "a cat"],
             "no_model_index": [_no_model_index(tmp_path), "--prompt", "a cat"],
-            "not_png": [SCHNELL, "--prompt", "a cat"]}[case]
+            "not_png": [SCHNELL, "--prompt", "a cat"],
+            "nan_guidance": [SCHNELL, "--prompt", "a cat", "--guidance", "nan"]}[case]
     target = {"unwritable_out": tmp_path / "missing" / "x.png", "not_png": tmp_path / "x.jpg"}.get(case, out)
     before = set(tmp_path.rglob("*"))
     assert generate.main(argv + ["--out", str(target), "--steps", "1"]) == 1

@@ -173,12 +173,30 @@ def test_seed_latents_reproducible_and_distinct():
     (dict(prompt="a cat", ip_adapter_image=np.zeros((8, 8, 3))), "ip_adapter_image"),
     (dict(prompt="a cat", prompt_embeds=np.zeros((1, 4, 32))), "prompt_embeds"),
     (dict(prompt="a cat", callback_on_step_end=print), "callback_on_step_end"),
+    (dict(prompt="a cat", guidance_scale=float("nan")), "guidance_scale.*finite.*nan"),
+    (dict(prompt="a cat", guidance_scale="3.5"), "guidance_scale.*finite real number.*'3.5'"),
+    (dict(prompt="a cat", negative_prompt="a dog", true_cfg_scale=float("inf")), "true_cfg_scale.*finite"),
 ])
 def test_flux_call_refusals(kwargs, match):
     pipe = pipeline("flux_schnell")
+    stages = []
+    pipe.on_stage = lambda stage, info: stages.append(stage)
     kwargs = dict(dict(height=32, width=32, num_inference_steps=1, output_type="latent"), **kwargs)
     with pytest.raises((PipelineError, ValueError), match=match):
         pipe(**kwargs)
+    assert stages == []  # refused before the work: no stage started
+
+
+def test_qwen_image_guidance_scales_are_checked_before_the_work():
+    pipe = pipeline("qwen_image")
+    stages = []
+    pipe.on_stage = lambda stage, info: stages.append(stage)
+    with pytest.raises(PipelineError, match="true_cfg_scale.*finite.*nan"):
+        pipe(prompt="a cat", negative_prompt="a dog", true_cfg_scale=float("nan"), height=32, width=32,
+             num_inference_steps=2, output_type="latent")
+    with pytest.raises(PipelineError, match="guidance_scale.*finite"):
+        pipe(prompt="a cat", guidance_scale=float("-inf"), height=32, width=32, num_inference_steps=2)
+    assert stages == []
 
 
 def test_unknown_argument_and_defaults_accepted():
