@@ -311,8 +311,12 @@ class DiffusionPipeline:
         if cls is not DiffusionPipeline and not issubclass(pipeline_cls, cls):
             raise PipelineError(f"{path} holds a {index['_class_name']}, not a {cls.__name__}")
         check_folder(path, index, pipeline_cls.components)
-        if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-            raise PipelineError(f"dtype must be a floating-point dtype, got {dtype}")
+        try:
+            floating = dtype is None or jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+        except TypeError:  # not a dtype at all (a misspelt name)
+            floating = False
+        if not floating:
+            raise PipelineError(f"dtype must be a floating-point dtype (jnp.bfloat16, jnp.float32), got {dtype!r}")
         if config is None:
             from difflet_tpu.config import Config
 

@@ -212,6 +212,12 @@ def test_unknown_argument_and_defaults_accepted():
          callback_on_step_end_tensor_inputs=["latents"], seed=0)
 
 
+@pytest.mark.parametrize("dtype", ["float33", "int8", jnp.int32])
+def test_from_pretrained_refuses_a_dtype_that_is_not_floating(dtype):
+    with pytest.raises(PipelineError, match="dtype must be a floating-point dtype.*got"):
+        DiffusionPipeline.from_pretrained(FIXTURES / "flux_schnell", dtype=dtype)
+
+
 def _copy(tmp_path, name="flux_schnell"):
     d = tmp_path / name
     shutil.copytree(FIXTURES / name, d)
