@@ -341,6 +341,8 @@ def test_missing_config_json(tmp_path):
     (path / "config.json").unlink()
     with pytest.raises(WeightsError, match="no config.json"):
         loading.load_transformer(path)
+    with pytest.raises(WeightsError, match="/nowhere: no such folder"):  # an absolute path is no hub id
+        loading.load_transformer(tmp_path / "nowhere")
 
 
 def test_no_safetensors(tmp_path):

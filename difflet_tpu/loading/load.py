@@ -47,7 +47,7 @@ def transformer_dir(path, subfolder=None) -> pathlib.Path:
         raise WeightsError(f"{p} is a diffusers pipeline folder (model_index.json); pass its transformer: "
                            f"load_transformer({str(p)!r}, subfolder='transformer'), or "
                            f"difflet_tpu.DiffusionPipeline.from_pretrained({str(p)!r}) for the whole pipeline")
-    if not p.exists() and subfolder is None and str(path).count("/") == 1 and not str(path).startswith((".", "~")):
+    if not p.exists() and subfolder is None and str(path).count("/") == 1 and not str(path).startswith((".", "~", "/")):
         raise WeightsError(f"{path!r} is not a folder here; it looks like a hub id, and nothing is downloaded: "
                            f"download it first (e.g. `huggingface-cli download {path}`) and pass the local "
                            f"folder with subfolder='transformer'")
@@ -58,7 +58,8 @@ def read_config(path) -> dict:
     """A diffusers transformer directory's config.json, checked for `_class_name`."""
     cfg_path = pathlib.Path(path) / "config.json"
     if not os.path.lexists(cfg_path):
-        raise WeightsError(f"{path}: no config.json (expected a diffusers transformer directory)")
+        what = "no such folder" if not os.path.lexists(path) else "no config.json"
+        raise WeightsError(f"{path}: {what} (expected a diffusers transformer directory)")
     problem = checkpoint.file_problem(cfg_path)
     if problem:
         raise WeightsError(f"{cfg_path}: {problem}")
