@@ -142,6 +142,26 @@ TOY_PRESETS = {
 }
 
 
+def contiguous_proj_out_rows(model, ranks: int) -> None:
+    """A mechanism removed, for the tests that show it matters: each rank of a single-stream
+    block's packed `proj_out` (FLUX, HunyuanVideo: cat([attn, mlp]) rows) gets a contiguous
+    1/P of the checkpoint rows, split into its attn and mlp shards, as one plain
+    row-parallel Linear would, instead of the rows of the inputs it holds."""
+    import numpy as np
+
+    blocks = model.single_transformer_blocks.proj_out
+    a_var, m_var = blocks.attn.kernel, blocks.mlp.kernel
+    a, m = np.asarray(a_var.get_value()), np.asarray(m_var.get_value())
+    full = np.concatenate([a, m], axis=1)  # [L, attn + mlp rows, D], checkpoint row order
+    rows, a_rows = full.shape[1] // ranks, a.shape[1] // ranks
+    chunks = [full[:, r * rows:(r + 1) * rows] for r in range(ranks)]
+    bad_a = np.concatenate([ch[:, :a_rows] for ch in chunks], axis=1)
+    bad_m = np.concatenate([ch[:, a_rows:] for ch in chunks], axis=1)
+    assert not np.array_equal(bad_a, a)
+    a_var.set_value(jax.device_put(bad_a, a_var.get_value().sharding))
+    m_var.set_value(jax.device_put(bad_m, m_var.get_value().sharding))
+
+
 def _toy_config(cfg: dict, *, split_rope=True):
     del split_rope  # the toy has no RoPE
     return ToyConfig(**{k: v for k, v in cfg.items() if k not in ("tokens", "_class_name")}), cfg.get("tokens", 24)

@@ -490,15 +490,18 @@ def test_chip_constants_match_the_public_specs():
         E.chip_for("v9x:2x2")
 
 
+def _kernel_call(name):
+    """A Pallas kernel's custom call as the compiled schedule names it (only the name is read)."""
+    return E.Op(name=name, op="custom-call", type="bf16[1]", text='custom_call_target="tpu_custom_call"')
+
+
 def test_streaming_all_gather_kernel_is_priced_by_steps():
     # kernels/all_gather_matmul_stream.py: one call, P C steps of 2 hc rows each; the
     # name carries C and hc. Wan 480x832x81 q: 4096-row halves in 4 chunks of 1024.
-    op = lambda name: E.Op(name=name, op="custom-call", type="bf16[1]",
-                           text='custom_call_target="tpu_custom_call"')
-    o = op("all_gather_matmul_stream_4chunks_1024rows.3")
+    o = _kernel_call("all_gather_matmul_stream_4chunks_1024rows.3")
     assert E.collective_matmul_call(o) == ("all_gather_matmul", 4)
     assert E.collective_matmul_stream_rows(o) == 1024
-    assert E.collective_matmul_stream_rows(op("all_gather_matmul_3chunks.5")) is None
+    assert E.collective_matmul_stream_rows(_kernel_call("all_gather_matmul_3chunks.5")) is None
     head = [("s32", (10,)), ("s32", (1,)), ("s32", (10,))]
     x, out, wq = ("bf16", (1, 8192, 5120)), [("bf16", (1, 32768, 1280))], ("bf16", (40, 5120, 1280))
     whole = E.collective_matmul_hops("all_gather_matmul", head + [x, wq], out)
@@ -517,12 +520,10 @@ def test_streaming_all_gather_kernel_is_priced_by_steps():
 def test_streaming_all_gather_with_weights_in_vmem_reads_them_once():
     # "..._wvmem" (kernels/all_gather_matmul_stream.py, few rows a step): the weights are
     # read at step 0 only. FLUX's text q/k/v at tp=4: 128 rows a rank, one chunk of 64.
-    op = lambda name: E.Op(name=name, op="custom-call", type="bf16[1]",
-                           text='custom_call_target="tpu_custom_call"')
-    o = op("all_gather_matmul_stream_1chunks_64rows_wvmem.2")
+    o = _kernel_call("all_gather_matmul_stream_1chunks_64rows_wvmem.2")
     assert E.collective_matmul_call(o) == ("all_gather_matmul", 1)
     assert E.collective_matmul_stream_rows(o) == 64 and E.collective_matmul_weights_held(o)
-    assert not E.collective_matmul_weights_held(op("all_gather_matmul_stream_1chunks_64rows.2"))
+    assert not E.collective_matmul_weights_held(_kernel_call("all_gather_matmul_stream_1chunks_64rows.2"))
     head = [("s32", (10,)), ("s32", (1,)), ("s32", (10,))]
     x, w, out = ("bf16", (1, 128, 3072)), ("bf16", (19, 3072, 768)), [("bf16", (1, 512, 768))]
     streamed = E.collective_matmul_hops("all_gather_matmul", head + [x, w], out, stream_rows=64)
@@ -536,12 +537,10 @@ def test_streaming_all_gather_with_weights_in_vmem_reads_them_once():
 def test_streaming_reduce_scatter_kernel_is_priced_by_steps():
     # kernels/matmul_reduce_scatter_stream.py: one call, P C steps of 2 hc rows each; the
     # name carries C and hc. Wan 480x832x81 attention out: 4096-row halves in 4 chunks of 1024.
-    op = lambda name: E.Op(name=name, op="custom-call", type="bf16[1]",
-                           text='custom_call_target="tpu_custom_call"')
-    o = op("matmul_reduce_scatter_stream_4chunks_1024rows.3")
+    o = _kernel_call("matmul_reduce_scatter_stream_4chunks_1024rows.3")
     assert E.collective_matmul_call(o) == ("matmul_reduce_scatter", 4)
     assert E.collective_matmul_stream_rows(o) == 1024
-    assert E.collective_matmul_stream_rows(op("matmul_reduce_scatter_3chunks.5")) is None
+    assert E.collective_matmul_stream_rows(_kernel_call("matmul_reduce_scatter_3chunks.5")) is None
     head = [("s32", (10,)), ("s32", (1,))]
     x, w, out = ("bf16", (1, 32768, 1280)), ("bf16", (40, 1280, 5120)), [("bf16", (1, 8192, 5120))]
     whole = E.collective_matmul_hops("matmul_reduce_scatter", head + [x, w], out)

@@ -25,6 +25,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from difflet_tpu import testing
 from difflet_tpu.testing import fixture_sample, load_fixture_transformer, rel_l2
 from difflet_tpu import loading, models
 from difflet_tpu.config import Config
@@ -302,23 +303,6 @@ def test_proj_out_key_map_slices_the_packed_weight():
         == "row"
 
 
-def _contiguous_proj_out_rows(model, ranks):
-    """Mechanism removed: each rank gets a contiguous 1/P of proj_out's 5D checkpoint rows
-    (as one plain row-parallel Linear over cat([attn, mlp]) would), split into its attn
-    and mlp shards -- instead of the rows of the inputs it holds."""
-    blocks = model.single_transformer_blocks.proj_out
-    a_var, m_var = blocks.attn.kernel, blocks.mlp.kernel
-    a, m = np.asarray(a_var.get_value()), np.asarray(m_var.get_value())
-    full = np.concatenate([a, m], axis=1)                      # [L, 5D, D], checkpoint row order
-    rows, a_rows = full.shape[1] // ranks, a.shape[1] // ranks
-    chunks = [full[:, r * rows:(r + 1) * rows] for r in range(ranks)]
-    bad_a = np.concatenate([ch[:, :a_rows] for ch in chunks], axis=1)
-    bad_m = np.concatenate([ch[:, a_rows:] for ch in chunks], axis=1)
-    assert not np.array_equal(bad_a, a)
-    a_var.set_value(jax.device_put(bad_a, a_var.get_value().sharding))
-    m_var.set_value(jax.device_put(bad_m, m_var.get_value().sharding))
-
-
 def test_packed_proj_out_float64(plain64):
     """TP (P=4): each rank's proj_out.attn / proj_out.mlp rows are the inputs it holds
     (its heads, its MLP columns), summed in one all-reduce: matches the plain model.
@@ -326,7 +310,7 @@ def test_packed_proj_out_float64(plain64):
     out, r = run64("flux", 4, "tp")
     assert rel(out, plain64["flux"]) <= TOL64
     with jax.enable_x64(True):
-        _contiguous_proj_out_rows(r.model, 4)
+        testing.contiguous_proj_out_rows(r.model, 4)
         bad = np.asarray(runner(r.model, r.mesh, "tp")(**f64_kwargs("flux")).sample)
     assert rel(bad, plain64["flux"]) > 1e-4
 
