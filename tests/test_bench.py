@@ -270,3 +270,13 @@ def test_bytes_per_device_counts_each_shard():
         full = sum(math.prod(l.shape) * jnp.dtype(l.dtype).itemsize for l in jax.tree.leaves(state))
         assert full / 4 <= got < full
     assert 6.5 * 2**30 < got < 7.0 * 2**30  # one A14B expert, bf16, over 4 chips (~14.3 B parameters)
+
+
+def test_a_step_that_does_not_fit_memory_names_the_size(capsys):
+    """FLUX's tiny preset at 16384x16384 is 1,048,576 image tokens: its attention needs ~8 TiB,
+    which XLA refuses to allocate (nothing runs). The row names the size and batch that asked for it."""
+    rc = cli.main(["--model", "flux:tiny", "--height", "16384", "--width", "16384", "--steps", "1", "--mode", "tp"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "does not fit the devices' memory at --height 16384 --width 16384" in out and "--batch 1" in out
+    assert "Out of memory allocating" in out  # XLA's own words kept

@@ -144,6 +144,16 @@ def prepare(spec, preset, args, mesh, dtype) -> dict:
                 cfg_inputs=cfg_inputs, schedule=schedule, boundary=boundary, n_experts=n_experts)
 
 
+def row_error(e: Exception, plan: dict, args) -> str:
+    """A model's failed row as the table shows it; a step that does not fit the devices' memory
+    (XLA's allocation refused: nothing ran) names the size and batch that asked for it."""
+    text = f"{type(e).__name__}: {str(e)[:300]}"
+    if "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e):
+        return (f"does not fit the devices' memory at {shape_text(args, plan['spec'], plan['preset'])}, --batch "
+                f"{args.batch}: use a smaller size or batch, or plan it with --compile-only --topology ({text})")
+    return text
+
+
 def shape_text(args, spec, preset) -> str:
     """The size a run asked for, as the flags name it."""
     try:
@@ -374,7 +384,7 @@ def run_bench(args):
         except Exception as e:  # noqa: BLE001 - report per model, keep going
             if args.multi and distributed.peer_failure(e):
                 distributed.exit_peer_lost(e, f"the {plan['fam']}:{plan['preset']} benchmark")
-            results.append(dict(model=f"{plan['fam']}:{plan['preset']}", error=f"{type(e).__name__}: {str(e)[:300]}"))
+            results.append(dict(model=f"{plan['fam']}:{plan['preset']}", error=row_error(e, plan, args)))
     for r in results:
         if "error" not in r and not r.get("sha256_agree", True):
             r["error"] = "final latents differ between processes: " + ", ".join(
