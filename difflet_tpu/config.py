@@ -33,7 +33,7 @@ class Config:
     sp: Megatron-style sequence parallelism between layers (`DIFFLET_TPU_SP`);
         False runs plain tensor parallelism (all-reduce after row-parallel linears).
     sp_kernel: all-gather-matmul implementation under SP, "jax" (the ring) or
-        "pallas" (the Pallas kernel, kernels/all_gather_matmul_stream.py); None takes the model's default on
+        "pallas" (the Pallas kernel, kernels/all_gather_matmul_stream/); None takes the model's default on
         TPU and the JAX ring elsewhere (`DIFFLET_TPU_SP_KERNEL`). On a TPU with
         chip constants, a site with too few rows per rank for the ring to pay
         takes the plain all-gather instead (`parallel.site_plan.plain_collective_pays`).

@@ -216,7 +216,7 @@ def kernel_vmem_from_hlo(text: str) -> list[dict]:
 
 
 # --------------------------------------------------------------------------
-# Streaming plans (kernels/all_gather_matmul_stream.py): a half in row chunks
+# Streaming plans (kernels/all_gather_matmul_stream/): a half in row chunks
 # --------------------------------------------------------------------------
 
 DEFAULT_STREAM_WINDOW = 3
@@ -284,7 +284,7 @@ def neighbour_barrier(axis_name, neighbours) -> None:
 def credit_needed(t, W: int, skip_credit_at=None):
     """Whether a streaming kernel's send at step t waits one credit first: its
     downstream must have freed the slot of its step t + 1 - W (the credit protocol
-    of kernels/all_gather_matmul_stream.py). `skip_credit_at` (tests only): the
+    of kernels/all_gather_matmul_stream/). `skip_credit_at` (tests only): the
     step whose send goes without its credit."""
     needed = t + 1 - W >= 0
     return needed if skip_credit_at is None else needed & (t != skip_credit_at)

@@ -84,7 +84,7 @@ f32 and the result is rounded once (the float32 tests, on small integers, are
 exact).
 
 Credits (why a sender never overwrites a slot in use), as
-kernels/all_gather_matmul_stream.py: slot t % W is read and rewritten by step
+kernels/all_gather_matmul_stream/: slot t % W is read and rewritten by step
 t, then next filled for step t + W; if that step has j >= 1, upstream fills
 it at its step t + W - 1 (if j = 0 this rank fills it itself, at step t + W,
 in order). The receiver signals a REGULAR semaphore `credit[d]` on its

@@ -496,7 +496,7 @@ def _kernel_call(name):
 
 
 def test_streaming_all_gather_kernel_is_priced_by_steps():
-    # kernels/all_gather_matmul_stream.py: one call, P C steps of 2 hc rows each; the
+    # kernels/all_gather_matmul_stream/: one call, P C steps of 2 hc rows each; the
     # name carries C and hc. Wan 480x832x81 q: 4096-row halves in 4 chunks of 1024.
     o = _kernel_call("all_gather_matmul_stream_4chunks_1024rows.3")
     assert E.collective_matmul_call(o) == ("all_gather_matmul", 4)
@@ -518,7 +518,7 @@ def test_streaming_all_gather_kernel_is_priced_by_steps():
 
 
 def test_streaming_all_gather_with_weights_in_vmem_reads_them_once():
-    # "..._wvmem" (kernels/all_gather_matmul_stream.py, few rows a step): the weights are
+    # "..._wvmem" (kernels/all_gather_matmul_stream/, few rows a step): the weights are
     # read at step 0 only. FLUX's text q/k/v at tp=4: 128 rows a rank, one chunk of 64.
     o = _kernel_call("all_gather_matmul_stream_1chunks_64rows_wvmem.2")
     assert E.collective_matmul_call(o) == ("all_gather_matmul", 1)

@@ -35,7 +35,7 @@ Rules:
 * Each call executes the plan of its site (`difflet_tpu.parallel.site_plan`,
   where the implementation is decided; `Parallel.column` / `row` pass it, a
   direct call plans from `impl=`): "pallas" runs the Pallas kernels of
-  `difflet_tpu.kernels` (kernels/all_gather_matmul_stream.py,
+  `difflet_tpu.kernels` (kernels/all_gather_matmul_stream/,
   kernels/matmul_reduce_scatter_stream.py: one call each, its ring steps a
   runtime loop, the halves streamed in row chunks through a window of VMEM
   slots, one chunk a half where they fit) with the plan's blocks; "jax" the

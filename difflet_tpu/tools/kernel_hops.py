@@ -105,7 +105,7 @@ def collective_matmul_stream_rows(o: Op) -> int | None:
 
 def collective_matmul_weights_held(o: Op) -> bool:
     """True for an all-gather call that holds its weights in VMEM ("..._wvmem": read
-    from HBM once a call, not once a step; kernels/all_gather_matmul_stream.py)."""
+    from HBM once a call, not once a step; kernels/all_gather_matmul_stream/)."""
     m = _kernel_name(o)
     return m is not None and bool(m.group(4))
 
@@ -137,7 +137,7 @@ class KernelHops:
 
 def collective_matmul_hops(kind: str, operands: list, outputs: list, chunks: int = 1,
                            stream_rows: int | None = None, weights_held: bool = False) -> KernelHops | None:
-    """The steps ("hops") of kernels/all_gather_matmul_stream.py or
+    """The steps ("hops") of kernels/all_gather_matmul_stream/ or
     kernels/matmul_reduce_scatter_stream.py from the call's operand and result
     shapes ((dtype, dims) each, as the compiled text prints them) and its name's
     C = `chunks` chunks of hc = `stream_rows` rows a half (None: one chunk a half,

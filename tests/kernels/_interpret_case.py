@@ -53,7 +53,7 @@ re-raise). The race detector is always on. Spec keys:
            and added to both references
 
 Kinds "ag", "ag_epi" (not through the dispatch) and "rs" call the kernels
-(kernels/all_gather_matmul_stream.py, kernels/matmul_reduce_scatter_stream.py)
+(kernels/all_gather_matmul_stream/, kernels/matmul_reduce_scatter_stream.py)
 with the spec's blocks and report the plan's "chunks" a half.
 
 Float32 cases use small integer values, so every product is exact and the

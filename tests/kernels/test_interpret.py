@@ -185,7 +185,7 @@ def test_sum_squares_match_float64_and_the_unfused_path(name, spec, tol, ref_tol
     assert r["warnings"] == []  # the dispatch ran the kernel, not the ring
 
 
-# The streaming all-gather kernel (kernels/all_gather_matmul_stream.py): one call, each
+# The streaming all-gather kernel (kernels/all_gather_matmul_stream/): one call, each
 # half in C row chunks through a window of W VMEM slots per direction, guarded by
 # credits. f32 cases exact (small integers). "ragged": the chunk rows do not divide
 # the half, so the last chunk is shifted back and overlaps the one before.
