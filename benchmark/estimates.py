@@ -213,20 +213,27 @@ def replace_block(text: str, begin: str, end: str, block: str, where: str) -> st
     return a + block + b
 
 
-def readme(args):
-    path = ROOT / "README.md"
+def rewrite_blocks(name: str, blocks, *, check: bool, what: str, command: str) -> None:
+    """Replaces each `(begin, end, block)` of the repo file `name`; with `check`, writes
+    nothing and exits 1 when the file differs from what `command` generates."""
+    path = ROOT / name
     text = new = path.read_text()
-    for begin, end, block in ((README_BEGIN, README_END, lambda: readme_block(args.out)),
-                              (SLICES_BEGIN, SLICES_END, lambda: slices_block(pathlib.Path(args.out) / "meshes"))):
-        new = replace_block(new, begin, end, block(), "README.md")
-    if args.check:
+    for begin, end, block in blocks:
+        new = replace_block(new, begin, end, block, name)
+    if check:
         if new != text:
-            print("README.md's generated blocks (results table, bigger slices) differ from "
-                  "`python benchmark/estimates.py readme`", file=sys.stderr)
+            print(f"{name}'s {what} differ from `{command}`", file=sys.stderr)
             sys.exit(1)
         return
     path.write_text(new)
-    print("README.md: results table and bigger slices rewritten")
+    print(f"{name}: {what} rewritten")
+
+
+def readme(args):
+    rewrite_blocks("README.md", [(README_BEGIN, README_END, readme_block(args.out)),
+                                 (SLICES_BEGIN, SLICES_END, slices_block(pathlib.Path(args.out) / "meshes"))],
+                   check=args.check, what="generated blocks (results table, bigger slices)",
+                   command="python benchmark/estimates.py readme")
 
 
 def load(out_dir):
@@ -331,17 +338,8 @@ def table(args):
         return
     if getattr(args, "from_check", None):
         sys.exit("table --check / --write: docs/benchmarks.md holds the constants' table, not a --from-check refit")
-    path = ROOT / "docs" / "benchmarks.md"
-    text = path.read_text()
-    new = replace_block(text, RESULTS_BEGIN, RESULTS_END, block, "docs/benchmarks.md")
-    if args.check:
-        if new != text:
-            print("docs/benchmarks.md's results table differs from `python benchmark/estimates.py table`",
-                  file=sys.stderr)
-            sys.exit(1)
-        return
-    path.write_text(new)
-    print("docs/benchmarks.md: results table rewritten")
+    rewrite_blocks("docs/benchmarks.md", [(RESULTS_BEGIN, RESULTS_END, block)], check=args.check,
+                   what="results table", command="python benchmark/estimates.py table")
 
 
 RESULTS_BEGIN = "<!-- results: python benchmark/estimates.py table --write -->"

@@ -24,7 +24,7 @@ import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import estimates  # noqa: E402  (benchmark/estimates.py: `mesh_ms`, `replace_block`)
+import estimates  # noqa: E402  (benchmark/estimates.py: `mesh_ms`, `rewrite_blocks`)
 from difflet_tpu.tools.calibration import CALIBRATION  # noqa: E402
 
 DOC_BEGIN = "<!-- bigger slices tables: python benchmark/meshes.py table -->"
@@ -132,17 +132,8 @@ def tables_block(out_dir) -> str:
 
 
 def table(args):
-    path = ROOT / "docs" / "benchmarks.md"
-    text = path.read_text()
-    new = estimates.replace_block(text, DOC_BEGIN, DOC_END, tables_block(args.out), "docs/benchmarks.md")
-    if args.check:
-        if new != text:
-            print("docs/benchmarks.md's bigger-slices tables differ from `python benchmark/meshes.py table`",
-                  file=sys.stderr)
-            sys.exit(1)
-        return
-    path.write_text(new)
-    print("docs/benchmarks.md: bigger-slices tables rewritten")
+    estimates.rewrite_blocks("docs/benchmarks.md", [(DOC_BEGIN, DOC_END, tables_block(args.out))], check=args.check,
+                             what="bigger-slices tables", command="python benchmark/meshes.py table")
 
 
 def main(argv=None):
