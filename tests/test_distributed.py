@@ -54,6 +54,19 @@ def _env():
     return env
 
 
+def _wait(p, timeout, said=None):
+    """(returncode, stdout, stderr, seconds) of process `p`, killed after `timeout` seconds
+    (stderr then ends "[killed after `said` (default `timeout`) s]")."""
+    t0 = time.monotonic()
+    try:
+        so, se = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        so, se = p.communicate()
+        se += f"\n[killed after {said or timeout} s]"
+    return p.returncode, so, se, time.monotonic() - t0
+
+
 def launch(n, out, *, phases="parity,bench,die", ids=None, port=None, timeout=RUN_TIMEOUT, **flags):
     """Runs the worker as processes `ids` (default 0..n-1) of an `n`-process run;
     returns [(returncode, stdout, stderr, seconds, wall-clock end)], killing what outlives
@@ -69,14 +82,8 @@ def launch(n, out, *, phases="parity,bench,die", ids=None, port=None, timeout=RU
              for i in ids]
     res = []
     for p in procs:
-        left = max(1.0, timeout - (time.monotonic() - t0))
-        try:
-            so, se = p.communicate(timeout=left)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            so, se = p.communicate()
-            se += f"\n[killed after {timeout} s]"
-        res.append((p.returncode, so, se, time.monotonic() - t0, time.time()))
+        rc, so, se, _ = _wait(p, max(1.0, timeout - (time.monotonic() - t0)), said=timeout)
+        res.append((rc, so, se, time.monotonic() - t0, time.time()))
     return res
 
 
@@ -236,16 +243,6 @@ def _bench(port, n, i, *extra):
                              "--model", "wan:tiny", "--steps", "2", *extra],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-
-def _wait(p, timeout):
-    t0 = time.monotonic()
-    try:
-        so, se = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        so, se = p.communicate()
-        se += f"\n[killed after {timeout} s]"
-    return p.returncode, so, se, time.monotonic() - t0
 
 
 @pytest.mark.parametrize("other_id", [0, 1])
