@@ -131,7 +131,8 @@ class FluxPipeline(D.DiffusionPipeline):
         call = self.start_call(unsupported, prompt=prompt, output_type=output_type, height=height, width=width,
                                num_inference_steps=num_inference_steps, num_images_per_prompt=num_images_per_prompt,
                                max_sequence_length=max_sequence_length, max_sequence_limit=512, sigmas=sigmas,
-                               latents=latents, seed=seed, scales=dict(guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale))
+                               latents=latents, seed=seed,
+                               scales=dict(guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale))
         prompts, batch, num_images_per_prompt = call.prompts, call.batch, call.num_images_per_prompt
         do_true_cfg = float(true_cfg_scale) > 1 and negative_prompt is not None
 
