@@ -289,8 +289,6 @@ class Denoiser:
                  latent_guidance: dict | None = None, dtype=None, offload: str | None = None):
         import jax.numpy as jnp
 
-        from difflet_tpu.config import OFFLOAD_VALUES
-
         self.pipeline = pipeline
         self.runners = list(runners)
         if len(self.runners) > 1 and pipeline.expert is None:
@@ -314,72 +312,25 @@ class Denoiser:
         if offload is None:
             config = getattr(self.runners[0], "config", None)
             offload = config.expert_offload if config is not None else "auto"
-        if offload not in OFFLOAD_VALUES:
-            raise ValueError(f"offload={offload!r}: use one of {', '.join(OFFLOAD_VALUES)}")
+        from difflet_tpu.pipeline.placement import ExpertHome
+
+        self.home = ExpertHome(self.runners, offload)
         self.offload_setting = offload
-        self.offload = None if len(self.runners) > 1 else False  # decided at the first step
-        self.active = None  # the expert on the devices while offloading
-        self.swaps = []     # one dict per expert switch: step, src, dst, s (seconds, the waited copy)
-        self.placement_s = 0.0  # the first move of the idle experts to host memory
         self.last_swap_s = 0.0
-        self.offload_reason = "one expert" if len(self.runners) == 1 else "off" if offload == "off" else None
-        if offload == "on" and len(self.runners) > 1:  # refused before any work
-            from difflet_tpu import runtime
 
-            if runtime.host_memory_kind(self._devices()) is None:
-                raise ValueError(f"offload='on': the {self._devices()[0].platform} devices have no "
-                                 f"{runtime.HOST_MEMORY_KIND} memory (use offload='off' or 'auto')")
+    # the expert placement's state, read by the bench's report and the tests
+    offload = property(lambda self: self.home.offload)
+    offload_reason = property(lambda self: self.home.reason)
+    active = property(lambda self: self.home.active)
+    placement_s = property(lambda self: self.home.placement_s)
 
-    def _devices(self) -> list:
-        import jax
-
-        return list(self.mesh.devices.flat) if self.mesh is not None else jax.local_devices()[:1]
-
-    def _decide_offload(self, e: int, kw: dict) -> bool:
-        """"on" -> True, "off" -> False; "auto": True when the devices report a memory limit and
-        expert `e`'s compiled step plus the other experts' parameters per device exceed it."""
-        from difflet_tpu import runtime
-
-        if self.offload_setting != "auto":
-            self.offload_reason = self.offload_setting
-            return self.offload_setting == "on"
-        devices = self._devices()
-        limit = runtime.device_memory_limit(devices)
-        if limit is None or runtime.host_memory_kind(devices) is None:
-            self.offload_reason = "auto: no device memory limit or host memory kind"
-            return False
-        step = self.runners[e].memory(**kw)["total"]
-        others = sum(r.param_bytes() for i, r in enumerate(self.runners) if i != e)
-        need = step + others
-        fits = need <= limit
-        self.offload_reason = (f"auto: {need / 2**30:.2f} GiB per device with every expert resident "
-                               f"{'fits' if fits else 'exceeds'} the {limit / 2**30:.2f} GiB limit")
-        return not fits
+    @property
+    def swaps(self) -> list:
+        return self.home.swaps
 
     def activate(self, e: int, kw: dict, step: int | None = None) -> float:
-        """Makes expert `e` the one on the devices when offloading (deciding "auto" on
-        the first call); returns the seconds spent switching (0 without a switch)."""
-        if self.offload is None:
-            self.offload = self._decide_offload(e, kw)
-            # the initial placement, not a switch (a runner may come offloaded already)
-            t0 = time.perf_counter()
-            for i, r in enumerate(self.runners):
-                if self.offload and i != e:
-                    r.offload()
-                elif getattr(r, "resident", "device") == "host":
-                    r.load()
-            self.active = e
-            self.placement_s = time.perf_counter() - t0
-            return self.placement_s
-        if not self.offload or self.active == e:
-            return 0.0
-        t0 = time.perf_counter()
-        self.runners[self.active].offload()  # drops the device arrays first: one expert's worth at a time
-        self.runners[e].load()
-        dt = time.perf_counter() - t0
-        self.swaps.append(dict(step=step, src=self.active, dst=e, s=dt))
-        self.active = e
-        return dt
+        """Makes expert `e` the one on the devices when offloading (`placement.ExpertHome`)."""
+        return self.home.activate(e, kw, step)
 
     def expert(self, t: float) -> int:
         return self.pipeline.expert(t, self.boundary) if len(self.runners) > 1 else 0
@@ -457,7 +408,7 @@ class Denoiser:
 
         lat = self.initial()
         times = []
-        self.swaps = []
+        self.home.swaps = []
         with contextlib.ExitStack() as stack:
             if profile_dir:  # traced into a temporary directory, renamed to profile_dir only on success
                 tmp = stack.enter_context(checks.atomic_dir(profile_dir, "--profile"))

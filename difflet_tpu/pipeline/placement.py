@@ -134,3 +134,87 @@ class EncoderHome:
         step = transformer.memory(**step_kwargs)["total"]
         peak = step + self.bytes_per_chip() + bytes_per_chip(vae)
         return decide(setting, {DENOISE: peak}, limit, host)
+
+
+class ExpertHome:
+    """Where the idle expert of a two-expert pipeline (Wan2.2-A14B) lives: "auto" / "on" /
+    "off" (`Config.expert_offload`).
+
+    When on, only the expert the step needs is on the devices: the first step moves the others
+    to host memory (`Runner.offload`), and each expert switch drops the outgoing expert's device
+    arrays and copies the incoming one's from host memory (`Runner.load`), recorded in `swaps`.
+    "auto" offloads when the devices report a memory limit and the step's compiled program plus
+    the other experts' parameters per device exceed it. For the device memory to be freed the
+    Runners must hold the only references to their parameters. With one expert it is a no-op.
+    Used by the bench's `Denoiser` and the Wan pipelines."""
+
+    def __init__(self, runners: list, setting: str):
+        from difflet_tpu.config import OFFLOAD_VALUES
+
+        if setting not in OFFLOAD_VALUES:
+            raise ValueError(f"offload={setting!r}: use one of {', '.join(OFFLOAD_VALUES)}")
+        self.runners = list(runners)
+        self.setting = setting
+        self.offload = None if len(self.runners) > 1 else False  # decided at the first step
+        self.active = None  # the expert on the devices while offloading
+        self.swaps = []     # one dict per expert switch: step, src, dst, s (seconds, the waited copy)
+        self.placement_s = 0.0  # the first move of the idle experts to host memory
+        self.reason = "one expert" if len(self.runners) == 1 else "off" if setting == "off" else None
+        if setting == "on" and len(self.runners) > 1:  # refused before any work
+            from difflet_tpu import runtime
+
+            if runtime.host_memory_kind(self.devices()) is None:
+                raise ValueError(f"offload='on': the {self.devices()[0].platform} devices have no "
+                                 f"{runtime.HOST_MEMORY_KIND} memory (use offload='off' or 'auto')")
+
+    def devices(self) -> list:
+        mesh = getattr(self.runners[0], "mesh", None)
+        return list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+
+    def decide(self, e: int, kw: dict) -> bool:
+        from difflet_tpu import runtime
+
+        if self.setting != "auto":
+            self.reason = self.setting
+            return self.setting == "on"
+        devices = self.devices()
+        limit = runtime.device_memory_limit(devices)
+        if limit is None or runtime.host_memory_kind(devices) is None:
+            self.reason = "auto: no device memory limit or host memory kind"
+            return False
+        step = self.runners[e].memory(**kw)["total"]
+        others = sum(r.param_bytes() for i, r in enumerate(self.runners) if i != e)
+        need = step + others
+        fits = need <= limit
+        self.reason = (f"auto: {need / 2**30:.2f} GiB per device with every expert resident "
+                       f"{'fits' if fits else 'exceeds'} the {limit / 2**30:.2f} GiB limit")
+        return not fits
+
+    def activate(self, e: int, kw: dict, step: int | None = None) -> float:
+        """Makes expert `e` the one on the devices when offloading (deciding "auto" on the first
+        call, from the step's arguments `kw`); returns the seconds spent switching (0 without)."""
+        import time
+
+        if len(self.runners) == 1:
+            return 0.0
+        if self.offload is None:
+            self.offload = self.decide(e, kw)
+            # the initial placement, not a switch (a runner may come offloaded already)
+            t0 = time.perf_counter()
+            for i, r in enumerate(self.runners):
+                if self.offload and i != e:
+                    r.offload()
+                elif getattr(r, "resident", "device") == "host":
+                    r.load()
+            self.active = e
+            self.placement_s = time.perf_counter() - t0
+            return self.placement_s
+        if not self.offload or self.active == e:
+            return 0.0
+        t0 = time.perf_counter()
+        self.runners[self.active].offload()  # drops the device arrays first: one expert's worth at a time
+        self.runners[e].load()
+        dt = time.perf_counter() - t0
+        self.swaps.append(dict(step=step, src=self.active, dst=e, s=dt))
+        self.active = e
+        return dt

@@ -1,0 +1,115 @@
+"""Videos out of a pipeline: H.264 MP4 files written atomically with PyAV, and read back.
+
+`write_mp4(frames, path, fps)` encodes uint8 `[F, H, W, 3]` frames (or float frames in [0, 1],
+converted as diffusers' `export_to_video` does: `round(255 x)`) with libx264 into a temporary
+file beside `path` and renames it into place (`checks.write_atomic`): a reader never sees a
+partial file, and an error leaves none behind. `check_writable` refuses a destination before
+any work. H.264 in yuv420p needs even sizes; the pipelines' sizes are multiples of 16.
+`read_mp4(path)` decodes a file back to `([F, H, W, 3] uint8, fps)` (PyAV), for tests and
+for a person checking what was written.
+"""
+
+from __future__ import annotations
+
+import fractions
+import os
+from pathlib import Path
+
+import numpy as np
+
+from difflet_tpu import checks
+
+SUFFIXES = (".mp4",)
+CRF = 18  # libx264's constant quality: visually near lossless, a few MB per 81-frame 720p clip
+
+
+def check_writable(path) -> Path:
+    """Refuses, before any work, a destination that cannot be written: not .mp4, a folder, its
+    folder missing or not writable, or an existing file that is not writable."""
+    path = Path(path)
+    if path.suffix.lower() not in SUFFIXES:
+        raise ValueError(f"{path}: the output must be an .mp4 file (H.264); got {path.suffix or 'no suffix'!r}")
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give a file name such as {path / 'video.mp4'}")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ValueError(f"{path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{path}: the folder {folder} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{path}: the file exists and is not writable")
+    return path
+
+
+def as_uint8_frames(frames) -> np.ndarray:
+    """`[F, H, W, 3]` uint8 as given, or float in [0, 1] (finite) as `round(255 x)`; a list of
+    PIL images is stacked."""
+    if isinstance(frames, list) and frames and hasattr(frames[0], "convert"):
+        frames = np.stack([np.asarray(f.convert("RGB")) for f in frames])
+    x = np.asarray(frames)
+    if x.ndim != 4 or x.shape[-1] != 3:
+        raise ValueError(f"frames must be [frames, height, width, 3], got shape {x.shape}")
+    if x.dtype == np.uint8:
+        return x
+    if not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f"frames must be uint8 or floating point in [0, 1], got {x.dtype}")
+    bad = ~np.isfinite(x)
+    if bad.any():
+        raise FloatingPointError(f"frames hold {int(bad.sum())} non-finite values: refusing to write them")
+    if x.min() < 0 or x.max() > 1:
+        raise ValueError(f"float frames must be in [0, 1], got [{float(x.min())}, {float(x.max())}]")
+    return (x * 255).round().astype(np.uint8)
+
+
+def check_fps(fps) -> fractions.Fraction:
+    if isinstance(fps, bool) or not isinstance(fps, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(fps) or not 0 < fps <= 240:
+        raise ValueError(f"fps must be a number in (0, 240], got {fps!r}")
+    return fractions.Fraction(fps).limit_denominator(1001)
+
+
+def write_mp4(frames, path, fps=16) -> Path:
+    """One video (`[F, H, W, 3]` uint8 or float in [0, 1], or a list of PIL frames) to `path`
+    as H.264 (yuv420p) at `fps`, atomically."""
+    import av
+
+    path = check_writable(path)
+    rate = check_fps(fps)
+    x = as_uint8_frames(frames)
+    if x.shape[1] % 2 or x.shape[2] % 2:
+        raise ValueError(f"H.264 (yuv420p) needs even sizes, got {x.shape[2]}x{x.shape[1]}")
+
+    def write(f):
+        with av.open(f, mode="w", format="mp4") as container:
+            stream = container.add_stream("libx264", rate=rate)
+            stream.width, stream.height, stream.pix_fmt = x.shape[2], x.shape[1], "yuv420p"
+            stream.options = {"crf": str(CRF)}
+            for frame in x:
+                container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+            container.mux(stream.encode())  # flush the encoder
+
+    checks.write_atomic(path, write, "video")
+    return path
+
+
+def save_mp4s(videos, path, fps=16) -> list[Path]:
+    """A batch of videos: one -> `path`; several -> `stem-0.mp4`, `stem-1.mp4`, ... beside it.
+    Every destination is checked before the first is written."""
+    path = Path(path)
+    videos = list(videos)
+    targets = [path] if len(videos) == 1 else [path.with_name(f"{path.stem}-{i}{path.suffix}")
+                                               for i in range(len(videos))]
+    for t in targets:
+        check_writable(t)
+    return [write_mp4(v, t, fps) for v, t in zip(videos, targets)]
+
+
+def read_mp4(path) -> tuple[np.ndarray, float]:
+    """`([F, H, W, 3] uint8, frames per second)` of a video file."""
+    import av
+
+    with av.open(os.fspath(path)) as container:
+        stream = container.streams.video[0]
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+        fps = float(stream.average_rate) if stream.average_rate else float("nan")
+    return np.stack(frames), fps
