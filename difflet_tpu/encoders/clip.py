@@ -11,6 +11,10 @@ maps by `loading.torch_key`. Checkpoints saved by transformers 4.x prefix every 
 
 Tensor parallelism (`tp`): q/k/v_proj and fc1 column-parallel, out_proj and fc2 row-parallel,
 embeddings and LayerNorms replicated (layers.py).
+
+The encoder layers here (`CLIPAttention`, `CLIPMLP`, `CLIPEncoderLayer`, `CLIPEncoder`) are the
+vision tower's too (clip_vision.py): they read only the fields both configs have (hidden_size,
+intermediate_size, num_attention_heads, num_hidden_layers, hidden_act, layer_norm_eps).
 """
 
 from __future__ import annotations
@@ -115,8 +119,11 @@ class CLIPEncoder(nnx.Module):
         self.layers = nnx.List([CLIPEncoderLayer(config, dtype=dtype, rngs=rngs)
                                 for _ in range(config.num_hidden_layers)])
 
-    def __call__(self, hidden_states, mask):
-        for layer in self.layers:
+    def __call__(self, hidden_states, mask, num_layers: int | None = None):
+        """The first `num_layers` layers (all when None): transformers' `hidden_states[num_layers]`."""
+        for i, layer in enumerate(self.layers):
+            if num_layers is not None and i == num_layers:
+                break
             hidden_states = layer(hidden_states, mask)
         return hidden_states
 

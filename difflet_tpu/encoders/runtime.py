@@ -1,6 +1,7 @@
 """Running an encoder: input checks before the work, one jitted forward, finite outputs.
 
-`encode(model, input_ids, attention_mask)` is the entry point a pipeline calls. It checks the
+`encode(model, input_ids, attention_mask)` is the entry point a pipeline calls for a text
+encoder, `encode_image(model, pixel_values)` for CLIP's vision tower. It checks the
 inputs on the host (`check_token_inputs`: rank, dtype, ids inside the vocabulary, a 0/1 mask),
 runs the model's `__call__` under `jax.jit` (compiled once per model graph and input shape;
 with parameters sharded on a mesh GSPMD partitions it), and raises if any output is not
@@ -60,12 +61,29 @@ def _forward(model, input_ids, attention_mask):
     return model(input_ids, attention_mask)
 
 
-def encode(model, input_ids, attention_mask=None):
-    """`model(input_ids, attention_mask)` under `jax.jit`, inputs checked first, outputs
-    checked finite. Returns what the model returns (an array or a tuple of arrays)."""
-    model.check_inputs(input_ids, attention_mask)
-    out = _forward(model, jnp.asarray(input_ids), None if attention_mask is None else jnp.asarray(attention_mask))
+@nnx.jit(static_argnames="hidden_state")
+def _forward_image(model, pixel_values, hidden_state):
+    return model(pixel_values, hidden_state)
+
+
+def _finite(model, out):
     for i, leaf in enumerate(jax.tree.leaves(out)):
         if not bool(jnp.isfinite(leaf).all()):
             raise FloatingPointError(f"{type(model).__name__}: output {i} of shape {leaf.shape} is not finite")
     return out
+
+
+def encode(model, input_ids, attention_mask=None):
+    """`model(input_ids, attention_mask)` under `jax.jit`, inputs checked first, outputs
+    checked finite. Returns what the model returns (an array or a tuple of arrays)."""
+    model.check_inputs(input_ids, attention_mask)
+    return _finite(model, _forward(model, jnp.asarray(input_ids),
+                                   None if attention_mask is None else jnp.asarray(attention_mask)))
+
+
+def encode_image(model, pixel_values, hidden_state: int = -2):
+    """`model(pixel_values, hidden_state)` (a `clip_vision.CLIPVisionModel`: transformers'
+    `hidden_states[hidden_state]`, by default the `[-2]` Wan 2.1 I2V reads) under `jax.jit`,
+    inputs checked first, the output checked finite."""
+    model.check_inputs(pixel_values, hidden_state)
+    return _finite(model, _forward_image(model, jnp.asarray(pixel_values), hidden_state))
