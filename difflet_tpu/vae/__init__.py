@@ -1,11 +1,14 @@
-"""VAE decoders (latents -> images / video) in JAX, loaded from diffusers `vae/` folders.
+"""VAE decoders (latents -> images / video) in JAX, loaded from diffusers `vae/` folders; the
+causal-3D family's encoder (video -> latents) on request.
 
 - `autoencoder_kl.AutoencoderKL`: diffusers `AutoencoderKL` (FLUX.1, Stable Diffusion).
 - `causal3d.AutoencoderKLCausal3D`: the causal-3D family, diffusers
   `AutoencoderKLQwenImage` and `AutoencoderKLWan` (Wan 2.1 and 2.2).
 
 `from_pretrained(folder)` picks the class by `config.json`'s `_class_name`. Each model's
-`decode(latents)` does what its diffusers pipeline does after the denoise loop.
+`decode(latents)` does what its diffusers pipeline does after the denoise loop;
+`AutoencoderKLCausal3D.encode(video)` (with `from_pretrained(..., encoder=True)`) what the
+Wan image-to-video pipelines do to their condition video before `scale`.
 """
 
 from __future__ import annotations
@@ -19,12 +22,17 @@ from difflet_tpu.vae.loading import WeightsError, read_config
 CLASSES = {name: cls for cls in (AutoencoderKL, AutoencoderKLCausal3D) for name in cls.CLASS_NAMES}
 
 
-def from_pretrained(folder, *, dtype=jnp.bfloat16, mesh=None, strict: bool = True):
-    """The VAE decoder of a diffusers `vae/` folder, by its config's `_class_name`."""
+def from_pretrained(folder, *, dtype=jnp.bfloat16, mesh=None, strict: bool = True, encoder: bool = False):
+    """The VAE decoder of a diffusers `vae/` folder, by its config's `_class_name`; with
+    `encoder`, also the encoder half (causal-3D classes only)."""
     name = read_config(folder, tuple(CLASSES)).get("_class_name")
     if name is None:
         raise WeightsError(f"{folder}: config.json has no _class_name; use a class's from_pretrained")
-    return CLASSES[name].from_pretrained(folder, dtype=dtype, mesh=mesh, strict=strict)
+    if not encoder:
+        return CLASSES[name].from_pretrained(folder, dtype=dtype, mesh=mesh, strict=strict)
+    if CLASSES[name] is not AutoencoderKLCausal3D:
+        raise ValueError(f"{folder}: encoder=True: the {name} encoder is not implemented (causal-3D VAEs only)")
+    return AutoencoderKLCausal3D.from_pretrained(folder, dtype=dtype, mesh=mesh, strict=strict, encoder=True)
 
 
 __all__ = ["AutoencoderKL", "AutoencoderKLConfig", "AutoencoderKLCausal3D", "Causal3DConfig", "WeightsError",

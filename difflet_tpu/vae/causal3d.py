@@ -1,4 +1,5 @@
-"""The causal-3D VAE family (Wan 2.1's VAE, which Qwen-Image reuses; Wan 2.2's), the decoder path.
+"""The causal-3D VAE family (Wan 2.1's VAE, which Qwen-Image reuses; Wan 2.2's), the decoder path
+(the encoder half, built on request, is `encoder3d.py`).
 
 Follows diffusers `models/autoencoders/autoencoder_kl_qwenimage.py`
 (`AutoencoderKLQwenImage`) and `autoencoder_kl_wan.py` (`AutoencoderKLWan`): the two
@@ -7,7 +8,8 @@ Wan 2.1's), so one implementation serves both, chosen by `config.json`'s
 `_class_name`; Wan 2.2's config adds `is_residual` (up blocks with a parameter-free
 `DupUp3D` shortcut, `ResidualUpBlock`), `patch_size` (the output unpatchified) and
 `decoder_base_dim`. Module attribute names are diffusers', so checkpoint keys map by
-`loading.py`'s one rule; the encoder half is not built (its keys are skipped).
+`loading.py`'s one rule; the encoder half is built only with `encoder=True` (else its
+keys are skipped).
 
     z -> post_quant_conv (1x1x1) -> conv_in -> mid_block (resnet, attention, resnet)
       -> up_blocks (num_res_blocks + 1 resnets, then a resample but the last)
@@ -80,9 +82,9 @@ CONFIG_FIELDS = {
 
 @dataclasses.dataclass(frozen=True)
 class Causal3DConfig:
-    """The decoder's view of an `AutoencoderKLQwenImage` / `AutoencoderKLWan` config
-    (diffusers' defaults for absent fields). `out_channels` is Qwen-Image's
-    `input_channels`; `decoder_base_dim` defaults to `base_dim`."""
+    """An `AutoencoderKLQwenImage` / `AutoencoderKLWan` config (diffusers' defaults for
+    absent fields). `in_channels` and `out_channels` are Qwen-Image's `input_channels`;
+    `decoder_base_dim` defaults to `base_dim`; `attn_scales` is the encoder's."""
 
     class_name: str = "AutoencoderKLQwenImage"
     base_dim: int = 96
@@ -92,13 +94,15 @@ class Causal3DConfig:
     num_res_blocks: int = 2
     temperal_downsample: tuple[bool, ...] = (False, True, True)
     out_channels: int = 3
+    in_channels: int = 3
+    attn_scales: tuple[float, ...] = ()
     latents_mean: tuple[float, ...] = LATENTS_MEAN
     latents_std: tuple[float, ...] = LATENTS_STD
     is_residual: bool = False
     patch_size: int | None = None
 
     def __post_init__(self):
-        for name in ("dim_mult", "temperal_downsample", "latents_mean", "latents_std"):
+        for name in ("dim_mult", "temperal_downsample", "latents_mean", "latents_std", "attn_scales"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.decoder_base_dim is None:
             object.__setattr__(self, "decoder_base_dim", self.base_dim)
@@ -111,18 +115,19 @@ class Causal3DConfig:
         if any(s == 0 for s in self.latents_std):
             raise ValueError("latents_std has a zero entry (the decode multiplies by it)")
         p = self.patch_size
-        if p is not None and (not isinstance(p, int) or p < 1 or self.out_channels % (p * p)):
+        if p is not None and (not isinstance(p, int) or p < 1 or self.out_channels % (p * p)
+                              or self.in_channels % (p * p)):
             raise ValueError(f"patch_size {p!r}: needs a positive int whose square divides out_channels "
-                             f"{self.out_channels}")
+                             f"{self.out_channels} and in_channels {self.in_channels}")
 
     @classmethod
     def from_dict(cls, config: dict) -> "Causal3DConfig":
         name = config.get("_class_name", "AutoencoderKLQwenImage")
         fields = loading.config_fields(config, CONFIG_FIELDS[name], name)
         if name == "AutoencoderKLQwenImage" and "input_channels" in fields:
-            fields["out_channels"] = fields.pop("input_channels")
-        for unused in ("attn_scales", "dropout", "in_channels", "scale_factor_temporal", "scale_factor_spatial"):
-            fields.pop(unused, None)  # the decoder has no attention by scale; inference has no dropout
+            fields["out_channels"] = fields["in_channels"] = fields.pop("input_channels")
+        for unused in ("dropout", "scale_factor_temporal", "scale_factor_spatial"):
+            fields.pop(unused, None)  # inference has no dropout; the factors follow from the layout
         return cls(class_name=name, **fields)
 
     @property
@@ -396,30 +401,44 @@ class Decoder3d(nnx.Module):
 
 
 class AutoencoderKLCausal3D(nnx.Module):
-    """The decoder half of diffusers' `AutoencoderKLQwenImage` / `AutoencoderKLWan` (Wan 2.1, 2.2).
+    """diffusers' `AutoencoderKLQwenImage` / `AutoencoderKLWan` (Wan 2.1, 2.2): the decoder,
+    and the encoder when built with `encoder=True`.
 
     `model(z)` is diffusers' `vae.decode(z).sample` (NCTHW in and out, model dtype,
     clamped); `model.decode(latents)` is what QwenImagePipeline does after its denoise
     loop (NCHW float32 image, frame 0); `model.decode_video(latents)` the same for every
-    frame (NCTHW float32), as the Wan pipelines. Both jitted, batch-sharded over the
-    mesh given to `from_pretrained`.
+    frame (NCTHW float32), as the Wan pipelines. `model.encode(video)` is
+    `vae.encode(video).latent_dist.mean` (float32), `model.scale(mean)` the image-to-video
+    pipelines' normalisation of it. All jitted, batch-sharded over the mesh given to
+    `from_pretrained`.
     """
 
     CLASS_NAMES = tuple(CONFIG_FIELDS)
 
-    def __init__(self, config: Causal3DConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(self, config: Causal3DConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 encoder: bool = False):
         self.config = config
         self.dtype = loading.check_dtype(dtype)
         self.mesh = None
         kw = dict(dtype=self.dtype, rngs=rngs)
+        if encoder:
+            from difflet_tpu.vae.encoder3d import Encoder3d  # encoder3d imports this module's blocks
+
+            self.encoder = Encoder3d(config, **kw)
+            self.quant_conv = CausalConv3d(2 * config.z_dim, 2 * config.z_dim, 1, **kw)
+        else:  # no encoder parameters, nothing allocated
+            self.encoder = self.quant_conv = None
         self.post_quant_conv = CausalConv3d(config.z_dim, config.z_dim, 1, **kw)
         self.decoder = Decoder3d(config, **kw)
 
     @classmethod
-    def from_pretrained(cls, folder, *, dtype=jnp.bfloat16, mesh=None, strict: bool = True):
+    def from_pretrained(cls, folder, *, dtype=jnp.bfloat16, mesh=None, strict: bool = True, encoder: bool = False):
         """Build from a diffusers `vae/` folder (`config.json`, safetensors); see `loading.py`
-        for the checks. `mesh`: parameters replicated on it, decode batches sharded over it."""
-        return loading.from_pretrained(cls, Causal3DConfig, folder, dtype=dtype, mesh=mesh, strict=strict)
+        for the checks. `mesh`: parameters replicated on it, batches sharded over it.
+        `encoder`: also build and load the encoder half (`encoder.*`, `quant_conv.*`), for
+        `encode`; off by default (decoding never reads it)."""
+        return loading.from_pretrained(cls, Causal3DConfig, folder, dtype=dtype, mesh=mesh, strict=strict,
+                                       encoder=encoder)
 
     def check_latents(self, z):
         """Refuse what is not a `[B, z_dim, T, H, W]` floating array."""
@@ -452,6 +471,32 @@ class AutoencoderKLCausal3D(nnx.Module):
         mean = jnp.asarray(self.config.latents_mean, jnp.float32).reshape(shape)
         inv_std = 1.0 / jnp.asarray(self.config.latents_std, jnp.float32).reshape(shape)
         return latents.astype(jnp.float32) / inv_std + mean
+
+    def scale(self, latents):
+        """WanImageToVideoPipeline's normalisation of the encoded condition (the inverse of
+        `unscale`): `(latents - latents_mean) * (1 / latents_std)` per channel, float32."""
+        shape = (1, -1, 1, 1, 1)
+        mean = jnp.asarray(self.config.latents_mean, jnp.float32).reshape(shape)
+        inv_std = 1.0 / jnp.asarray(self.config.latents_std, jnp.float32).reshape(shape)
+        return (jnp.asarray(latents, jnp.float32) - mean) * inv_std
+
+    def encode_video(self, video):
+        from difflet_tpu.vae.encoder3d import encode_mean
+
+        return encode_mean(self.encoder, self.quant_conv, video.astype(self.dtype), self.config)
+
+    def encode(self, video):
+        """diffusers `vae.encode(video).latent_dist.mean` (= `.mode()`, the image-to-video
+        pipelines' `sample_mode="argmax"`): NCTHW `[B, C, 1 + 4k, H, W]` in [-1, 1] ->
+        float32 `[B, z_dim, 1 + k, H / s, W / s]`, s = 8 (Wan 2.1, Qwen-Image) or 16 (Wan 2.2).
+        Needs `from_pretrained(..., encoder=True)`."""
+        from difflet_tpu.vae.encoder3d import check_video
+
+        if self.encoder is None:
+            raise ValueError("encode: this VAE was built without its encoder; load it with "
+                             "from_pretrained(folder, encoder=True)")
+        check_video(video, self.config)
+        return loading.call_jitted(self, "encode_video", video, self.mesh)
 
     def decode_image(self, latents):
         # frame 0 of the output reads latent frame 0 only (causal), so decode that alone

@@ -11,7 +11,8 @@ Rules:
 - every needed key must be present, of the checkpoint shape, of a floating dtype
   (F16 / BF16 / F32 / F64); the first problems are named in one `WeightsError`;
 - keys of the encoder half (`ENCODER_PREFIXES`: `encoder.*`, `quant_conv.*`) are
-  skipped: decoding never reads them;
+  skipped unless the model builds its encoder (`from_pretrained(..., encoder=True)`),
+  then they are needed like the rest;
 - any other key is unknown (a config that does not describe the checkpoint, e.g.
   `use_post_quant_conv: false` beside `post_quant_conv.*` weights): an error, or a
   warning with `strict=False`.
@@ -151,6 +152,8 @@ def load_weights(model: nnx.Module, folder, *, dtype, mesh: Mesh | None = None, 
             problems.append(f"{key}: dtype {dt}, expected a floating dtype {list(FLOAT_DTYPES)}")
     if problems:
         more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        if any(k.startswith(ENCODER_PREFIXES) and k not in ckpt.where for k in wanted):
+            more += " (the encoder half was asked for, encoder=True, and the checkpoint lacks it)"
         raise WeightsError(f"{ckpt.folder}: " + "; ".join(problems[:8]) + more)
     unknown = sorted(k for k in ckpt.keys() if k not in wanted and not k.startswith(ENCODER_PREFIXES))
     if unknown:
@@ -167,11 +170,12 @@ def load_weights(model: nnx.Module, folder, *, dtype, mesh: Mesh | None = None, 
     return model
 
 
-def from_pretrained(cls, config_cls, folder, *, dtype, mesh: Mesh | None, strict: bool):
+def from_pretrained(cls, config_cls, folder, *, dtype, mesh: Mesh | None, strict: bool, **options):
     """`cls` (a VAE whose config is `config_cls`) built from a diffusers `vae/` folder: the config
-    checked against `cls.CLASS_NAMES`, the weights checked and placed (`load_weights`)."""
+    checked against `cls.CLASS_NAMES`, the weights checked and placed (`load_weights`).
+    `options` go to `cls` (e.g. `encoder=True`)."""
     config = config_cls.from_dict(read_config(folder, cls.CLASS_NAMES))
-    model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=None))
+    model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=None, **options))
     load_weights(model, folder, dtype=model.dtype, mesh=mesh, strict=strict)
     model.mesh = mesh
     return model
@@ -223,5 +227,5 @@ def call_jitted(model: nnx.Module, method: str, x, mesh: Mesh | None):
     graphdef, state = nnx.split(model)
     out, finite = _apply_jit(graphdef, state, method, x)
     if not bool(finite):
-        raise FloatingPointError(f"{type(model).__name__}.{method}: the decoded output has non-finite values")
+        raise FloatingPointError(f"{type(model).__name__}.{method}: the output has non-finite values")
     return out
