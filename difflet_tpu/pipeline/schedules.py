@@ -98,6 +98,48 @@ def flow_match_euler(cfg: SchedulerConfig, num_steps: int, *, sigmas=None, mu: f
     return Schedule(timesteps=(s * n).astype(np.float32), sigmas=np.append(s, np.float32(0.0)).astype(np.float32))
 
 
+class ConfigField:
+    """Typed reads of a scheduler config's fields (`raw`: the file's dict over the class's
+    defaults); a wrong type or range is a ValueError naming `where` (the file) and the field."""
+
+    def __init__(self, raw: dict, where: str):
+        self.raw, self.where = raw, where
+
+    def _bad(self, name, want):
+        raise ValueError(f"{self.where}: {name} must be {want}, got {self.raw[name]!r}")
+
+    def int(self, name: str, minimum: int | None = None) -> int:
+        v = self.raw[name]
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or (minimum is not None and v < minimum):
+            self._bad(name, "an int" + ("" if minimum is None else f" >= {minimum}"))
+        return int(v)
+
+    def number(self, name: str, positive: bool = False, optional: bool = False) -> float | None:
+        v = self.raw[name]
+        if v is None and optional:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v) \
+                or (positive and v <= 0):
+            self._bad(name, ("a positive" if positive else "a") + " finite number" + (" or null" if optional else ""))
+        return float(v)
+
+    def bool(self, name: str) -> bool:
+        if not isinstance(self.raw[name], bool):
+            self._bad(name, "true or false")
+        return self.raw[name]
+
+    def choice(self, name: str, choices: tuple) -> str:
+        if self.raw[name] not in choices:
+            self._bad(name, "one of " + ", ".join(map(repr, choices)))
+        return self.raw[name]
+
+    def int_list(self, name: str) -> tuple:
+        v = self.raw[name]
+        if not isinstance(v, (list, tuple)) or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+            self._bad(name, "a list of ints")
+        return tuple(v)
+
+
 def shifted_linear(cfg: SchedulerConfig, num_steps: int, seq_len: int, sigmas=None) -> Schedule:
     """Sigmas `linspace(1, 1/N, N)` (unless given), shifted by `mu = calculate_shift(seq_len, ...)`
     from `cfg`'s dynamic-shift fields: the schedule of FluxPipeline, QwenImagePipeline and LTX2Pipeline."""
