@@ -270,3 +270,19 @@ def test_non_finite_output_is_an_error(fixture_dir, io):
     model.encoder.layers[0].mlp.fc2.bias[...] = jnp.full((32,), jnp.nan)
     with pytest.raises(FloatingPointError, match="not finite"):
         encode_image(model, io(CASE)["in.pixel_values"])
+
+
+def test_megatron_collectives(model, fixture_dir, mesh4):
+    """Under tp=4 GSPMD partitions the forward with one all-reduce after each row-parallel product
+    of the layers it runs (hidden_states[-2] of 3 layers: 2 layers, 4 all-reduces) and no other
+    collective: the patch / class / position embeddings and the norms stay replicated."""
+    import re
+    from collections import Counter
+
+    collective = re.compile(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+    tp = clip_vision.from_pretrained(fixture_dir(CASE), dtype=jnp.float32, mesh=mesh4)
+    graphdef, state = nnx.split(tp)
+    x = jnp.zeros((2, 3, 28, 28), jnp.float32)
+    for index, layers in ((-2, 2), (-1, 3)):
+        hlo = jax.jit(lambda s, v: nnx.merge(graphdef, s)(v, index)).lower(state, x).compile().as_text()
+        assert Counter(collective.findall(hlo)) == {"all-reduce": 2 * layers}
