@@ -513,7 +513,7 @@ def _rs_ring(pairs, axis_name, P):
             # (and `after`), so the matmul cannot start before the sum arrives and XLA
             # fuses the add and the cast for the next send into it. Without it XLA
             # hoists the matmuls of the later hops ahead of their transfers and adds
-            # each sum in a float32 pass of its own (docs/benchmarks.md, row 2j).
+            # each sum in a float32 pass of its own (docs/ablations.md, row 2j).
             xs, recv, _ = lax.optimization_barrier((xs, recv, after))
         acc = None
         for x, (_, w) in zip(xs, pairs):

@@ -224,7 +224,7 @@ def ring_seconds(kind: str, rows: int, k: int, n: int, itemsize: int, P: int, ch
     on purpose. Charging one flipped FLUX.1-dev's text MLP input from the plain path to
     the kernel, and the compiled step got slower (127.7 -> 129.0 ms estimated on
     v5e:2x2: the text `to_add_out` kernel's first sends then queue behind transfers
-    still in flight); docs/benchmarks.md, row 3c.
+    still in flight); docs/ablations.md, row 3c.
     """
     w = k if kind == "all_gather" else n
     if impl == "jax":

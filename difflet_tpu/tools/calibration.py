@@ -248,7 +248,7 @@ def fit_nonmatmul_scale(rows: Iterable[tuple], chip=None) -> float:
     non-matmul cost model (`Estimate.invalid`) that makes `total - (1 - k) *
     invalid` match measured step times (least squares over `(estimate at
     k=1, measured seconds)` rows), clipped to [0.2, 1.5]. The earlier, single-factor
-    calibration; kept for the ablation tables of docs/benchmarks.md."""
+    calibration; kept for the ablation tables of docs/ablations.md."""
     rows = list(rows)
     num = sum(e.invalid * (meas - (e.total - e.invalid)) for e, meas in rows)
     den = sum(e.invalid ** 2 for e, _ in rows)

@@ -3,7 +3,7 @@ are Pallas kernels, and what one collective-matmul kernel call costs hop by hop.
 
 `collective_matmul_hops` prices one call of the streaming all-gather + matmul or
 matmul + reduce-scatter kernel (kernels/) from its operands: P ring hops, each
-max(compute, transfer) (docs/benchmarks.md, "The estimator").
+max(compute, transfer) (docs/benchmarks.md, "The estimate: model, constants, sources").
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ SPEC = port_spec(
     # own kernel flat here and kept the ring; this one (with the reduce-scatter
     # kernel at ICI-bound sites and a2v on local rows) estimates 171.6 ms a step
     # at 480x704x49 on a v5e-4 against 266.3 for the JAX rings, which would be
-    # slower than TP (255.8). Estimates, docs/benchmarks.md row 4b.
+    # slower than TP (255.8). Estimates, docs/ablations.md row 4b.
     ag_default="pallas",
     # Config.sp_cross_local: audio_to_video_attn's q / out projections replicated under SP
     sp_local_plan=model.SP_LOCAL_PLAN,

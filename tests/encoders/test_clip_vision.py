@@ -85,24 +85,24 @@ def test_pixel_values_equal_transformers(fixture_dir, io, tmp_path):
     data = io(CASE)
     processor = clip_vision.load_image_processor(fixture_dir(CASE))
     arrays = [data["in.image0"], data["in.image1"]]
-    got = clip_vision.pixel_values(processor, arrays)
+    got = clip_vision.preprocess(processor, arrays)
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, data["in.pixel_values"])
-    np.testing.assert_array_equal(clip_vision.pixel_values(processor, [Image.fromarray(a) for a in arrays]),
+    np.testing.assert_array_equal(clip_vision.preprocess(processor, [Image.fromarray(a) for a in arrays]),
                                   data["in.pixel_values"])
     paths = []
     for i, a in enumerate(arrays):
         Image.fromarray(a).save(tmp_path / f"{i}.png")
         paths.append(tmp_path / f"{i}.png")
-    np.testing.assert_array_equal(clip_vision.pixel_values(processor, paths), data["in.pixel_values"])
-    np.testing.assert_array_equal(clip_vision.pixel_values(processor, arrays[1]), data["in.pixel_values"][1:])
+    np.testing.assert_array_equal(clip_vision.preprocess(processor, paths), data["in.pixel_values"])
+    np.testing.assert_array_equal(clip_vision.preprocess(processor, arrays[1]), data["in.pixel_values"][1:])
 
 
 def test_images_to_embeddings(model, fixture_dir, io, compare):
     """encode_image([image, last_image]) end to end: images -> processor -> hidden_states[-2]."""
     data = io(CASE)
     processor = clip_vision.load_image_processor(fixture_dir(CASE))
-    values = clip_vision.pixel_values(processor, [data["in.image0"], data["in.image1"]])
+    values = clip_vision.preprocess(processor, [data["in.image0"], data["in.image1"]])
     compare(encode_image(model, values), data["out.hidden_states_penultimate"], what="images -> hidden_states[-2]")
 
 
@@ -111,21 +111,21 @@ def test_bad_images(fixture_dir, tmp_path):
     err = clip_vision.ImageProcessorError
     (tmp_path / "not_an_image.png").write_text("hello")
     with pytest.raises(err, match=r"image 1: cannot read .*not_an_image\.png"):
-        clip_vision.pixel_values(processor, [np.zeros((8, 8, 3), np.uint8), tmp_path / "not_an_image.png"])
+        clip_vision.preprocess(processor, [np.zeros((8, 8, 3), np.uint8), tmp_path / "not_an_image.png"])
     with pytest.raises(err, match="cannot read .*missing.png"):
-        clip_vision.pixel_values(processor, str(tmp_path / "missing.png"))
+        clip_vision.preprocess(processor, str(tmp_path / "missing.png"))
     with pytest.raises(err, match="must be uint8 .* got dtype float32"):
-        clip_vision.pixel_values(processor, np.zeros((8, 8, 3), np.float32))
+        clip_vision.preprocess(processor, np.zeros((8, 8, 3), np.float32))
     with pytest.raises(err, match=r"got shape \(8, 8, 5\)"):
-        clip_vision.pixel_values(processor, np.zeros((8, 8, 5), np.uint8))
+        clip_vision.preprocess(processor, np.zeros((8, 8, 5), np.uint8))
     with pytest.raises(err, match=r"got shape \(2, 8, 8, 3\)"):
-        clip_vision.pixel_values(processor, np.zeros((2, 8, 8, 3), np.uint8))
+        clip_vision.preprocess(processor, np.zeros((2, 8, 8, 3), np.uint8))
     with pytest.raises(err, match="is empty"):
-        clip_vision.pixel_values(processor, np.zeros((0, 8, 3), np.uint8))
+        clip_vision.preprocess(processor, np.zeros((0, 8, 3), np.uint8))
     with pytest.raises(err, match="no image given"):
-        clip_vision.pixel_values(processor, [])
+        clip_vision.preprocess(processor, [])
     with pytest.raises(err, match="expected a PIL image, .* got int"):
-        clip_vision.pixel_values(processor, 3)
+        clip_vision.preprocess(processor, 3)
 
 
 def test_bad_processor_folder(fixture_dir, tmp_path):
@@ -270,3 +270,19 @@ def test_non_finite_output_is_an_error(fixture_dir, io):
     model.encoder.layers[0].mlp.fc2.bias[...] = jnp.full((32,), jnp.nan)
     with pytest.raises(FloatingPointError, match="not finite"):
         encode_image(model, io(CASE)["in.pixel_values"])
+
+
+def test_megatron_collectives(model, fixture_dir, mesh4):
+    """Under tp=4 GSPMD partitions the forward with one all-reduce after each row-parallel product
+    of the layers it runs (hidden_states[-2] of 3 layers: 2 layers, 4 all-reduces) and no other
+    collective: the patch / class / position embeddings and the norms stay replicated."""
+    import re
+    from collections import Counter
+
+    collective = re.compile(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+    tp = clip_vision.from_pretrained(fixture_dir(CASE), dtype=jnp.float32, mesh=mesh4)
+    graphdef, state = nnx.split(tp)
+    x = jnp.zeros((2, 3, 28, 28), jnp.float32)
+    for index, layers in ((-2, 2), (-1, 3)):
+        hlo = jax.jit(lambda s, v: nnx.merge(graphdef, s)(v, index)).lower(state, x).compile().as_text()
+        assert Counter(collective.findall(hlo)) == {"all-reduce": 2 * layers}
