@@ -156,12 +156,13 @@ def clip_tokens(tokenizer, prompt, name: str = "prompt") -> Tokens:
                    f"CLIP can only handle sequences up to {n} tokens")
 
 
-def t5_tokens(tokenizer, prompt, max_sequence_length: int = 512, name: str = "prompt_2") -> Tokens:
+def t5_tokens(tokenizer, prompt, max_sequence_length: int = 512, name: str = "prompt_2",
+              allow_empty: bool = False) -> Tokens:
     """FluxPipeline._get_t5_prompt_embeds' tokenizer call: padded and truncated to
     `max_sequence_length` (FluxPipeline refuses more than 512)."""
     if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= 512:
         raise TokenizerError(f"`max_sequence_length` must be an int in [1, 512], got {max_sequence_length!r}")
-    return _tokens(tokenizer, as_prompt_list(prompt, name), max_sequence_length, "max_length",
+    return _tokens(tokenizer, as_prompt_list(prompt, name, allow_empty), max_sequence_length, "max_length",
                    f"`max_sequence_length` is set to {max_sequence_length} tokens")
 
 

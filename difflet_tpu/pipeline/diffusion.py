@@ -40,10 +40,12 @@ from difflet_tpu.pipeline import schedules as S
 
 logger = logging.getLogger(__name__)
 
-# model_index.json `_class_name` -> the module whose `PIPELINE` class runs it
+# model_index.json `_class_name` -> the module whose `PIPELINE` class (or `PIPELINES[name]`) runs it
 PIPELINES = {
     "FluxPipeline": "difflet_tpu.models.flux.pipeline",
     "QwenImagePipeline": "difflet_tpu.models.qwen_image.pipeline",
+    "WanPipeline": "difflet_tpu.models.wan.pipeline",
+    "WanImageToVideoPipeline": "difflet_tpu.models.wan.pipeline",
 }
 
 
@@ -69,11 +71,12 @@ class Timings:
     steps: list = dataclasses.field(default_factory=list)  # one per denoise step
     decode: float = 0.0
     encoder_moves: float = 0.0  # text encoders between host and device memory (Config.encoder_offload)
+    expert_moves: float = 0.0  # two-expert pipelines: experts between host and device memory (Config.expert_offload)
 
     def as_dict(self) -> dict:
         return {"tokenize_s": self.tokenize, "encode_s": self.encode, "denoise_steps_s": list(self.steps),
                 "denoise_s": float(sum(self.steps)), "decode_s": self.decode,
-                "encoder_moves_s": self.encoder_moves}
+                "encoder_moves_s": self.encoder_moves, "expert_moves_s": self.expert_moves}
 
 
 # --------------------------------------------------------------------------
@@ -84,12 +87,14 @@ class Timings:
 WEIGHTS = [("model.safetensors",), ("model.safetensors.index.json",)]
 DIFFUSERS_WEIGHTS = [("diffusion_pytorch_model.safetensors",), ("diffusion_pytorch_model.safetensors.index.json",)]
 FOLDER_FILES = {
+    "image_encoder": [("config.json",)],
+    "image_processor": [("preprocessor_config.json",)],
     "scheduler": [("scheduler_config.json",)],
     "text_encoder": [("config.json",)],
     "transformer": [("config.json",)],
     "vae": [("config.json",)],
 }
-WEIGHT_FILES = {"text_encoder": WEIGHTS, "transformer": DIFFUSERS_WEIGHTS, "vae": DIFFUSERS_WEIGHTS}
+WEIGHT_FILES = {"image_encoder": WEIGHTS, "text_encoder": WEIGHTS, "transformer": DIFFUSERS_WEIGHTS, "vae": DIFFUSERS_WEIGHTS}
 
 
 def read_model_index(path: Path) -> dict:
@@ -128,7 +133,8 @@ def pipeline_class(path: Path, index: dict):
     name = index["_class_name"]
     if name not in PIPELINES:
         raise PipelineError(f"{path}: model_index.json names {name!r}; supported: {sorted(PIPELINES)}")
-    return importlib.import_module(PIPELINES[name]).PIPELINE
+    module = importlib.import_module(PIPELINES[name])
+    return getattr(module, "PIPELINES", {name: module.PIPELINE})[name]
 
 
 def folder_vae_scale_factor(path: Path) -> int:
@@ -208,12 +214,12 @@ def encoder_mesh(module, config, mesh):
 # --------------------------------------------------------------------------
 
 
-def load_vae(folder: Path, *, dtype, mesh):
-    """The decoder of `vae/` (difflet_tpu.vae picks the class by `_class_name`): parameters
-    replicated on `mesh`, the decode's batch split over it when it divides."""
+def load_vae(folder: Path, *, dtype, mesh, encoder: bool = False):
+    """The decoder of `vae/` (difflet_tpu.vae picks the class by `_class_name`), and its encoder
+    when `encoder` (image-to-video): parameters replicated on `mesh`."""
     from difflet_tpu import vae
 
-    return vae.from_pretrained(folder, dtype=dtype, mesh=mesh)
+    return vae.from_pretrained(folder, dtype=dtype, mesh=mesh, **({"encoder": True} if encoder else {}))
 
 
 def vae_scale_factor(vae) -> int:
@@ -288,6 +294,7 @@ class DiffusionPipeline:
     # changes nothing and is accepted)
     refused: dict = {}
     default_sample_size = 128
+    vae_encoder = False  # whether the pipeline encodes images with the VAE (image-to-video)
 
     def __init__(self, path: Path, index: dict, scheduler: S.SchedulerConfig):
         self.path = path
@@ -309,8 +316,12 @@ class DiffusionPipeline:
         index = read_model_index(path)
         pipeline_cls = pipeline_class(path, index)
         if cls is not DiffusionPipeline and not issubclass(pipeline_cls, cls):
-            raise PipelineError(f"{path} holds a {index['_class_name']}, not a {cls.__name__}")
-        check_folder(path, index, pipeline_cls.components)
+            if cls.__module__ != pipeline_cls.__module__:
+                raise PipelineError(f"{path} holds a {index['_class_name']}, not a {cls.__name__}")
+            # a sibling pipeline of the same family on the same folder, as diffusers allows
+            # (WanImageToVideoPipeline on Wan2.2 TI2V-5B's WanPipeline folder)
+            pipeline_cls = cls
+        check_folder(path, index, pipeline_cls.folder_components(index))
         try:
             floating = dtype is None or jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
         except TypeError:  # not a dtype at all (a misspelt name)
@@ -324,18 +335,41 @@ class DiffusionPipeline:
         return pipeline_cls.load(path, index, mesh=mesh, dtype=dtype, config=config,
                                  runner_options=dict(runner_options or {}))
 
+    @classmethod
+    def folder_components(cls, index: dict) -> dict:
+        """The components `index` (model_index.json) makes part of the folder: `components`."""
+        return cls.components
+
     def load_denoiser(self, path: Path, *, mesh, dtype, config, runner_options) -> None:
         """The transformer (`transformer/`, as a `Runner`) and the VAE (`vae/`) of a pipeline folder."""
+        self.transformer = self.load_runner(path / "transformer", mesh=mesh, dtype=dtype, config=config,
+                                            runner_options=runner_options)
+        self.transformer_config = self.transformer.cfg
+        self.vae = load_vae(path / "vae", dtype=dtype, mesh=mesh, **({"encoder": True} if self.vae_encoder else {}))
+        self.vae_scale_factor = vae_scale_factor(self.vae)
+        self.dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
+
+    @staticmethod
+    def load_runner(folder: Path, *, mesh, dtype, config, runner_options):
+        """A transformer folder as a `Runner` holding the only reference to its parameters."""
         from difflet_tpu.loading import load_transformer
         from difflet_tpu.runner import Runner
 
-        transformer = load_transformer(path / "transformer", dtype=dtype, mesh=mesh, config=config)
-        self.transformer_config = transformer.config
-        self.transformer = Runner(transformer, mesh, config, **runner_options)
-        del transformer  # the Runner holds the parameters
-        self.vae = load_vae(path / "vae", dtype=dtype, mesh=mesh)
-        self.vae_scale_factor = vae_scale_factor(self.vae)
-        self.dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
+        transformer = load_transformer(folder, dtype=dtype, mesh=mesh, config=config)
+        return Runner(transformer, mesh, config, **runner_options)
+
+    # ---- the experts' home (two-expert pipelines: Config.expert_offload) ----------
+
+    def init_expert_home(self, config) -> None:
+        from difflet_tpu.pipeline import placement
+
+        self.expert_home = placement.ExpertHome(getattr(self, "experts", [self.transformer]), config.expert_offload)
+
+    def activate_expert(self, e: int, step_kwargs: dict, step: int) -> None:
+        """Expert `e` on the devices for this step (a no-op with one expert or no offload)."""
+        start = time.perf_counter()
+        if self.expert_home.activate(e, step_kwargs, step):
+            self.timings.expert_moves += time.perf_counter() - start
 
     # ---- the text encoders' home between prompts (Config.encoder_offload) ------
 
@@ -406,7 +440,10 @@ class DiffusionPipeline:
         """The denoise loop from `call`'s latents, then (unless `output_type="latent"`) the VAE's decode of
         `to_vae(latents)` and postprocessing; returned as diffusers does."""
         self._stage("denoise", steps=len(call.schedule))
-        x = self.denoise(call.latents, call.schedule, predict)
+        b = call.latents.shape[0]
+        # the image transformers take t / 1000
+        x = self.denoise(call.latents, call.schedule,
+                         lambda x, i, t: predict(x, np.full((b,), np.float32(t) / np.float32(1000), np.float32)))
         self.final_latents = x  # the packed latents before decoding, for inspection
         if call.output_type == "latent":
             image = x
@@ -446,10 +483,10 @@ class DiffusionPipeline:
         return int(height), int(width)
 
     @staticmethod
-    def check_scale(name: str, value) -> None:
-        """A guidance scale is a finite real number or None (a NaN would only show as a
-        non-finite image after the whole run)."""
-        if value is None:
+    def check_scale(name: str, value, required: bool = False) -> None:
+        """A guidance scale is a finite real number, or None where not `required` (a NaN would
+        only show as a non-finite image after the whole run)."""
+        if value is None and not required:
             return
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
                 or not np.isfinite(value):
@@ -502,17 +539,17 @@ class DiffusionPipeline:
         noise = jax.random.normal(jax.random.key(int(seed)), (batch, channels, h, w), jnp.float32)
         return pack_latents(noise).astype(dtype)
 
-    def denoise(self, latents, schedule: S.Schedule, predict: Callable):
-        """The Euler loop: `predict(latents, timestep [B] float32 = t / 1000)` -> velocity."""
-        b = latents.shape[0]
+    def denoise(self, latents, sampler, predict: Callable):
+        """The loop: `predict(latents, i, t)` -> the model's output at step i (timestep `t` as the
+        scheduler gives it), then the sampler's step (a `schedules.Schedule` steps by Euler)."""
         self.timings.steps = []
-        for i, t in enumerate(schedule.timesteps):
+        step = sampler.step if hasattr(sampler, "step") else (
+            lambda i, v, x: _euler(x, v, jnp.float32(sampler.dt(i))))
+        for i, t in enumerate(sampler.timesteps):
             start = time.perf_counter()
-            timestep = np.full((b,), np.float32(t) / np.float32(1000), np.float32)
-            velocity = predict(latents, timestep)
-            latents = jax.block_until_ready(_euler(latents, velocity, jnp.float32(schedule.dt(i))))
+            latents = jax.block_until_ready(step(i, predict(latents, i, t), latents))
             self.timings.steps.append(time.perf_counter() - start)
-            self._stage("step", index=i, total=len(schedule), seconds=self.timings.steps[-1])
+            self._stage("step", index=i, total=len(sampler), seconds=self.timings.steps[-1])
         return latents
 
     @staticmethod
@@ -532,6 +569,12 @@ class DiffusionPipeline:
         if output_type not in ("pil", "np", "latent"):
             raise PipelineError(f"`output_type` must be 'pil', 'np' or 'latent', got {output_type!r}")
         return output_type
+
+
+def check_stage_finite(x, what: str) -> None:
+    """A stage's result with NaN or inf is the failure of that stage, named, before the next runs."""
+    if not bool(jnp.isfinite(x).all()):
+        raise FloatingPointError(f"{what} has non-finite values (NaN or inf); nothing after it was run")
 
 
 def wait(tree):

@@ -85,3 +85,45 @@ def save_pngs(images, path) -> list[Path]:
     for t in targets:
         check_writable(t)
     return [save_png(img, t) for img, t in zip(x, targets)]
+
+
+def open_image(image, name: str = "image"):
+    """A PIL image from a PIL image, a uint8 array `[H, W, 3]` (or `[H, W]`), or an image file's
+    path; ValueError naming `name` for anything else or a file that cannot be read."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, Image.Image):
+        return image
+    if isinstance(image, (str, os.PathLike)):
+        path = Path(image)
+        if not path.is_file():
+            raise ValueError(f"`{name}`: {path} is not a file")
+        try:
+            with Image.open(path) as im:
+                im.load()
+                return im.copy()
+        except (UnidentifiedImageError, OSError) as e:
+            raise ValueError(f"`{name}`: {path} cannot be read as an image ({e})") from None
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[-1] not in (3, 4)):
+            raise ValueError(f"`{name}` as an array must be uint8 [H, W, 3] (or [H, W], [H, W, 4]), got "
+                             f"{image.dtype} {image.shape}")
+        return Image.fromarray(image)
+    raise ValueError(f"`{name}` must be a PIL image, a uint8 [H, W, 3] array or an image file's path, got "
+                     f"{type(image).__name__}")
+
+
+def preprocess(image, height: int, width: int, name: str = "image") -> np.ndarray:
+    """diffusers' `VaeImageProcessor.preprocess(image, height, width)` for one image: resized to
+    width x height (Lanczos, as its `resample` default), [0, 1] then [-1, 1]: float32 `[1, 3, H, W]`.
+    Images that are not RGB are converted to RGB first (diffusers would fail on RGBA / L)."""
+    from PIL import Image
+
+    im = open_image(image, name)
+    if im.width < 1 or im.height < 1:
+        raise ValueError(f"`{name}` is empty ({im.width}x{im.height})")
+    if im.mode != "RGB":
+        im = im.convert("RGB")
+    im = im.resize((int(width), int(height)), resample=Image.Resampling.LANCZOS, reducing_gap=None)
+    x = np.asarray(im).astype(np.float32) / 255.0
+    return (2.0 * x - 1.0).transpose(2, 0, 1)[None]
