@@ -239,10 +239,8 @@ def validate(args, ap):
     from difflet_tpu import checks
 
     try:
-        inputs = {"--embeddings": args.embeddings, "--weights": args.weights}
-        if args.json:
-            checks.writable_file(args.json, "--json")
-            checks.not_an_input(args.json, inputs, "--json")
+        inputs = {"--embeddings": args.embeddings, "--weights": args.weights, "--end-to-end": args.end_to_end}
+        checks.check_outputs([("--json", args.json)], inputs)
         for flag in ("profile", "dump_hlo"):
             if getattr(args, flag):
                 checks.not_an_input(getattr(args, flag), inputs, "--" + flag.replace("_", "-"))

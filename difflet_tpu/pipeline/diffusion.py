@@ -223,6 +223,7 @@ def check_configs(path: Path, index: dict, pipeline_cls, *, mesh=None, dtype=jnp
     components share (`pipeline_cls.config_problems`) and the compile-cache folder."""
     from difflet_tpu import checks
     from difflet_tpu.config import Config
+    from difflet_tpu.encoders.loading import Checkpoint
     from difflet_tpu.loading import check_transformer
 
     config = Config() if config is None else config
@@ -236,10 +237,13 @@ def check_configs(path: Path, index: dict, pipeline_cls, *, mesh=None, dtype=jnp
             raise PipelineError(f"{path / name / 'config.json'}: cannot read it ({e})") from None
         declared = raw[name].get("_class_name") or (raw[name].get("architectures") or [None])[0]
         if declared is not None and declared != index[name][1]:
-            problems.append(f"{name}/config.json is a {declared}, but model_index.json lists {index[name][1]}")
+            problems.append(f"{name}/config.json names {declared}, but model_index.json lists {index[name][1]}")
     if problems:
         raise PipelineError(f"{path} ({index['_class_name']}): " + "; ".join(problems))
     scheduler_config(path / "scheduler")
+    for name, (kind, _, _) in pipeline_cls.components.items():
+        if kind == "text_encoder":  # headers only: a truncated file is named before any encoder loads
+            Checkpoint(path / name)
     _, transformer_config = check_transformer(path / "transformer", dtype=dtype, mesh=mesh, config=config)
     problems = pipeline_cls.config_problems(transformer_config, raw)
     if problems:
