@@ -8,9 +8,13 @@
   cannot be written is refused before the work that would produce it (the
   bench's `--json`, `--profile`, `--dump-hlo`; `load_transformer`'s
   `cache_dir`); `not_an_input` refuses an output that is also an input.
+* `check_outputs([(flag, path)], inputs)`: every output of a run at once
+  (generate, check): not empty, not under /proc or /sys, writable, not an
+  input, no two the same file.
 * `write_atomic(path, data, what)`: every file the project writes goes
   through a temporary file and a rename; a failed write is a `WriteError`
-  and leaves nothing partial.
+  and leaves nothing partial. `write_all_atomic` writes several outputs of
+  one run all or none (no image left without its report).
 * `check_input(name, x)` / `check_inputs(kwargs)`: the kind of every diffusers
   forward argument (floating latents and embeddings, real timesteps, 0/1
   masks, nothing empty), one table for every port (`Runner.prepare`) and the
@@ -146,29 +150,49 @@ def write_atomic(path, data, what: str = "output") -> str:
     exception of the writer) leaves `path` as it was. The file gets the mode `open()` would
     give it (0666 less the umask), not the temporary file's 0600. Raises WriteError naming
     `what` for an OS error; a writer's own exception propagates."""
-    p = os.path.abspath(os.fspath(path))
-    tmp = None
+    return write_all_atomic([(path, data, what)])[0]
+
+
+def write_all_atomic(items) -> list[str]:
+    """The outputs of one run, all or none: `items` is [(path, data, what)] as `write_atomic`
+    takes them; each is written to a temporary file beside its path, and only when every one
+    is written are they renamed into place. A failed write (of the report after the images,
+    say) leaves every path as it was."""
+    done, paths = [], []
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(p)}.", suffix=".tmp", dir=os.path.dirname(p))
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-        tmp = None
-    except OSError as e:
-        raise WriteError(f"{what} {path}: cannot write it ({e.strerror or e}); nothing was written there") from None
-    finally:
-        if tmp is not None:
+        for path, data, what in items:
+            p = os.path.abspath(os.fspath(path))
+            paths.append(p)
             try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-    return p
+                fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(p)}.", suffix=".tmp", dir=os.path.dirname(p))
+            except OSError as e:
+                raise WriteError(f"{what} {path}: cannot write it ({e.strerror or e}); nothing was written") from None
+            done.append(tmp)
+            try:
+                os.fchmod(fd, 0o666 & ~_umask())
+                with os.fdopen(fd, "wb") as f:
+                    if callable(data):
+                        data(f)
+                    else:
+                        f.write(data.encode() if isinstance(data, str) else data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                raise WriteError(f"{what} {path}: cannot write it ({e.strerror or e}); nothing was written") from None
+        for i, (tmp, p, (path, _, what)) in enumerate(zip(done, paths, items)):
+            try:
+                os.replace(tmp, p)
+            except OSError as e:
+                raise WriteError(f"{what} {path}: cannot move it into place ({e.strerror or e})") from None
+            done[i] = None
+    finally:
+        for tmp in done:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+    return paths
 
 
 @contextlib.contextmanager
@@ -200,6 +224,37 @@ def atomic_dir(path, what: str = "output"):
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# Trees of the kernel's own files: nothing written there is a file on a disk, and a probe can
+# succeed there even for root while the real write fails after the run.
+NOT_WRITABLE_TREES = ("/proc", "/sys")
+
+
+def check_outputs(outputs, inputs: dict | None = None) -> list[str]:
+    """Every output of one run checked before the work: `outputs` is [(flag, path)] (None:
+    not asked for), `inputs` {flag: path} as `not_an_input` takes them. Refused: an empty path
+    (`--json ''` is not "no report"), a path under /proc or /sys, what `writable_file` refuses
+    (a directory, a device or pipe, a missing or unwritable folder), an input or a file inside
+    an input folder, and two outputs that are the same file. Returns the absolute paths."""
+    seen, out = {}, []
+    for flag, path in outputs:
+        if path is None:
+            continue
+        if not str(os.fspath(path)).strip():
+            raise ValueError(f"{flag} {str(path)!r}: an empty path; give a file name, or leave {flag} out")
+        real = os.path.realpath(os.fspath(path))
+        for tree in NOT_WRITABLE_TREES:
+            if real == tree or real.startswith(tree + os.sep):
+                raise ValueError(f"{flag} {path}: under {tree}, which holds the kernel's files, not yours; give a "
+                                 f"path on a disk")
+        p = writable_file(path, flag)
+        not_an_input(path, inputs or {}, flag)
+        if real in seen:
+            raise ValueError(f"{flag} {path}: is also the {seen[real]} output; give each output its own file")
+        seen[real] = flag
+        out.append(p)
+    return out
 
 
 def not_an_input(path, inputs: dict, what: str) -> None:

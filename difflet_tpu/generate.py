@@ -63,41 +63,57 @@ def log(msg: str) -> None:
     print(f"[generate] {msg}", file=sys.stderr, flush=True)
 
 
+def quiet_start() -> None:
+    """A first run shows only the project's own lines: without a TPU, jax is kept off libtpu (whose
+    probe prints a TPU_WORKER_HOSTNAMES error on a machine without one), and transformers' notice
+    that PyTorch was not found is silenced (the tokenizers never use torch). Before jax and
+    transformers are imported; a variable already set is kept."""
+    if not has_tpu():
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def image_paths(args) -> list[Path]:
+    """`--out`, or `stem-0.png` ... `stem-{N-1}.png` beside it for `--batch N`."""
+    from difflet_tpu.pipeline import images
+
+    return images.png_paths(args.out, args.batch)
+
+
 def check_arguments(args) -> None:
-    """Refusals before anything is loaded (ValueError with the reason)."""
-    from difflet_tpu.encoders.tokenizers import as_prompt_list
+    """Refusals before anything is loaded (ValueError with the reason): the shared argument
+    checks and bounds (difflet_tpu.arguments), every output path (checks.check_outputs), the
+    folder and everything its configs say (diffusion.check_configs)."""
+    from difflet_tpu import arguments as A
     from difflet_tpu.pipeline import diffusion as D
     from difflet_tpu.pipeline import images
 
-    as_prompt_list(args.prompt)
-    for name in ("steps", "batch", "cpu_devices", "max_sequence_length"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    for name in ("guidance", "true_cfg"):
-        try:
-            D.DiffusionPipeline.check_scale(f"--{name.replace('_', '-')}", getattr(args, name))
-        except D.PipelineError as e:
-            raise ValueError(str(e)) from None
-    images.check_writable(args.out)
-    if args.batch > 1:
-        stem = Path(args.out)
-        for i in range(args.batch):
-            images.check_writable(stem.with_name(f"{stem.stem}-{i}{stem.suffix}"))
-    if args.json:
-        j = Path(args.json)
-        if j.is_dir() or not j.parent.is_dir() or not os.access(j.parent if str(j.parent) else ".", os.W_OK):
-            raise ValueError(f"--json {j}: cannot write there (the folder must exist and be writable)")
+    A.prompts(args.prompt, "--prompt")
+    A.negative_prompt(args.negative_prompt, "--negative-prompt")
+    A.seed(args.seed, "--seed")
+    args.batch = A.count("--batch", args.batch, "batch")  # bounded before a name is made per image
+    for flag, limit in (("--steps", "steps"), ("--cpu-devices", "cpu_devices")):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            A.count(flag, value, limit)
+    A.scale("--guidance", args.guidance, required=False)
+    A.scale("--true-cfg", args.true_cfg, required=False)
+    targets = image_paths(args)
+    for t in targets:
+        images.check_writable(t)
+    checks.check_outputs([("--out", t) for t in targets] + [("--json", args.json)], {"PATH": args.path})
     path = Path(args.path)
     index = D.read_model_index(path)
     cls = D.pipeline_class(path, index)
     D.check_folder(path, index, cls.components)
+    D.check_configs(path, index, cls)
+    if args.max_sequence_length is not None:
+        A.max_sequence_length(args.max_sequence_length, cls.max_sequence_limit, "--max-sequence-length")
     factor = D.folder_vae_scale_factor(path)
     for name in ("height", "width"):
         v = getattr(args, name)
-        if v is not None and (v <= 0 or v % (2 * factor)):
-            raise ValueError(f"--{name} must be a positive multiple of {2 * factor} (the VAE's {factor}x and the "
-                             f"2x2 latent packing), got {v}")
+        if v is not None:
+            A.size(f"--{name}", v, 2 * factor, limit=name)
 
 
 def peak_device_memory(devices) -> int | None:
@@ -170,22 +186,27 @@ def run(args) -> dict:
 
     pipe.on_stage = on_stage
     image = pipe(**call_kwargs(args)).images
-    written = images.save_pngs(image, args.out)
-    for p in written:
-        log(f"wrote {p}")
+    targets = image_paths(args)
     devices = mesh.devices.flat if mesh is not None else jax.devices()[:1]
     report = dict(path=str(args.path), pipeline=type(pipe).__name__, devices=n, mode=mode,
-                  dtype=jnp.dtype(dtype).name, images=[str(p) for p in written],
+                  dtype=jnp.dtype(dtype).name, images=[str(p) for p in targets],
                   image_shape=list(image.shape), load_s=load_s, **pipe.timings.as_dict(),
                   peak_device_memory_bytes=peak_device_memory(list(devices)))
-    if args.json:
-        checks.write_atomic(args.json, json.dumps(report, indent=2) + "\n", "--json")
+    # the images and the report all or none: no image is left without the report asked for
+    outputs = [(t, images.png_writer(x), "image") for t, x in zip(targets, images.to_pil(image))]
+    if args.json is not None:
+        outputs.append((args.json, json.dumps(report, indent=2) + "\n", "--json"))
+    checks.write_all_atomic(outputs)
+    for p in targets:
+        log(f"wrote {p}")
+    if args.json is not None:
         log(f"timings in {args.json}")
     return report
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    quiet_start()
     try:
         check_arguments(args)
         run(args)

@@ -65,7 +65,7 @@ class Ctx:
 @dataclasses.dataclass(frozen=True)
 class Case:
     id: str
-    surface: str                # cli, loader, config, cache, runner
+    surface: str                # cli, loader, config, cache, runner, parallel, generate, check, pipeline
     run: Callable[[Ctx], str]   # performs the case, returns the text the user sees
     expect: str                 # a regex the text must match
 
@@ -692,6 +692,145 @@ def json_write_keeps_the_old_report(c: Ctx) -> str:
 
 
 # --------------------------------------------------------------------------
+# The pipeline surfaces: generate, check, DiffusionPipeline.from_pretrained
+# --------------------------------------------------------------------------
+
+PIPELINES = FIXTURES / "pipelines"
+
+
+def _files(root: pathlib.Path) -> dict:
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def generate_cli(*argv, code=1, setup=None, loads=False):
+    """`python -m difflet_tpu.generate ARGV` exits with `code` and leaves every file in the tmp
+    directory as it was (no image, no report, no change to an input); unless `loads`, nothing
+    is loaded. `{tmp}`, `{schnell}` and `{qwen}` (the fixture folders) in an argument."""
+
+    def run(c: Ctx):
+        from difflet_tpu import generate
+        from difflet_tpu.pipeline import diffusion as D
+
+        if setup is not None:
+            setup(c)
+        if not loads:
+            c.monkeypatch.setattr(D.DiffusionPipeline, "from_pretrained",
+                                  classmethod(lambda *a, **k: pytest.fail("loaded before the refusal")))
+        args = [a.format(tmp=c.tmp, schnell=PIPELINES / "flux_schnell", qwen=PIPELINES / "qwen_image") for a in argv]
+        before = _files(c.tmp)
+        try:
+            rc = generate.main(args)
+        except SystemExit as e:
+            rc = e.code
+        err = c.capsys.readouterr().err
+        assert rc == code, (rc, err[-2000:])
+        assert _files(c.tmp) == before, "a file was written or changed"
+        return err
+
+    return run
+
+
+def check_cli(*argv, env=None):
+    """`python -m difflet_tpu.check ARGV` exits 2 (bad input) before any work; returns stderr."""
+
+    def run(c: Ctx):
+        from difflet_tpu.check import __main__ as check_main
+
+        for k, v in (env or {}).items():
+            c.monkeypatch.setenv(k, v)
+        c.monkeypatch.setattr(check_main, "setup", lambda args: pytest.fail("the check started"))
+        with pytest.raises(SystemExit) as e:
+            check_main.main([a.format(tmp=c.tmp) for a in argv])
+        err = c.capsys.readouterr().err
+        assert e.value.code == 2, (e.value.code, err)
+        return err
+
+    return run
+
+
+def pipe_copy(name="flux_schnell", change=None):
+    """A setup: the fixture pipeline `name` copied to tmp/pipe, then `change(folder)`."""
+
+    def setup(c: Ctx):
+        d = c.tmp / "pipe"
+        shutil.copytree(PIPELINES / name, d)
+        if change is not None:
+            change(d)
+        return d
+
+    return setup
+
+
+def edit_json(sub, **values):
+    def change(d):
+        f = d / sub
+        f.write_text(json.dumps(dict(json.loads(f.read_text()), **values)))
+
+    return change
+
+
+def truncate(sub):
+    def change(d):
+        f = d / sub
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+    return change
+
+
+def flux_vae_in_qwen(d):
+    shutil.rmtree(d / "vae")
+    shutil.copytree(PIPELINES / "flux_schnell" / "vae", d / "vae")
+
+
+def from_pretrained(setup, mesh=None, **kwargs):
+    """`DiffusionPipeline.from_pretrained` on `setup(ctx)`'s folder raises a ValueError before
+    any weight (transformer or text encoder) is read."""
+
+    def run(c: Ctx):
+        from difflet_tpu.encoders import loading as encoder_loading
+        from difflet_tpu.pipeline.diffusion import DiffusionPipeline
+
+        path = setup(c)
+
+        def no_read(*a, **k):
+            raise AssertionError("a weight was read before the error")
+
+        c.monkeypatch.setattr(loading.Checkpoint, "read", no_read)
+        c.monkeypatch.setattr(encoder_loading.Checkpoint, "read", no_read)
+        kwargs.setdefault("config", Config())
+        kw = {k: (v(c) if callable(v) else v) for k, v in kwargs.items()}
+        with pytest.raises(ValueError) as e:
+            DiffusionPipeline.from_pretrained(path, mesh=mesh() if mesh else None, dtype=jnp.float32, **kw)
+        return str(e.value)
+
+    return run
+
+
+def generate_report_fails_after_the_run(c: Ctx) -> str:
+    """The report cannot be written after the run (a full disk at its fsync): exit 1, and the
+    image is not left behind without it (both are written, or neither)."""
+    from difflet_tpu import checks, generate
+
+    real, calls = checks.os.fsync, []
+
+    def full_on_the_report(fd):
+        calls.append(fd)
+        if len(calls) == 2:  # the image's temporary file is written first, then the report's
+            raise OSError(28, "No space left on device")
+        return real(fd)
+
+    c.monkeypatch.setattr(checks.os, "fsync", full_on_the_report)
+    out = c.tmp / "out"
+    out.mkdir()
+    rc = generate.main([str(PIPELINES / "flux_schnell"), "--prompt", "a cat", "--height", "32", "--width", "32",
+                        "--steps", "1", "--out", str(out / "x.png"), "--json", str(out / "t.json")])
+    err = c.capsys.readouterr().err
+    assert rc == 1, err
+    assert list(out.iterdir()) == [], list(out.iterdir())
+    return err
+
+
+# --------------------------------------------------------------------------
 # The table
 # --------------------------------------------------------------------------
 
@@ -701,7 +840,7 @@ CASES = [
          r"--guidance nan: must be a finite number >= 0"),
     Case("guidance-inf", "cli", cli("--model", "toy:tiny", "--guidance", "inf"), r"--guidance inf: must be a finite"),
     Case("guidance-negative", "cli", cli("--model", "toy:tiny", "--guidance", "-1"), r"--guidance -1.0: must be"),
-    Case("seed-negative", "cli", cli("--model", "toy:tiny", "--seed", "-1"), r"--seed -1: must be in \[0, 2\*\*32\)"),
+    Case("seed-negative", "cli", cli("--model", "toy:tiny", "--seed", "-1"), r"--seed -1: must be >= 0"),
     Case("embeddings-nan", "cli", cli("--model", "wan:tiny", "--embeddings", "{tmp}/e.npz",
                                       setup=embeddings("e.npz", {"prompt_embeds": NAN_TEXT})),
          r"--embeddings \S+e\.npz: prompt_embeds: 1 NaN and 0 inf of 12288 values"),
@@ -780,8 +919,8 @@ CASES = [
          r"error: --json \S+r\.json: cannot write it \(No space left on device\); nothing was written"),
     Case("json-write-keeps-the-old-report", "cli", json_write_keeps_the_old_report,
          r"cannot write it \(Input/output error\)"),
-    Case("cpu-devices-huge", "cli", cli("--cpu-devices", "100000"), r"--cpu-devices 100000: at most 64"),
-    Case("steps-huge", "cli", cli("--model", "toy:tiny", "--steps", "1000000000"), r"--steps 1000000000: at most"),
+    Case("cpu-devices-huge", "cli", cli("--cpu-devices", "100000"), r"--cpu-devices 100000: must be <= 64"),
+    Case("steps-huge", "cli", cli("--model", "toy:tiny", "--steps", "1000000000"), r"--steps 1000000000: must be <= 10000"),
     Case("inputs-larger-than-any-host", "cli",
          cli("--model", "wan:tiny", "--batch", "1024", "--frames", "4097", "--height", "16384", "--width", "16384"),
          r"wan:tiny at --height 16384 --width 16384 --frames 4097, --batch 1024: its inputs do not fit this "
@@ -963,6 +1102,98 @@ CASES = [
     Case("make-mesh-float", "parallel", raises(lambda c: make_mesh(2.0)), r"^make_mesh: tp=2.0 must be an int"),
     Case("kernel-tiles-is-a-directory", "parallel", raises(lambda c: Config(kernel_tiles=str(c.tmp))),
          r"kernel tile table \S+ is a directory"),
+    # ---- python -m difflet_tpu.generate: exit 1, the reason, nothing written or loaded ----
+    Case("generate-seed-2**32", "generate", generate_cli("{schnell}", "--prompt", "a cat", "--seed", "4294967296",
+                                                         "--out", "{tmp}/x.png"),
+         r"^error: --seed 4294967296: must be <= 4294967295"),
+    Case("generate-seed-negative", "generate", generate_cli("{schnell}", "--prompt", "a cat", "--seed", "-1",
+                                                            "--out", "{tmp}/x.png"), r"--seed -1: must be >= 0"),
+    Case("generate-batch-huge", "generate", generate_cli("{schnell}", "--prompt", "a cat", "--batch", "1000000000",
+                                                         "--out", "{tmp}/x.png"),
+         r"--batch 1000000000: must be <= 1024"),
+    Case("generate-steps-huge", "generate", generate_cli("{schnell}", "--prompt", "a cat", "--steps", "1000000000",
+                                                         "--out", "{tmp}/x.png"),
+         r"--steps 1000000000: must be <= 10000"),
+    Case("generate-height-huge", "generate", generate_cli("{schnell}", "--prompt", "a cat", "--height", "1048576",
+                                                          "--out", "{tmp}/x.png"),
+         r"--height 1048576: must be a positive multiple of 16 up to 16384"),
+    Case("generate-guidance-nan", "generate", generate_cli("{schnell}", "--prompt", "a cat", "--guidance", "nan",
+                                                           "--out", "{tmp}/x.png"),
+         r"--guidance nan: must be a finite real number"),
+    Case("generate-max-sequence-length-above-t5", "generate",
+         generate_cli("{schnell}", "--prompt", "a cat", "--max-sequence-length", "513", "--out", "{tmp}/x.png"),
+         r"--max-sequence-length 513: cannot be greater than 512"),
+    Case("generate-json-is-the-image", "generate", generate_cli("{schnell}", "--prompt", "a cat", "--out",
+                                                                "{tmp}/x.png", "--json", "{tmp}/x.png"),
+         r"--json \S+x.png: is also the --out output"),
+    Case("generate-json-empty", "generate", generate_cli("{schnell}", "--prompt", "a cat", "--out", "{tmp}/x.png",
+                                                         "--json", ""),
+         r"--json '': an empty path; give a file name, or leave --json out"),
+    Case("generate-json-in-the-input", "generate",
+         generate_cli("{tmp}/pipe", "--prompt", "a cat", "--out", "{tmp}/x.png", "--json", "{tmp}/pipe/model_index.json",
+                      setup=pipe_copy()),
+         r"--json \S+model_index.json: is also an input \(PATH"),
+    Case("generate-out-in-the-input", "generate",
+         generate_cli("{tmp}/pipe", "--prompt", "a cat", "--out", "{tmp}/pipe/vae/x.png", setup=pipe_copy()),
+         r"--out \S+x.png: is also an input \(PATH"),
+    Case("generate-json-a-device", "generate", generate_cli("{schnell}", "--prompt", "a cat", "--out", "{tmp}/x.png",
+                                                            "--json", "/dev/null"),
+         r"--json /dev/null: not a regular file"),
+    Case("generate-out-under-proc", "generate", generate_cli("{schnell}", "--prompt", "a cat", "--out",
+                                                             "/proc/x.png"),
+         r"--out /proc/x.png: under /proc"),
+    Case("generate-truncated-t5", "generate",
+         generate_cli("{tmp}/pipe", "--prompt", "a cat", "--out", "{tmp}/x.png",
+                      setup=pipe_copy(change=truncate("text_encoder_2/model.safetensors"))),
+         r"text_encoder_2/model.safetensors: cannot read safetensors file \(truncated or corrupt\?\)"),
+    Case("generate-flux-vae-in-qwen", "generate",
+         generate_cli("{tmp}/pipe", "--prompt", "a cat", "--out", "{tmp}/x.png",
+                      setup=pipe_copy("qwen_image", flux_vae_in_qwen)),
+         r"vae/config.json names AutoencoderKL, but model_index.json lists AutoencoderKLQwenImage"),
+    Case("generate-scheduler-timesteps-0", "generate",
+         generate_cli("{tmp}/pipe", "--prompt", "a cat", "--out", "{tmp}/x.png",
+                      setup=pipe_copy(change=edit_json("scheduler/scheduler_config.json", num_train_timesteps=0))),
+         r"scheduler_config.json: `num_train_timesteps` must be >= 1, got 0"),
+    Case("generate-scheduler-shift-string", "generate",
+         generate_cli("{tmp}/pipe", "--prompt", "a cat", "--out", "{tmp}/x.png",
+                      setup=pipe_copy(change=edit_json("scheduler/scheduler_config.json", base_shift="0.5"))),
+         r"scheduler_config.json: `base_shift` must be a finite real number, got '0.5'"),
+    Case("generate-report-fails-after-the-run", "generate", generate_report_fails_after_the_run,
+         r"^error: --json \S+t.json: cannot write it \(No space left on device\); nothing was written"),
+
+    # ---- python -m difflet_tpu.check: exit 2 before any work ----
+    Case("check-topology-unknown", "check", check_cli("--compile-only", "--topology", "v9x:2x2"),
+         r"--topology v9x:2x2: unknown TPU generation 'v9x'"),
+    Case("check-topology-malformed", "check", check_cli("--compile-only", "--topology", "2x2"),
+         r"--topology 2x2: .*not of the form v5e:2x2"),
+    Case("check-sp-maybe", "check", check_cli("--quick", env={"DIFFLET_TPU_SP": "maybe"}),
+         r"DIFFLET_TPU_SP='maybe' is not allowed; use one of 0, 1"),
+    Case("check-mesh-toggle-malformed", "check", check_cli("--quick", env={"DIFFLET_TPU_MESH": "tp4"}),
+         r"DIFFLET_TPU_MESH='tp4' is not allowed"),
+    Case("check-md-is-the-json", "check", check_cli("--json", "{tmp}/r.json", "--md", "{tmp}/r.json"),
+         r"--md \S+r.json: is also the --json output"),
+    Case("check-json-empty", "check", check_cli("--json", ""), r"--json '': an empty path"),
+    Case("check-json-under-sys", "check", check_cli("--json", "/sys/r.json"), r"--json /sys/r.json: under /sys"),
+    Case("check-iters-0", "check", check_cli("--iters", "0"), r"--iters 0: must be >= 1"),
+
+    # ---- DiffusionPipeline.from_pretrained: what the configs say, before any weight is read ----
+    Case("pipeline-heads-over-the-mesh", "pipeline", from_pretrained(pipe_copy(), mesh=lambda: make_mesh(3)),
+         r"num_attention_heads: 4 heads over tp=3"),
+    Case("pipeline-transformer-class-disagrees", "pipeline",
+         from_pretrained(pipe_copy(change=edit_json("transformer/config.json",
+                                                    _class_name="QwenImageTransformer2DModel"))),
+         r"transformer/config.json names QwenImageTransformer2DModel, but model_index.json lists "
+         r"FluxTransformer2DModel"),
+    Case("pipeline-truncated-clip", "pipeline",
+         from_pretrained(pipe_copy(change=truncate("text_encoder/model.safetensors"))),
+         r"text_encoder/model.safetensors: cannot read safetensors file"),
+    Case("pipeline-compile-cache-is-a-file", "pipeline",
+         from_pretrained(pipe_copy(), config=lambda c: (c.tmp / "cc").write_text("x") and Config(
+             compile_cache=str(c.tmp / "cc"))),
+         r"compile cache \(DIFFLET_TPU_COMPILE_CACHE\) \S+cc: exists and is not a directory"),
+    Case("pipeline-scheduler-equal-seq-lens", "pipeline",
+         from_pretrained(pipe_copy("flux_dev", edit_json("scheduler/scheduler_config.json", max_image_seq_len=256))),
+         r"`base_image_seq_len` equals `max_image_seq_len`"),
     Case("coordinator-port-out-of-range", "parallel",
          raises(lambda c: __import__("difflet_tpu.parallel.distributed").parallel.distributed.wait_for_coordinator(
              "127.0.0.1:70000", 1), RuntimeError), r"port 70000 is outside 1..65535"),
@@ -981,7 +1212,7 @@ def test_table():
     for c in CASES:
         counts[c.surface] = counts.get(c.surface, 0) + 1
     print(f"\nbad-input table: {len(CASES)} rows: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-    assert set(counts) == {"cli", "loader", "config", "cache", "runner", "parallel"}
+    assert set(counts) == {"cli", "loader", "config", "cache", "runner", "parallel", "generate", "check", "pipeline"}
     assert len({c.id for c in CASES}) == len(CASES)
 
 

@@ -48,6 +48,7 @@ import pathlib
 import math
 import os
 import sys
+from difflet_tpu import arguments as A
 from difflet_tpu.bench.cases import BenchError, MODES
 from difflet_tpu.bench.compile_only import COMPILE_VARIANTS, run_compile_only
 from difflet_tpu.bench.run import run_bench
@@ -145,19 +146,22 @@ def parse_modes(value: str | None) -> list[str]:
     return out
 
 
-# Upper bounds named in the refusal: past them a run cannot finish on any slice this project
-# targets (or, for --cpu-devices, the host's thread pools), and numpy would fail mid-run.
-LIMITS = dict(steps=10_000, warmup=1_000, batch=1_024, height=16_384, width=16_384, frames=4_097,
-              cpu_devices=64)  # parallel.mesh.MAX_CPU_DEVICES
+# The bounds are the shared table (difflet_tpu.arguments.LIMITS): generate and the pipelines refuse
+# the same values.
+LIMITS = A.LIMITS
+BOUNDED = ("steps", "warmup", "batch", "height", "width", "frames", "cpu_devices", "seed")
 
 
 def validate(args, ap):
     if args.steps is not None and args.steps < 1:
         ap.error("--steps must be >= 1")
-    for name, limit in LIMITS.items():
+    for name in BOUNDED:
         v = getattr(args, name)
-        if v is not None and v > limit:
-            ap.error(f"--{name.replace('_', '-')} {v}: at most {limit}")
+        if v is not None and (v > LIMITS[name][1] or name == "seed"):  # lower bounds: their own messages
+            try:
+                A.integer(f"--{name.replace('_', '-')}", v, limit=name)
+            except A.ArgumentError as e:
+                ap.error(str(e))
     if args.warmup < 1:
         ap.error("--warmup must be >= 1 (the first call compiles; timed steps never include it)")
     for name in ("height", "width", "frames"):
@@ -166,8 +170,6 @@ def validate(args, ap):
             ap.error(f"--{name} must be positive")
     if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 0):
         ap.error(f"--guidance {args.guidance}: must be a finite number >= 0")
-    if not 0 <= args.seed < 2**32:
-        ap.error(f"--seed {args.seed}: must be in [0, 2**32)")
     if args.compile_only:
         if not args.topology:
             ap.error("--compile-only needs --topology (e.g. v5e:2x2)")
@@ -237,10 +239,8 @@ def validate(args, ap):
     from difflet_tpu import checks
 
     try:
-        inputs = {"--embeddings": args.embeddings, "--weights": args.weights}
-        if args.json:
-            checks.writable_file(args.json, "--json")
-            checks.not_an_input(args.json, inputs, "--json")
+        inputs = {"--embeddings": args.embeddings, "--weights": args.weights, "--end-to-end": args.end_to_end}
+        checks.check_outputs([("--json", args.json)], inputs)
         for flag in ("profile", "dump_hlo"):
             if getattr(args, flag):
                 checks.not_an_input(getattr(args, flag), inputs, "--" + flag.replace("_", "-"))

@@ -55,8 +55,29 @@ def validate(args, ap):
 
     if args.compile_only != bool(args.topology):
         ap.error("--compile-only and --topology go together (e.g. --compile-only --topology v5e:2x2)")
-    if args.iters < 1 or (args.max_sites is not None and args.max_sites < 1) or args.cpu_devices < 2:
-        ap.error(f"--iters ({args.iters}) and --max-sites must be >= 1, --cpu-devices ({args.cpu_devices}) >= 2")
+    from difflet_tpu import arguments as A, checks
+    from difflet_tpu.config import Config, ConfigError
+
+    try:
+        A.integer("--iters", args.iters, limit="iters")
+        if args.max_sites is not None:
+            A.integer("--max-sites", args.max_sites, minimum=1)
+        A.integer("--cpu-devices", args.cpu_devices, minimum=2, limit="cpu_devices")
+    except A.ArgumentError as e:
+        ap.error(str(e))
+    if args.topology:
+        from difflet_tpu.tools import deviceless, estimate as E
+
+        try:
+            deviceless.accelerator_type(args.topology)
+            deviceless.parse_topology(args.topology)
+            E.chip_for(args.topology)
+        except ValueError as e:
+            ap.error(f"--topology {args.topology}: {e}")
+    try:  # every DIFFLET_TPU_* toggle, though a section may not read it: a typo is never a pass
+        Config.from_env()
+    except ConfigError as e:
+        ap.error(str(e))
     args.sections = args.only.split(",") if args.only else [s for s in SECTIONS if s != "pr-ops"]
     for s in args.sections:
         if s not in SECTIONS:
@@ -69,12 +90,12 @@ def validate(args, ap):
     for c in args.case_list or []:
         if c not in SITE_CASES:
             ap.error(f"--cases: unknown case {c!r}; cases: {', '.join(SITE_CASES)}")
-    for flag in ("json", "md"):
-        path = getattr(args, flag)
-        if path:
-            d = os.path.dirname(os.path.abspath(path))
-            if os.path.isdir(path) or not os.path.isdir(d) or not os.access(d, os.W_OK):
-                ap.error(f"--{flag} {path}: not a file in a writable, existing directory")
+    args.md_path = args.md if args.md is not None else (
+        os.path.splitext(args.json)[0] + ".md" if args.json else None)
+    try:  # the two reports: writable, not the same file, not under /proc or /sys, not '' (checks.py)
+        checks.check_outputs([("--json", args.json), ("--md", args.md_path)])
+    except ValueError as e:
+        ap.error(str(e))
     args.mesh_axes = None
     if args.mesh:
         from difflet_tpu.parallel.mesh import parse_mesh
@@ -201,11 +222,16 @@ def main(argv=None):
     rep["passed"] = not fails
     rep["seconds"] = round(time.perf_counter() - t0, 1)
     md = R.markdown(rep)
+    from difflet_tpu import checks
+
+    outputs = [(args.md_path, md, "--md")] if args.md_path else []
     if args.json:
-        R.write(args.json, json.dumps(rep, indent=1, default=str, allow_nan=False))
-    md_path = args.md or (os.path.splitext(args.json)[0] + ".md" if args.json else None)
-    if md_path:
-        R.write(md_path, md)
+        outputs.append((args.json, json.dumps(rep, indent=1, default=str, allow_nan=False), "--json"))
+    try:
+        checks.write_all_atomic(outputs)  # both reports or neither
+    except checks.WriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(md)
     return 1 if fails else 0
 

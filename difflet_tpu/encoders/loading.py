@@ -141,11 +141,14 @@ class Checkpoint:
             path = folder / name
             if not path.is_file():
                 raise FileNotFoundError(f"shard {name} listed in the index is missing from {folder}")
-            with safe_open(path, framework="numpy") as f:
-                for key in f.keys():
-                    s = f.get_slice(key)
-                    self.file_of[key] = path
-                    self.info[key] = (s.get_dtype(), tuple(s.get_shape()))
+            try:
+                with safe_open(path, framework="numpy") as f:
+                    for key in f.keys():
+                        s = f.get_slice(key)
+                        self.file_of[key] = path
+                        self.info[key] = (s.get_dtype(), tuple(s.get_shape()))
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                raise ValueError(f"{path}: cannot read safetensors file (truncated or corrupt?): {e}") from None
 
     def keys(self):
         return self.info.keys()

@@ -26,6 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from difflet_tpu import arguments
+from difflet_tpu.arguments import ArgumentError
+
 logger = logging.getLogger(__name__)
 
 # QwenImagePipeline.__init__: the template, the count of its tokens before the prompt, the limit
@@ -36,7 +39,7 @@ QWEN_IMAGE_TEMPLATE_START_IDX = 34
 QWEN_IMAGE_TOKENIZER_MAX_LENGTH = 1024
 
 
-class TokenizerError(ValueError):
+class TokenizerError(ArgumentError):
     """A tokenizer folder that cannot be read, or a prompt that cannot be tokenized."""
 
 
@@ -121,16 +124,10 @@ def load_tokenizer(folder, family: str):
 def as_prompt_list(prompt, name: str = "prompt", allow_empty: bool = False) -> list[str]:
     """`prompt` (a string or a list of strings) as a list, refusing an empty list, non-strings
     and, unless `allow_empty` (negative prompts), empty or blank strings."""
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise TokenizerError(f"`{name}` must be a non-empty string or list of strings, got {prompt!r}")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, str):
-            raise TokenizerError(f"`{name}`[{i}] must be a string, got {type(p).__name__}")
-        if not allow_empty and not p.strip():
-            where = f"`{name}`" if isinstance(prompt, str) else f"`{name}`[{i}]"
-            raise TokenizerError(f"{where} is empty: give a prompt to generate from")
-    return list(prompts)
+    try:
+        return arguments.prompts(prompt, name, allow_empty)
+    except ArgumentError as e:
+        raise TokenizerError(str(e)) from None
 
 
 def _tokens(tokenizer, prompts: list[str], max_length: int, padding: str, what: str) -> Tokens:
@@ -148,11 +145,11 @@ def _tokens(tokenizer, prompts: list[str], max_length: int, padding: str, what: 
     return Tokens(input_ids=ids, attention_mask=mask, removed=removed)
 
 
-def clip_tokens(tokenizer, prompt, name: str = "prompt") -> Tokens:
+def clip_tokens(tokenizer, prompt, name: str = "prompt", allow_empty: bool = False) -> Tokens:
     """FluxPipeline._get_clip_prompt_embeds' tokenizer call: padded and truncated to
     `tokenizer.model_max_length` (77)."""
     n = int(tokenizer.model_max_length)
-    return _tokens(tokenizer, as_prompt_list(prompt, name), n, "max_length",
+    return _tokens(tokenizer, as_prompt_list(prompt, name, allow_empty), n, "max_length",
                    f"CLIP can only handle sequences up to {n} tokens")
 
 
@@ -160,8 +157,10 @@ def t5_tokens(tokenizer, prompt, max_sequence_length: int = 512, name: str = "pr
               allow_empty: bool = False) -> Tokens:
     """FluxPipeline._get_t5_prompt_embeds' tokenizer call: padded and truncated to
     `max_sequence_length` (FluxPipeline refuses more than 512)."""
-    if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= 512:
-        raise TokenizerError(f"`max_sequence_length` must be an int in [1, 512], got {max_sequence_length!r}")
+    try:
+        max_sequence_length = arguments.max_sequence_length(max_sequence_length, 512)
+    except ArgumentError as e:
+        raise TokenizerError(str(e)) from None
     return _tokens(tokenizer, as_prompt_list(prompt, name, allow_empty), max_sequence_length, "max_length",
                    f"`max_sequence_length` is set to {max_sequence_length} tokens")
 

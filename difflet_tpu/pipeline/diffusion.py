@@ -36,6 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from difflet_tpu import arguments as A
+from difflet_tpu import checks
+from difflet_tpu.arguments import ArgumentError as PipelineError  # one type for every refusal before the work
 from difflet_tpu.pipeline import schedules as S
 
 logger = logging.getLogger(__name__)
@@ -47,10 +50,6 @@ PIPELINES = {
     "WanPipeline": "difflet_tpu.models.wan.pipeline",
     "WanImageToVideoPipeline": "difflet_tpu.models.wan.pipeline",
 }
-
-
-class PipelineError(ValueError):
-    """A pipeline folder or a pipeline call that cannot be run; raised before the work."""
 
 
 @dataclasses.dataclass
@@ -192,8 +191,71 @@ def scheduler_config(folder: Path) -> S.SchedulerConfig:
         raise PipelineError(f"{path}: {unsupported} are not implemented by this port's flow-matching Euler schedule")
     if raw.get("time_shift_type", "exponential") not in ("exponential", "linear"):
         raise PipelineError(f"{path}: time_shift_type {raw['time_shift_type']!r} (expected exponential or linear)")
+    check_scheduler_values(path, raw)
     fields = {f.name for f in dataclasses.fields(S.SchedulerConfig)}
     return S.SchedulerConfig(**{k: v for k, v in raw.items() if k in fields and v is not None})
+
+
+def check_scheduler_values(path: Path, raw: dict) -> None:
+    """The values of a flow-matching scheduler config: counts are ints >= 1, shifts finite
+    numbers (a string or 0 would change the image silently or fail mid-schedule); every
+    problem named with the file and the field."""
+    problems = []
+    for key in ("num_train_timesteps", "base_image_seq_len", "max_image_seq_len"):
+        if key in raw and raw[key] is not None:
+            try:
+                A.integer(key, raw[key], minimum=1)
+            except A.ArgumentError as e:
+                problems.append(str(e))
+    for key in ("shift", "base_shift", "max_shift", "shift_terminal"):
+        if raw.get(key) is not None:
+            try:
+                A.scale(key, raw[key], minimum=0 if key == "shift_terminal" else None)
+            except A.ArgumentError as e:
+                problems.append(str(e))
+    if not isinstance(raw.get("use_dynamic_shifting", False), bool):
+        problems.append(f"`use_dynamic_shifting` must be true or false, got {raw['use_dynamic_shifting']!r}")
+    if raw.get("use_dynamic_shifting") and raw.get("base_image_seq_len", 256) == raw.get("max_image_seq_len", 4096):
+        problems.append("`base_image_seq_len` equals `max_image_seq_len`: the dynamic shift divides by their difference")
+    if problems:
+        raise PipelineError(f"{path}: " + "; ".join(problems))
+
+
+def check_configs(path: Path, index: dict, pipeline_cls, *, mesh=None, dtype=jnp.bfloat16, config=None) -> None:
+    """Everything the folder's configs say, before any weight is read: each component's config
+    names the class model_index.json lists (a FLUX VAE in a Qwen-Image folder is refused
+    here), the scheduler's values, the transformer against its port and `mesh` (heads
+    that do not divide; `loading.check_transformer` reads only headers), the widths the
+    components share (`pipeline_cls.config_problems`) and the compile-cache folder."""
+    from difflet_tpu import checks
+    from difflet_tpu.config import Config
+    from difflet_tpu.encoders.loading import Checkpoint
+    from difflet_tpu.loading import check_transformer
+
+    config = Config() if config is None else config
+    raw, problems = {}, []
+    for name, (kind, _, _) in pipeline_cls.components.items():
+        if kind not in ("text_encoder", "transformer", "vae"):
+            continue
+        try:
+            raw[name] = json.loads((path / name / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise PipelineError(f"{path / name / 'config.json'}: cannot read it ({e})") from None
+        declared = raw[name].get("_class_name") or (raw[name].get("architectures") or [None])[0]
+        if declared is not None and declared != index[name][1]:
+            problems.append(f"{name}/config.json names {declared}, but model_index.json lists {index[name][1]}")
+    if problems:
+        raise PipelineError(f"{path} ({index['_class_name']}): " + "; ".join(problems))
+    scheduler_config(path / "scheduler")
+    for name, (kind, _, _) in pipeline_cls.components.items():
+        if kind == "text_encoder":  # headers only: a truncated file is named before any encoder loads
+            Checkpoint(path / name)
+    _, transformer_config = check_transformer(path / "transformer", dtype=dtype, mesh=mesh, config=config)
+    problems = pipeline_cls.config_problems(transformer_config, raw)
+    if problems:
+        raise PipelineError(f"{path}: " + "; ".join(problems))
+    if config.compile_cache and "://" not in config.compile_cache:
+        checks.writable_dir(Path(config.compile_cache).expanduser(), "compile cache (DIFFLET_TPU_COMPILE_CACHE)")
 
 
 def encoder_mesh(module, config, mesh):
@@ -234,6 +296,13 @@ def vae_scale_factor(vae) -> int:
 def vae_latent_channels(vae) -> int:
     c = vae.config
     return c.z_dim if hasattr(c, "z_dim") else c.latent_channels
+
+
+def folder_latent_channels(vae_config: dict) -> int:
+    """`vae_latent_channels` from `vae/config.json` (diffusers' defaults when absent)."""
+    if "z_dim" in vae_config or vae_config.get("_class_name") == "AutoencoderKLQwenImage":
+        return vae_config.get("z_dim", 16)
+    return vae_config.get("latent_channels", 4)
 
 
 # --------------------------------------------------------------------------
@@ -283,6 +352,7 @@ class Call:
     w: int
     schedule: S.Schedule
     latents: Any
+    max_sequence_length: int
 
 
 class DiffusionPipeline:
@@ -295,6 +365,12 @@ class DiffusionPipeline:
     refused: dict = {}
     default_sample_size = 128
     vae_encoder = False  # whether the pipeline encodes images with the VAE (image-to-video)
+    max_sequence_limit = 512  # the text encoder's longest `max_sequence_length`
+
+    @classmethod
+    def config_problems(cls, transformer_config, raw_configs: dict) -> list[str]:
+        """What the components' configs say does not fit (widths); set by subclasses."""
+        return []
 
     def __init__(self, path: Path, index: dict, scheduler: S.SchedulerConfig):
         self.path = path
@@ -332,6 +408,7 @@ class DiffusionPipeline:
             from difflet_tpu.config import Config
 
             config = Config.from_env()
+        check_configs(path, index, pipeline_cls, mesh=mesh, dtype=dtype, config=config)
         return pipeline_cls.load(path, index, mesh=mesh, dtype=dtype, config=config,
                                  runner_options=dict(runner_options or {}))
 
@@ -413,28 +490,29 @@ class DiffusionPipeline:
 
     def start_call(self, unsupported: dict, *, prompt, output_type, height, width, num_inference_steps,
                    num_images_per_prompt, max_sequence_length, max_sequence_limit: int, sigmas, latents,
-                   seed, scales: dict | None = None) -> Call:
-        """`__call__`'s checks before any work, in diffusers' order, and what they give: the schedule
-        and the initial packed latents. `scales`: name -> a guidance scale (None: not given)."""
-        from difflet_tpu.encoders import tokenizers as T
-
+                   seed, scales: dict | None = None, negatives: dict | None = None) -> Call:
+        """`__call__`'s checks before any work (difflet_tpu.arguments, in diffusers' order), and what
+        they give: the schedule and the initial packed latents. `scales`: name -> (value, required);
+        `negatives`: name -> a negative prompt, checked even when guidance will not read it."""
         self.check_refused(unsupported)
         self.timings = Timings()
-        for name, value in (scales or {}).items():
-            self.check_scale(name, value)
+        for name, (value, required) in (scales or {}).items():
+            A.scale(name, value, required=required)
+        for name, value in (negatives or {}).items():
+            A.negative_prompt(value, name)
         output_type = self.check_output_type(output_type)
         height, width = self.check_size(height, width)
-        num_inference_steps = self.check_count("num_inference_steps", num_inference_steps)
-        num_images_per_prompt = self.check_count("num_images_per_prompt", num_images_per_prompt)
-        if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= max_sequence_limit:
-            raise PipelineError(f"`max_sequence_length` cannot be greater than {max_sequence_limit} (or below 1), "
-                                f"got {max_sequence_length!r}")
-        prompts = T.as_prompt_list(prompt)
-        batch = len(prompts) * num_images_per_prompt
+        num_inference_steps = A.count("num_inference_steps", num_inference_steps, "steps")
+        num_images_per_prompt = A.count("num_images_per_prompt", num_images_per_prompt, "batch")
+        max_sequence_length = A.max_sequence_length(max_sequence_length, max_sequence_limit)
+        prompts = A.prompts(prompt)
+        batch = A.integer("images per call (prompts x num_images_per_prompt)", len(prompts) * num_images_per_prompt,
+                          limit="batch")
         h, w = 2 * (height // (self.vae_scale_factor * 2)), 2 * (width // (self.vae_scale_factor * 2))
         schedule = self.schedule(num_inference_steps, (h // 2) * (w // 2), sigmas)
         x = self.initial_latents(latents, seed, batch, self.transformer_config.in_channels // 4, h, w, self.dtype)
-        return Call(output_type, height, width, num_images_per_prompt, prompts, batch, h, w, schedule, x)
+        return Call(output_type, height, width, num_images_per_prompt, prompts, batch, h, w, schedule, x,
+                    max_sequence_length)
 
     def denoise_and_decode(self, call: Call, predict: Callable, to_vae: Callable, return_dict: bool):
         """The denoise loop from `call`'s latents, then (unless `output_type="latent"`) the VAE's decode of
@@ -444,6 +522,7 @@ class DiffusionPipeline:
         # the image transformers take t / 1000
         x = self.denoise(call.latents, call.schedule,
                          lambda x, i, t: predict(x, np.full((b,), np.float32(t) / np.float32(1000), np.float32)))
+        checks.check_finite(x, "the latents after the denoise (the transformer's steps)")
         self.final_latents = x  # the packed latents before decoding, for inspection
         if call.output_type == "latent":
             image = x
@@ -473,30 +552,9 @@ class DiffusionPipeline:
     def check_size(self, height, width) -> tuple[int, int]:
         """diffusers' default size (default_sample_size x vae_scale_factor) and the 2x2 packing's
         rule, as an error: height and width must be multiples of 2 x vae_scale_factor (16)."""
-        multiple = self.vae_scale_factor * 2
-        height = self.default_sample_size * self.vae_scale_factor if height is None else height
-        width = self.default_sample_size * self.vae_scale_factor if width is None else width
-        for name, v in (("height", height), ("width", width)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0 or v % multiple:
-                raise PipelineError(f"`{name}` must be a positive multiple of {multiple} (the VAE's "
-                                    f"{self.vae_scale_factor}x and the 2x2 latent packing), got {v!r}")
-        return int(height), int(width)
-
-    @staticmethod
-    def check_scale(name: str, value, required: bool = False) -> None:
-        """A guidance scale is a finite real number, or None where not `required` (a NaN would
-        only show as a non-finite image after the whole run)."""
-        if value is None and not required:
-            return
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-                or not np.isfinite(value):
-            raise PipelineError(f"`{name}` must be a finite real number, got {value!r}")
-
-    @staticmethod
-    def check_count(name: str, value, minimum: int = 1) -> int:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-            raise PipelineError(f"`{name}` must be an int >= {minimum}, got {value!r}")
-        return int(value)
+        default = self.default_sample_size * self.vae_scale_factor
+        return tuple(A.size(name, default if v is None else v, 2 * self.vae_scale_factor)
+                     for name, v in (("height", height), ("width", width)))
 
     def schedule(self, num_inference_steps: int, image_seq_len: int, sigmas=None) -> S.Schedule:
         """FluxPipeline / QwenImagePipeline step 5: sigmas linspace(1, 1/N, N) unless given,
@@ -524,19 +582,10 @@ class DiffusionPipeline:
         `seed` drawn [batch, channels, h, w] and packed, as diffusers' prepare_latents draws then
         packs (h, w: the latent grid)."""
         shape = (batch, (h // 2) * (w // 2), channels * 4)
-        if latents is not None:
-            x = np.asarray(latents)
-            if x.shape != shape:
-                raise PipelineError(f"`latents` must have the packed shape {shape} [batch, (h/2)(w/2), 4 C], "
-                                    f"got {x.shape}")
-            if not np.issubdtype(x.dtype, np.floating) or not np.isfinite(x).all():
-                raise PipelineError("`latents` must be finite floating-point values")
-            return jnp.asarray(x, dtype)
-        if seed is None:
-            seed = int(np.random.SeedSequence().generate_state(1)[0])
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise PipelineError(f"`seed` must be an int, got {seed!r}")
-        noise = jax.random.normal(jax.random.key(int(seed)), (batch, channels, h, w), jnp.float32)
+        if latents is not None:  # the packed shape [batch, (h/2)(w/2), 4 C]
+            return jnp.asarray(A.latents(latents, shape), dtype)
+        seed = int(np.random.SeedSequence().generate_state(1)[0]) if seed is None else A.seed(seed)
+        noise = jax.random.normal(jax.random.key(seed), (batch, channels, h, w), jnp.float32)
         return pack_latents(noise).astype(dtype)
 
     def denoise(self, latents, sampler, predict: Callable):
@@ -560,7 +609,8 @@ class DiffusionPipeline:
 
         x = np.asarray(jnp.asarray(image, jnp.float32)).transpose(0, 2, 3, 1)
         if not np.isfinite(x).all():
-            raise FloatingPointError(f"the decoded image has {int((~np.isfinite(x)).sum())} non-finite values")
+            raise checks.NonFiniteError(f"the decoded image has {int((~np.isfinite(x)).sum())} non-finite values "
+                                        f"(the VAE's decode)")
         x = np.clip(x * 0.5 + 0.5, 0.0, 1.0).astype(np.float32)
         return images.to_pil(x) if output_type == "pil" else x
 
@@ -569,12 +619,6 @@ class DiffusionPipeline:
         if output_type not in ("pil", "np", "latent"):
             raise PipelineError(f"`output_type` must be 'pil', 'np' or 'latent', got {output_type!r}")
         return output_type
-
-
-def check_stage_finite(x, what: str) -> None:
-    """A stage's result with NaN or inf is the failure of that stage, named, before the next runs."""
-    if not bool(jnp.isfinite(x).all()):
-        raise FloatingPointError(f"{what} has non-finite values (NaN or inf); nothing after it was run")
 
 
 def wait(tree):

@@ -69,22 +69,30 @@ def save_png(image, path) -> Path:
 
     path = check_writable(path)
     pil = image if isinstance(image, Image.Image) else to_pil(image)[0]
-    checks.write_atomic(path, lambda f: pil.save(f, format="PNG"), "image")
+    checks.write_atomic(path, png_writer(pil), "image")
     return path
+
+
+def png_paths(path, n: int) -> list[Path]:
+    """One image -> `path`; several -> `stem-0.png`, `stem-1.png`, ... beside it."""
+    path = Path(path)
+    return [path] if n == 1 else [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(n)]
+
+
+def png_writer(pil):
+    """A writer of `pil` as PNG for checks.write_atomic / write_all_atomic."""
+    return lambda f: pil.save(f, format="PNG")
 
 
 def save_pngs(images, path) -> list[Path]:
     """A batch: one image -> `path`; several -> `stem-0.png`, `stem-1.png`, ... beside it. Every
-    destination is checked before the first is written."""
-    path = Path(path)
-    x = images if isinstance(images, list) else list(check_image(images))
-    if len(x) == 1:
-        targets = [path]
-    else:
-        targets = [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(len(x))]
+    destination is checked before the first is written, and all are written or none."""
+    x = images if isinstance(images, list) else to_pil(images)
+    targets = png_paths(path, len(x))
     for t in targets:
         check_writable(t)
-    return [save_png(img, t) for img, t in zip(x, targets)]
+    checks.write_all_atomic([(t, png_writer(img), "image") for img, t in zip(x, targets)])
+    return targets
 
 
 def open_image(image, name: str = "image"):

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from difflet_tpu import arguments as A
 from difflet_tpu.pipeline import diffusion as D
 from difflet_tpu.pipeline.diffusion import PipelineError
 
@@ -81,7 +82,7 @@ class VideoPipeline(D.DiffusionPipeline):
     def check_frames(self, num_frames) -> int:
         """diffusers: `num_frames - 1` must divide by the temporal factor; otherwise rounded down
         (`num_frames // 4 * 4 + 1`) with a warning, at least 1."""
-        n = self.check_count("num_frames", num_frames)
+        n = A.count("num_frames", num_frames, "frames")
         ft = self.vae_scale_factor_temporal
         if n % ft != 1:
             made = max(n // ft * ft + 1, 1)
@@ -93,10 +94,7 @@ class VideoPipeline(D.DiffusionPipeline):
     def check_video_size(self, height, width, patch: tuple[int, int]) -> tuple[int, int]:
         """diffusers' Wan pipelines: height and width must divide by 16 (`check_inputs`), then are
         rounded down to multiples of the spatial factor times the patch (with a warning)."""
-        for name, v in (("height", height), ("width", width)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0 or v % 16:
-                raise PipelineError(f"`{name}` must be a positive multiple of 16 (diffusers' Wan pipelines), "
-                                    f"got {v!r}")
+        height, width = A.size("height", height, 16), A.size("width", width, 16)  # diffusers' check_inputs
         fs = self.vae_scale_factor_spatial
         mh, mw = fs * patch[0], fs * patch[1]
         h, w = int(height) // mh * mh, int(width) // mw * mw
@@ -117,21 +115,9 @@ class VideoPipeline(D.DiffusionPipeline):
         from `seed` (`jax.random`; torch's generators cannot be matched, so parity tests pass
         `latents=`)."""
         if latents is not None:
-            x = latents if isinstance(latents, jax.Array) else np.asarray(latents)
-            if tuple(x.shape) != tuple(shape):
-                raise PipelineError(f"`latents` must have the shape {tuple(shape)} [batch, channels, latent frames, "
-                                    f"height / 8, width / 8], got {tuple(x.shape)}")
-            if not jnp.issubdtype(x.dtype, jnp.floating):
-                raise PipelineError(f"`latents` must be floating point, got {x.dtype}")
-            x = jnp.asarray(x, jnp.float32)
-            if not bool(jnp.isfinite(x).all()):
-                raise PipelineError("`latents` must be finite (it has NaN or inf values)")
-            return x
-        if seed is None:
-            seed = int(np.random.SeedSequence().generate_state(1)[0])
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**32:
-            raise PipelineError(f"`seed` must be an int in [0, 2**32), got {seed!r}")
-        return jax.random.normal(jax.random.key(int(seed)), shape, jnp.float32)
+            return jnp.asarray(A.latents(latents, shape), jnp.float32)
+        seed = int(np.random.SeedSequence().generate_state(1)[0]) if seed is None else A.seed(seed)
+        return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
     def decode_frames(self, latents, output_type: str):
         """The VAE's decode of the denoised latents, then diffusers' `postprocess_video`."""

@@ -17,13 +17,17 @@ the negative prompt too and combines `neg + s (pos - neg)`; Euler steps; then un
 
 from __future__ import annotations
 
+import logging
 import time
 
 import jax.numpy as jnp
 import numpy as np
 
+from difflet_tpu import checks
 from difflet_tpu.pipeline import diffusion as D
 from difflet_tpu.pipeline.diffusion import PipelineError
+
+logger = logging.getLogger(__name__)
 
 
 class FluxPipeline(D.DiffusionPipeline):
@@ -47,6 +51,8 @@ class FluxPipeline(D.DiffusionPipeline):
         "callback_on_step_end": None, "callback_on_step_end_tensor_inputs": ["latents"],
     }
 
+    max_sequence_limit = 512  # T5's, as FluxPipeline checks it
+
     @classmethod
     def load(cls, path, index, *, mesh, dtype, config, runner_options):
         from difflet_tpu.encoders import clip, loading, t5
@@ -62,25 +68,27 @@ class FluxPipeline(D.DiffusionPipeline):
         self.text_encoder_2 = t5.from_pretrained(path / "text_encoder_2", dtype=dtype,
                                                  mesh=D.encoder_mesh(t5, t5_config, mesh))
         self.load_denoiser(path, mesh=mesh, dtype=dtype, config=config, runner_options=runner_options)
-        self.check_components()
         self.init_encoder_home([self.text_encoder, self.text_encoder_2], config)
         return self
 
-    def check_components(self):
-        """The components fit each other (widths, latent channels)."""
-        c = self.transformer_config
+    @classmethod
+    def config_problems(cls, c, raw: dict) -> list[str]:
+        """The components fit each other (widths, latent channels), from the configs alone: `c`
+        the transformer's port config, `raw` {component: its config.json}."""
+        from difflet_tpu.encoders import clip, t5
+
+        d_model = t5.T5Config.from_dict(raw["text_encoder_2"]).d_model
+        hidden = clip.CLIPTextConfig.from_dict(raw["text_encoder"]).hidden_size
+        z = D.folder_latent_channels(raw["vae"])
         problems = []
-        if c.joint_attention_dim != self.text_encoder_2.config.d_model:
-            problems.append(f"transformer joint_attention_dim {c.joint_attention_dim} != text_encoder_2 d_model "
-                            f"{self.text_encoder_2.config.d_model}")
-        if c.pooled_projection_dim != self.text_encoder.config.hidden_size:
+        if c.joint_attention_dim != d_model:
+            problems.append(f"transformer joint_attention_dim {c.joint_attention_dim} != text_encoder_2 d_model {d_model}")
+        if c.pooled_projection_dim != hidden:
             problems.append(f"transformer pooled_projection_dim {c.pooled_projection_dim} != text_encoder "
-                            f"hidden_size {self.text_encoder.config.hidden_size}")
-        if c.in_channels != 4 * D.vae_latent_channels(self.vae):
-            problems.append(f"transformer in_channels {c.in_channels} != 4 x the VAE's latent channels "
-                            f"{D.vae_latent_channels(self.vae)}")
-        if problems:
-            raise PipelineError(f"{self.path}: " + "; ".join(problems))
+                            f"hidden_size {hidden}")
+        if c.in_channels != 4 * z:
+            problems.append(f"transformer in_channels {c.in_channels} != 4 x the VAE's latent channels {z}")
+        return problems
 
     # ---- diffusers' FluxPipeline methods -------------------------------------
 
@@ -91,13 +99,13 @@ class FluxPipeline(D.DiffusionPipeline):
         from difflet_tpu.encoders import tokenizers as T
 
         start = time.perf_counter()
-        prompts = T.as_prompt_list(prompt, name, allow_empty=name != "prompt")
-        prompts_2 = prompts if prompt_2 is None else T.as_prompt_list(
-            prompt_2, name + "_2", allow_empty=name != "prompt")
+        allow_empty = name != "prompt"  # an empty negative prompt is a prompt, as in diffusers
+        prompts = T.as_prompt_list(prompt, name, allow_empty=allow_empty)
+        prompts_2 = prompts if prompt_2 is None else T.as_prompt_list(prompt_2, name + "_2", allow_empty=allow_empty)
         if len(prompts_2) != len(prompts):
             raise PipelineError(f"`{name}_2` has {len(prompts_2)} prompts, `{name}` {len(prompts)}")
-        clip_ids = T.clip_tokens(self.tokenizer, prompts, name).input_ids
-        t5_ids = T.t5_tokens(self.tokenizer_2, prompts_2, max_sequence_length, name + "_2").input_ids
+        clip_ids = T.clip_tokens(self.tokenizer, prompts, name, allow_empty).input_ids
+        t5_ids = T.t5_tokens(self.tokenizer_2, prompts_2, max_sequence_length, name + "_2", allow_empty).input_ids
         self.timings.tokenize += time.perf_counter() - start
         start = time.perf_counter()
         # FluxPipeline passes no attention mask to either encoder
@@ -106,6 +114,8 @@ class FluxPipeline(D.DiffusionPipeline):
         pooled = jnp.repeat(pooled, num_images_per_prompt, axis=0)
         prompt_embeds = jnp.repeat(prompt_embeds, num_images_per_prompt, axis=0)
         prompt_embeds, pooled = D.wait((prompt_embeds, pooled))
+        checks.check_finite(prompt_embeds, f"the {name} embeddings of text_encoder_2 (the text encode)")
+        checks.check_finite(pooled, f"the pooled {name} embeddings of text_encoder (the text encode)")
         self.timings.encode += time.perf_counter() - start
         text_ids = np.zeros((prompt_embeds.shape[1], 3), np.float32)
         return prompt_embeds, pooled, text_ids
@@ -130,14 +140,20 @@ class FluxPipeline(D.DiffusionPipeline):
         # everything checked before the work
         call = self.start_call(unsupported, prompt=prompt, output_type=output_type, height=height, width=width,
                                num_inference_steps=num_inference_steps, num_images_per_prompt=num_images_per_prompt,
-                               max_sequence_length=max_sequence_length, max_sequence_limit=512, sigmas=sigmas,
+                               max_sequence_length=max_sequence_length, max_sequence_limit=self.max_sequence_limit, sigmas=sigmas,
                                latents=latents, seed=seed,
-                               scales=dict(guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale))
+                               scales=dict(guidance_scale=(guidance_scale, self.transformer_config.guidance_embeds),
+                                           true_cfg_scale=(true_cfg_scale, True)),
+                               negatives=dict(negative_prompt=negative_prompt, negative_prompt_2=negative_prompt_2))
         prompts, batch, num_images_per_prompt = call.prompts, call.batch, call.num_images_per_prompt
         do_true_cfg = float(true_cfg_scale) > 1 and negative_prompt is not None
+        if negative_prompt is not None and not do_true_cfg:  # as QwenImagePipeline warns
+            logger.warning("negative_prompt is passed but true CFG is not enabled since true_cfg_scale (%s) <= 1",
+                           true_cfg_scale)
 
         self._stage("encode")
         self.encoders_in()
+        max_sequence_length = call.max_sequence_length
         prompt_embeds, pooled, text_ids = self.encode_prompt(prompts, prompt_2, num_images_per_prompt,
                                                              max_sequence_length)
         if do_true_cfg:

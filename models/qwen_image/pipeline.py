@@ -25,8 +25,8 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
+from difflet_tpu import checks
 from difflet_tpu.pipeline import diffusion as D
-from difflet_tpu.pipeline.diffusion import PipelineError
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class QwenImagePipeline(D.DiffusionPipeline):
         "callback_on_step_end": None, "callback_on_step_end_tensor_inputs": ["latents"],
     }
 
+    max_sequence_limit = 1024  # as QwenImagePipeline checks it
+
     @classmethod
     def load(cls, path, index, *, mesh, dtype, config, runner_options):
         from difflet_tpu.encoders import decoder_lm, loading
@@ -58,23 +60,25 @@ class QwenImagePipeline(D.DiffusionPipeline):
         self.text_encoder = decoder_lm.from_pretrained(path / "text_encoder", dtype=dtype,
                                                        mesh=D.encoder_mesh(decoder_lm, lm_config, mesh))
         self.load_denoiser(path, mesh=mesh, dtype=dtype, config=config, runner_options=runner_options)
-        self.check_components()
         self.init_encoder_home([self.text_encoder], config)
         return self
 
-    def check_components(self):
-        c = self.transformer_config
+    @classmethod
+    def config_problems(cls, c, raw: dict) -> list[str]:
+        """The components fit each other, from the configs alone (FluxPipeline.config_problems)."""
+        from difflet_tpu.encoders import decoder_lm
+
+        hidden = decoder_lm.DecoderLMConfig.from_dict(raw["text_encoder"]).hidden_size
+        z = D.folder_latent_channels(raw["vae"])
         problems = []
-        if c.joint_attention_dim != self.text_encoder.config.hidden_size:
+        if c.joint_attention_dim != hidden:
             problems.append(f"transformer joint_attention_dim {c.joint_attention_dim} != text_encoder hidden_size "
-                            f"{self.text_encoder.config.hidden_size}")
-        z = D.vae_latent_channels(self.vae)
+                            f"{hidden}")
         if c.in_channels != 4 * z:
             problems.append(f"transformer in_channels {c.in_channels} != 4 x the VAE's z_dim {z}")
         if c.guidance_embeds:
             problems.append("a guidance-distilled transformer (guidance_embeds) is not supported by this pipeline")
-        if problems:
-            raise PipelineError(f"{self.path}: " + "; ".join(problems))
+        return problems
 
     # ---- diffusers' QwenImagePipeline methods ---------------------------------
 
@@ -91,6 +95,7 @@ class QwenImagePipeline(D.DiffusionPipeline):
         hidden = runtime.encode(self.text_encoder, tokens.input_ids, tokens.attention_mask)
         embeds, mask = T.drop_template(hidden, tokens.attention_mask, max_sequence_length)
         embeds = D.wait(jnp.repeat(embeds, num_images_per_prompt, axis=0))
+        checks.check_finite(embeds, f"the {name} embeddings of text_encoder (the text encode)")
         self.timings.encode += time.perf_counter() - start
         mask = np.repeat(mask, num_images_per_prompt, axis=0)
         return embeds, (None if mask.all() else mask)
@@ -106,9 +111,10 @@ class QwenImagePipeline(D.DiffusionPipeline):
 
         call = self.start_call(unsupported, prompt=prompt, output_type=output_type, height=height, width=width,
                                num_inference_steps=num_inference_steps, num_images_per_prompt=num_images_per_prompt,
-                               max_sequence_length=max_sequence_length, max_sequence_limit=1024, sigmas=sigmas,
+                               max_sequence_length=max_sequence_length, max_sequence_limit=self.max_sequence_limit, sigmas=sigmas,
                                latents=latents, seed=seed,
-                               scales=dict(guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale))
+                               scales=dict(guidance_scale=(guidance_scale, False), true_cfg_scale=(true_cfg_scale, True)),
+                               negatives=dict(negative_prompt=negative_prompt))
         prompts, batch, num_images_per_prompt = call.prompts, call.batch, call.num_images_per_prompt
         has_neg = negative_prompt is not None
         if float(true_cfg_scale) > 1 and not has_neg:
@@ -126,6 +132,7 @@ class QwenImagePipeline(D.DiffusionPipeline):
 
         self._stage("encode")
         self.encoders_in()
+        max_sequence_length = call.max_sequence_length
         prompt_embeds, prompt_mask = self.encode_prompt(prompts, num_images_per_prompt, max_sequence_length)
         if do_true_cfg:
             neg_embeds, neg_mask = self.encode_prompt(negatives, num_images_per_prompt, max_sequence_length,

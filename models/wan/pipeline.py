@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from difflet_tpu import arguments as A
+from difflet_tpu import checks
 from difflet_tpu.pipeline import diffusion as D
 from difflet_tpu.pipeline import video as V
 from difflet_tpu.pipeline.diffusion import PipelineError
@@ -169,7 +171,7 @@ class WanPipeline(V.VideoPipeline):
         embeds = jnp.repeat((hidden * mask).astype(self.dtype), num_videos_per_prompt, axis=0)
         embeds = D.wait(embeds)
         self.timings.encode += time.perf_counter() - start
-        D.check_stage_finite(embeds, f"the {name} embeddings (text encoder)")
+        checks.check_finite(embeds, f"the {name} embeddings (the text encoder)")
         return embeds
 
     def __call__(self, prompt=None, negative_prompt=None, height: int = 480, width: int = 832, num_frames: int = 81,
@@ -193,12 +195,11 @@ class WanPipeline(V.VideoPipeline):
                          num_inference_steps, guidance_scale, guidance_scale_2, num_videos_per_prompt, output_type,
                          max_sequence_length, latents, seed, channels: int | None = None) -> "VideoCall":
         """Every check before any work, in diffusers' order, and what they give."""
-        from difflet_tpu.encoders import tokenizers as T
-
         self.check_refused(unsupported)
         self.timings = D.Timings()
-        self.check_scale("guidance_scale", guidance_scale, required=True)
-        self.check_scale("guidance_scale_2", guidance_scale_2)
+        guidance_scale = A.scale("guidance_scale", guidance_scale)
+        guidance_scale_2 = A.scale("guidance_scale_2", guidance_scale_2, required=False)
+        A.negative_prompt(negative_prompt)  # checked whether or not guidance reads it
         if self.boundary_ratio is None and guidance_scale_2 is not None:
             raise PipelineError("`guidance_scale_2` is only supported when the pipeline's `boundary_ratio` is not "
                                 "None (a Wan2.2-A14B folder)")
@@ -207,23 +208,20 @@ class WanPipeline(V.VideoPipeline):
         output_type = self.check_video_output_type(output_type)
         height, width = self.check_video_size(height, width, tuple(self.transformer_config.patch_size[1:]))
         num_frames = self.check_frames(num_frames)
-        num_inference_steps = self.check_count("num_inference_steps", num_inference_steps)
-        num_videos_per_prompt = self.check_count("num_videos_per_prompt", num_videos_per_prompt)
-        if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, (int, np.integer)) \
-                or not 1 <= max_sequence_length <= 512:
-            raise PipelineError(f"`max_sequence_length` must be an int in [1, 512], got {max_sequence_length!r}")
-        prompts = T.as_prompt_list(prompt)
-        do_cfg = float(guidance_scale) > 1.0
+        num_inference_steps = A.count("num_inference_steps", num_inference_steps, "steps")
+        num_videos_per_prompt = A.count("num_videos_per_prompt", num_videos_per_prompt, "batch")
+        max_sequence_length = A.max_sequence_length(max_sequence_length, 512)
+        prompts = A.prompts(prompt)
+        do_cfg = guidance_scale > 1.0
         negatives = None
         if do_cfg:
-            negatives = D.match_batch(T.as_prompt_list("" if negative_prompt is None else negative_prompt,
-                                                       "negative_prompt", allow_empty=True),
+            negatives = D.match_batch(A.negative_prompt("" if negative_prompt is None else negative_prompt),
                                       len(prompts), "negative_prompt")
         elif negative_prompt is not None:
-            T.as_prompt_list(negative_prompt, "negative_prompt", allow_empty=True)  # still a valid prompt
             logger.warning("negative_prompt is passed but classifier-free guidance is not enabled since "
                            "guidance_scale <= 1")
-        batch = len(prompts) * num_videos_per_prompt
+        batch = A.integer("videos per call (prompts x num_videos_per_prompt)", len(prompts) * num_videos_per_prompt,
+                          limit="batch")
         z = D.vae_latent_channels(self.vae)
         shape = self.latent_shape(batch, z if channels is None else channels, num_frames, height, width)
         sampler = self.sampler(num_inference_steps)
@@ -440,7 +438,7 @@ class WanImageToVideoPipeline(WanPipeline):
         cond = self.vae.scale(self.vae.encode(video.astype(self.vae.dtype)))
         cond = jnp.repeat(cond.astype(jnp.float32), call.batch, axis=0)
         self.timings.encode += time.perf_counter() - start
-        D.check_stage_finite(cond, "the image condition (the VAE's encode)")
+        checks.check_finite(cond, "the image condition (the VAE's encode)")
         if self.expand_timesteps:
             return cond
         b, _, f, h, w = call.latents.shape

@@ -262,19 +262,26 @@ def test_scheduler_options_not_implemented_are_refused(tmp_path):
         DiffusionPipeline.from_pretrained(d, dtype=jnp.float32)
 
 
-def test_components_must_fit():
+def test_components_must_fit(tmp_path, monkeypatch):
     """Components that load but do not fit each other (a T5 of another width, a VAE of other
-    latent channels): the weights of each are consistent, so only the pipeline's check sees it."""
-    import dataclasses
+    latent channels): refused from the configs, before any weight is read."""
+    from difflet_tpu.encoders import loading as encoder_loading
+    from difflet_tpu.loading import Checkpoint
 
-    pipe = pipeline("flux_dev")
-    cfg = pipe.transformer_config
-    try:
-        pipe.transformer_config = dataclasses.replace(cfg, joint_attention_dim=64, in_channels=32)
-        with pytest.raises(PipelineError, match="joint_attention_dim 64 != text_encoder_2 d_model 32.*in_channels 32"):
-            pipe.check_components()
-    finally:
-        pipe.transformer_config = cfg
+    d = _copy(tmp_path, "flux_dev")
+    t5 = json.loads((d / "text_encoder_2" / "config.json").read_text())
+    (d / "text_encoder_2" / "config.json").write_text(json.dumps(dict(t5, d_model=64)))
+    vae = json.loads((d / "vae" / "config.json").read_text())
+    (d / "vae" / "config.json").write_text(json.dumps(dict(vae, latent_channels=8)))
+
+    def no_read(*a, **k):
+        raise AssertionError("a weight was read before the error")
+
+    monkeypatch.setattr(Checkpoint, "read", no_read)
+    monkeypatch.setattr(encoder_loading.Checkpoint, "read", no_read)
+    with pytest.raises(PipelineError, match="joint_attention_dim 32 != text_encoder_2 d_model 64.*in_channels 16 != "
+                                            "4 x the VAE's latent channels 8"):
+        DiffusionPipeline.from_pretrained(d, dtype=jnp.float32)
 
 
 def test_pack_unpack_roundtrip():
