@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from difflet_tpu.pipeline import samplers
 from difflet_tpu.pipeline import schedules as S
 
 logger = logging.getLogger(__name__)
@@ -169,25 +170,14 @@ def check_folder(path: Path, index: dict, components: dict) -> None:
         raise PipelineError(f"{path} ({index['_class_name']}): " + "; ".join(problems))
 
 
-def scheduler_config(folder: Path) -> S.SchedulerConfig:
-    """The FlowMatchEulerDiscreteScheduler config of `scheduler/`, refusing the options this
-    port does not implement (Karras / exponential / beta sigmas, inverted sigmas, stochastic
-    sampling) rather than ignoring them."""
-    path = folder / "scheduler_config.json"
+def scheduler_config(folder: Path):
+    """The checked scheduler config of `scheduler/` (difflet_tpu.pipeline.samplers: FlowMatchEuler or
+    UniPC by `_class_name`), refusing the options this port does not implement (Karras / exponential /
+    beta sigmas, inverted sigmas, stochastic sampling ...) and bad values rather than ignoring them."""
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise PipelineError(f"{path}: cannot read it ({e})") from None
-    if raw.get("_class_name", "FlowMatchEulerDiscreteScheduler") != "FlowMatchEulerDiscreteScheduler":
-        raise PipelineError(f"{path}: {raw['_class_name']} is not supported (FlowMatchEulerDiscreteScheduler only)")
-    unsupported = [k for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas",
-                               "stochastic_sampling") if raw.get(k)]
-    if unsupported:
-        raise PipelineError(f"{path}: {unsupported} are not implemented by this port's flow-matching Euler schedule")
-    if raw.get("time_shift_type", "exponential") not in ("exponential", "linear"):
-        raise PipelineError(f"{path}: time_shift_type {raw['time_shift_type']!r} (expected exponential or linear)")
-    fields = {f.name for f in dataclasses.fields(S.SchedulerConfig)}
-    return S.SchedulerConfig(**{k: v for k, v in raw.items() if k in fields and v is not None})
+        return samplers.scheduler_from_folder(folder / "scheduler_config.json")
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
 
 
 def encoder_mesh(module, config, mesh):
@@ -254,13 +244,6 @@ def unpack_latents(latents, height: int, width: int, vae_scale_factor: int):
 # --------------------------------------------------------------------------
 # The base class
 # --------------------------------------------------------------------------
-
-
-@jax.jit
-def _euler(latents, velocity, dt):
-    """FlowMatchEulerDiscreteScheduler.step: in float32, back to the latents' dtype."""
-    x = latents.astype(jnp.float32) + dt * velocity.astype(jnp.float32)
-    return x.astype(velocity.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,15 +485,17 @@ class DiffusionPipeline:
         noise = jax.random.normal(jax.random.key(int(seed)), (batch, channels, h, w), jnp.float32)
         return pack_latents(noise).astype(dtype)
 
-    def denoise(self, latents, schedule: S.Schedule, predict: Callable):
-        """The Euler loop: `predict(latents, timestep [B] float32 = t / 1000)` -> velocity."""
+    def denoise(self, latents, schedule, predict: Callable):
+        """The loop: `predict(latents, timestep [B] float32 = t / 1000)` -> velocity, stepped by
+        `schedule`'s sampler (a `schedules.Schedule`: Euler; difflet_tpu.pipeline.samplers)."""
+        sampler = samplers.as_sampler(schedule)
         b = latents.shape[0]
         self.timings.steps = []
-        for i, t in enumerate(schedule.timesteps):
+        for i, t in enumerate(sampler.timesteps):
             start = time.perf_counter()
             timestep = np.full((b,), np.float32(t) / np.float32(1000), np.float32)
             velocity = predict(latents, timestep)
-            latents = jax.block_until_ready(_euler(latents, velocity, jnp.float32(schedule.dt(i))))
+            latents = jax.block_until_ready(sampler.step(i, velocity, latents))
             self.timings.steps.append(time.perf_counter() - start)
             self._stage("step", index=i, total=len(schedule), seconds=self.timings.steps[-1])
         return latents
