@@ -43,8 +43,9 @@ class Prepared:
 class Pipeline:
     """How a diffusers pipeline drives this transformer (difflet_tpu.pipeline.denoise).
 
-    schedule(steps, inputs, preset) -> pipeline.schedules.Schedule (the port's
-    `schedule.py`). guidance_mode: "cfg" (unconditional and conditional rows
+    schedule(steps, inputs, preset) -> pipeline.schedules.Schedule (flow-matching
+    Euler) or a sampler of difflet_tpu.pipeline.samplers (Wan's UniPC), the port's
+    `schedule.py`. guidance_mode: "cfg" (unconditional and conditional rows
     in one batch-2 call), "embedded" (a `guidance` input of guidance_mult * g)
     or "none". cfg_rescale: the guided velocity is rescaled per token to the
     conditional one's norm over channels (diffusers' QwenImagePipeline true CFG).

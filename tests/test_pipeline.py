@@ -20,8 +20,8 @@ def _ours(case):
     kind, arg = name.split("_")[0], name.split("_")[-1]
     if kind == "flux":
         return flux.schedule(steps, int(arg))
-    if kind == "wan":
-        return wan.schedule(steps, float(arg))
+    if kind == "wan":  # FlowMatchEuler with Wan's shifts (Wan's folders ship UniPC: tests/test_unipc.py)
+        return S.flow_match_euler(S.SchedulerConfig(shift=float(arg)), steps)
     if kind == "hunyuan":
         return hunyuan_video.schedule(steps)
     if kind == "ltx2":

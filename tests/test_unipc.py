@@ -24,7 +24,7 @@ Z = np.load(HERE / "unipc.npz")
 
 def _sampler(case):
     raw = dict(case["config"], _class_name="UniPCMultistepScheduler")
-    return samplers.sampler_from_config(raw, case["steps"], mu=case["mu"])
+    return samplers.sampler_from_config(raw, case["steps"], mu=case["mu"], sigmas=case["sigmas"])
 
 
 def _run(sampler, x, e, dtype=jnp.float32):

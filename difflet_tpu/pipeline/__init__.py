@@ -1,6 +1,8 @@
-"""From noise to a sample: the flow-matching schedules and the denoise loop.
+"""From noise to a sample: the flow-matching schedules, the samplers and the denoise loop.
 
   schedules  the generic flow-matching Euler schedule (sigmas, shifts)
+  unipc      diffusers' UniPCMultistepScheduler for flow models (Wan's folders)
+  samplers   a `scheduler_config.json` (by `_class_name`) -> its checked config and sampler
   denoise    the denoise loop over a `Runner` (guidance, the port's expert switch), compiled once
 
 The user-facing pipelines (prompt -> image, `DiffusionPipeline.from_pretrained`)

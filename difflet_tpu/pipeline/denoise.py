@@ -1,8 +1,9 @@
-"""The denoise loop: flow-matching Euler over a `Runner`, as each diffusers pipeline drives it.
+"""The denoise loop over a `Runner`, as each diffusers pipeline drives it.
 
 A port's `PortSpec.pipeline` (difflet_tpu.port.Pipeline) says how its
 diffusers pipeline drives the transformer: the
-schedule (its `models/<name>/schedule.py`, on difflet_tpu.pipeline.schedules),
+schedule (its `models/<name>/schedule.py`: a flow-matching Euler schedule of
+difflet_tpu.pipeline.schedules, or Wan's UniPC sampler of difflet_tpu.pipeline.samplers),
 how the timestep is scaled, whether guidance is a classifier-free batch-2 call
 (Wan, LTX-2: unconditional and conditional rows in one call, combined as
 `u + g (c - u)`) or an embedding (FLUX.1-dev `guidance = g`, HunyuanVideo
@@ -13,9 +14,11 @@ how the timestep is scaled, whether guidance is a classifier-free batch-2 call
 random embeddings of the right shapes, or precomputed ones from a file with
 diffusers' argument names) and the latents from a seed. Each step calls the
 runner's compiled step with the timestep as a runtime array (same shapes and
-dtypes every step, so nothing recompiles) and then one jitted Euler update
-`x + (sigma_next - sigma) * v` in float32 whose `dt` and guidance scale are
-runtime scalars too. For Wan2.2-A14B the idle expert can wait in host memory
+dtypes every step, so nothing recompiles) and then, for Euler, one jitted
+update `x + (sigma_next - sigma) * v` in float32 whose `dt` and guidance scale
+are runtime scalars too; for a sampler (UniPC) one jitted guided velocity and
+the sampler's jitted step (its coefficients runtime arrays: one program too).
+For Wan2.2-A14B the idle expert can wait in host memory
 and come back at the switch (`Config.expert_offload`, `Denoiser(offload=)`).
 
 Models are named as the bench takes them: "flux" (its released preset),
@@ -25,6 +28,7 @@ Models are named as the bench takes them: "flux" (its released preset),
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import time
 from typing import Callable
@@ -197,17 +201,46 @@ def apply_embeddings(inputs: dict, emb: dict, cfg_batch: bool, arg_names: dict |
 # --------------------------------------------------------------------------
 
 
-def _euler_update(mesh=None):
-    import functools
-
+def _guided(v, b: int, g):
+    """u + g (c - u) for v = [u | c] (float32) on the batch axis, as the weighted sum
+    (1 - g) u + g c over the two halves: with the batch split over the mesh's `cfg` axis
+    (u on one group, c on the other) that sum is one all-reduce over `cfg` of one latent
+    per chip (docs/multi-host.md)."""
     import jax
     import jax.numpy as jnp
 
-    jit = jax.jit
-    if mesh is not None:  # the latents stay whole on every device of the mesh
-        from jax.sharding import NamedSharding, PartitionSpec as P
+    half = jax.lax.broadcasted_iota(jnp.int32, (2,) + (1,) * v.ndim, 0)  # 0: unconditional, 1: conditional
+    w = jnp.where(half == 0, 1 - g, g).astype(jnp.float32)
+    return jnp.sum(w * v.reshape((2, b) + v.shape[1:]), axis=0)
 
-        jit = functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P()))
+
+def _guided_rescaled(v, b: int, g):
+    """diffusers' QwenImagePipeline true CFG: `u + g (c - u)` times `||c|| / ||guided||`,
+    norms per token over channels."""
+    import jax.numpy as jnp
+
+    u, c = v[:b], v[b:]
+    guided = u + g * (c - u)
+    return guided * (jnp.linalg.norm(c, axis=-1, keepdims=True) / jnp.linalg.norm(guided, axis=-1, keepdims=True))
+
+
+def _jit(mesh):
+    import functools
+
+    import jax
+
+    if mesh is None:
+        return jax.jit
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    # the latents stay whole on every device of the mesh
+    return functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P()))
+
+
+def _euler_update(mesh=None):
+    import jax.numpy as jnp
+
+    jit = _jit(mesh)
 
     @jit
     def update(x, out, dt, g):
@@ -216,30 +249,35 @@ def _euler_update(mesh=None):
 
     @jit
     def update_cfg(x, out, dt, g):
-        """x + dt * (u + g (c - u)) for out = [u | c] on the batch axis, as the
-        weighted sum (1 - g) u + g c over the two halves: with the batch split
-        over the mesh's `cfg` axis (u on one group, c on the other) that sum is
-        one all-reduce over `cfg` of one latent per chip (docs/multi-host.md)."""
-        v = out.astype(jnp.float32)
-        b = x.shape[0]
-        half = jax.lax.broadcasted_iota(jnp.int32, (2,) + (1,) * v.ndim, 0)  # 0: unconditional, 1: conditional
-        w = jnp.where(half == 0, 1 - g, g).astype(jnp.float32)
-        guided = jnp.sum(w * v.reshape((2, b) + v.shape[1:]), axis=0)
-        return x + dt * guided
+        """x + dt * (u + g (c - u)) for out = [u | c] on the batch axis (`_guided`)."""
+        return x + dt * _guided(out.astype(jnp.float32), x.shape[0], g)
 
     @jit
     def update_cfg_rescaled(x, out, dt, g):
-        """update_cfg with diffusers' QwenImagePipeline true CFG: the guided velocity
-        `u + g (c - u)` times `||c|| / ||guided||`, norms per token over channels."""
-        v = out.astype(jnp.float32)
-        b = x.shape[0]
-        u, c = v[:b], v[b:]
-        guided = u + g * (c - u)
-        guided = guided * (jnp.linalg.norm(c, axis=-1, keepdims=True)
-                           / jnp.linalg.norm(guided, axis=-1, keepdims=True))
-        return x + dt * guided
+        """update_cfg with diffusers' QwenImagePipeline true CFG (`_guided_rescaled`)."""
+        return x + dt * _guided_rescaled(out.astype(jnp.float32), x.shape[0], g)
 
     return update, update_cfg, update_cfg_rescaled
+
+
+def _guides(mesh=None):
+    import jax.numpy as jnp
+
+    jit = _jit(mesh)
+
+    @jit
+    def velocity(out, g):
+        return out.astype(jnp.float32)
+
+    @jit
+    def velocity_cfg(out, g):
+        return _guided(out.astype(jnp.float32), out.shape[0] // 2, g)
+
+    @jit
+    def velocity_cfg_rescaled(out, g):
+        return _guided_rescaled(out.astype(jnp.float32), out.shape[0] // 2, g)
+
+    return velocity, velocity_cfg, velocity_cfg_rescaled
 
 
 _UPDATES = {}
@@ -251,6 +289,17 @@ def updates(mesh=None):
     if mesh not in _UPDATES:
         _UPDATES[mesh] = _euler_update(mesh)
     return _UPDATES[mesh]
+
+
+_GUIDES = {}
+
+
+def guides(mesh=None):
+    """The jitted velocity / CFG / rescaled-CFG guided velocities (float32, replicated on a mesh)
+    that a multistep sampler (samplers.UniPCSampler) steps with, built once per mesh."""
+    if mesh not in _GUIDES:
+        _GUIDES[mesh] = _guides(mesh)
+    return _GUIDES[mesh]
 
 
 @dataclasses.dataclass
@@ -269,6 +318,8 @@ class Denoiser:
     pipeline: the port's `PortSpec.pipeline` (schedule facts and guidance mode).
     runners: one Runner, or two for Wan2.2-A14B ([high noise, low noise]; the
     step's expert is `pipeline.expert(t, boundary)`).
+    schedule: a `schedules.Schedule` (Euler) or a sampler (`samplers`; each
+    latent steps with its own copy, `sampler(key)`).
     inputs: diffusers forward kwargs at batch 1 (numpy) from `example_inputs`;
     for CFG pipelines the conditioning rows are doubled here to [uncond, cond].
     latent_guidance: latent key -> its own guidance scale (LTX-2's audio);
@@ -284,7 +335,7 @@ class Denoiser:
     With one runner it is a no-op.
     """
 
-    def __init__(self, pipeline, runners: list, inputs: dict, schedule: S.Schedule, *,
+    def __init__(self, pipeline, runners: list, inputs: dict, schedule, *,
                  guidance: float, boundary: float | None = None, cfg_inputs: dict | None = None,
                  latent_guidance: dict | None = None, dtype=None, offload: str | None = None):
         import jax.numpy as jnp
@@ -357,13 +408,26 @@ class Denoiser:
         kw = self.kwargs(latents, t)
         self.last_swap_s = self.activate(e, kw, i) if len(self.runners) > 1 else 0.0
         outs = self.runners[e](**kw, return_dict=False)
-        update, update_cfg, update_cfg_rescaled = updates(self.mesh)
-        fn = update if not self.cfg else update_cfg_rescaled if self.pipeline.cfg_rescale else update_cfg
-        dt = np.float32(self.schedule.dt(i))
+        mode = 0 if not self.cfg else 2 if self.pipeline.cfg_rescale else 1
         new = {}
+        if isinstance(self.schedule, S.Schedule):  # Euler: the guidance and the update in one program
+            fn = updates(self.mesh)[mode]
+            dt = np.float32(self.schedule.dt(i))
+            for (k, x), o in zip(latents.items(), outs):
+                new[k] = fn(x, o, dt, np.float32(self.latent_guidance[k]))
+            return new
+        guide = guides(self.mesh)[mode]  # a sampler (samplers.UniPCSampler): the guided velocity, its step
         for (k, x), o in zip(latents.items(), outs):
-            new[k] = fn(x, o, dt, np.float32(self.latent_guidance[k]))
+            new[k] = self.sampler(k).step(i, guide(o, np.float32(self.latent_guidance[k])), x)
         return new
+
+    def sampler(self, key: str):
+        """The sampler of latent `key` (one per latent: a multistep sampler keeps its own history),
+        rebuilt when `self.schedule` is replaced."""
+        if getattr(self, "_samplers_of", None) is not self.schedule:
+            self._samplers = {k: copy.copy(self.schedule) for k in self.latents0}
+            self._samplers_of = self.schedule
+        return self._samplers[key]
 
     def initial(self) -> dict:
         """The initial latents: on the runners' mesh, whole on every device (every
@@ -390,6 +454,9 @@ class Denoiser:
             i = next(j for j, t in enumerate(self.schedule.timesteps) if self.expert(float(t)) == e)
             lat = self.initial()
             for r in range(max(n, 2)):
+                if not isinstance(self.schedule, S.Schedule):
+                    for k in self.latents0:  # each warm-up call is a first step at i
+                        self.sampler(k).begin(i)
                 t0 = time.perf_counter()
                 lat = jax.block_until_ready(self.step(lat, i))
                 dt = time.perf_counter() - t0 - self.last_swap_s

@@ -39,6 +39,7 @@ import numpy as np
 from difflet_tpu import arguments as A
 from difflet_tpu import checks
 from difflet_tpu.arguments import ArgumentError as PipelineError  # one type for every refusal before the work
+from difflet_tpu.pipeline import samplers
 from difflet_tpu.pipeline import schedules as S
 
 logger = logging.getLogger(__name__)
@@ -174,51 +175,14 @@ def check_folder(path: Path, index: dict, components: dict) -> None:
         raise PipelineError(f"{path} ({index['_class_name']}): " + "; ".join(problems))
 
 
-def scheduler_config(folder: Path) -> S.SchedulerConfig:
-    """The FlowMatchEulerDiscreteScheduler config of `scheduler/`, refusing the options this
-    port does not implement (Karras / exponential / beta sigmas, inverted sigmas, stochastic
-    sampling) rather than ignoring them."""
-    path = folder / "scheduler_config.json"
+def scheduler_config(folder: Path):
+    """The checked scheduler config of `scheduler/` (difflet_tpu.pipeline.samplers: FlowMatchEuler or
+    UniPC by `_class_name`), refusing the options this port does not implement (Karras / exponential /
+    beta sigmas, inverted sigmas, stochastic sampling ...) and bad values rather than ignoring them."""
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise PipelineError(f"{path}: cannot read it ({e})") from None
-    if raw.get("_class_name", "FlowMatchEulerDiscreteScheduler") != "FlowMatchEulerDiscreteScheduler":
-        raise PipelineError(f"{path}: {raw['_class_name']} is not supported (FlowMatchEulerDiscreteScheduler only)")
-    unsupported = [k for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas",
-                               "stochastic_sampling") if raw.get(k)]
-    if unsupported:
-        raise PipelineError(f"{path}: {unsupported} are not implemented by this port's flow-matching Euler schedule")
-    if raw.get("time_shift_type", "exponential") not in ("exponential", "linear"):
-        raise PipelineError(f"{path}: time_shift_type {raw['time_shift_type']!r} (expected exponential or linear)")
-    check_scheduler_values(path, raw)
-    fields = {f.name for f in dataclasses.fields(S.SchedulerConfig)}
-    return S.SchedulerConfig(**{k: v for k, v in raw.items() if k in fields and v is not None})
-
-
-def check_scheduler_values(path: Path, raw: dict) -> None:
-    """The values of a flow-matching scheduler config: counts are ints >= 1, shifts finite
-    numbers (a string or 0 would change the image silently or fail mid-schedule); every
-    problem named with the file and the field."""
-    problems = []
-    for key in ("num_train_timesteps", "base_image_seq_len", "max_image_seq_len"):
-        if key in raw and raw[key] is not None:
-            try:
-                A.integer(key, raw[key], minimum=1)
-            except A.ArgumentError as e:
-                problems.append(str(e))
-    for key in ("shift", "base_shift", "max_shift", "shift_terminal"):
-        if raw.get(key) is not None:
-            try:
-                A.scale(key, raw[key], minimum=0 if key == "shift_terminal" else None)
-            except A.ArgumentError as e:
-                problems.append(str(e))
-    if not isinstance(raw.get("use_dynamic_shifting", False), bool):
-        problems.append(f"`use_dynamic_shifting` must be true or false, got {raw['use_dynamic_shifting']!r}")
-    if raw.get("use_dynamic_shifting") and raw.get("base_image_seq_len", 256) == raw.get("max_image_seq_len", 4096):
-        problems.append("`base_image_seq_len` equals `max_image_seq_len`: the dynamic shift divides by their difference")
-    if problems:
-        raise PipelineError(f"{path}: " + "; ".join(problems))
+        return samplers.scheduler_from_folder(folder / "scheduler_config.json")
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
 
 
 def check_configs(path: Path, index: dict, pipeline_cls, *, mesh=None, dtype=jnp.bfloat16, config=None) -> None:
@@ -329,13 +293,6 @@ def unpack_latents(latents, height: int, width: int, vae_scale_factor: int):
 # --------------------------------------------------------------------------
 # The base class
 # --------------------------------------------------------------------------
-
-
-@jax.jit
-def _euler(latents, velocity, dt):
-    """FlowMatchEulerDiscreteScheduler.step: in float32, back to the latents' dtype."""
-    x = latents.astype(jnp.float32) + dt * velocity.astype(jnp.float32)
-    return x.astype(velocity.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -590,13 +547,13 @@ class DiffusionPipeline:
 
     def denoise(self, latents, sampler, predict: Callable):
         """The loop: `predict(latents, i, t)` -> the model's output at step i (timestep `t` as the
-        scheduler gives it), then the sampler's step (a `schedules.Schedule` steps by Euler)."""
+        scheduler gives it), then the sampler's step (difflet_tpu.pipeline.samplers; a
+        `schedules.Schedule` steps by Euler)."""
+        sampler = samplers.as_sampler(sampler)
         self.timings.steps = []
-        step = sampler.step if hasattr(sampler, "step") else (
-            lambda i, v, x: _euler(x, v, jnp.float32(sampler.dt(i))))
         for i, t in enumerate(sampler.timesteps):
             start = time.perf_counter()
-            latents = jax.block_until_ready(step(i, predict(latents, i, t), latents))
+            latents = jax.block_until_ready(sampler.step(i, predict(latents, i, t), latents))
             self.timings.steps.append(time.perf_counter() - start)
             self._stage("step", index=i, total=len(sampler), seconds=self.timings.steps[-1])
         return latents

@@ -330,6 +330,7 @@ class UniPCSampler:
             last, history = fresh(sample, self.config.solver_order)
         c, order = step_coefficients(self.config, self.sigmas, st, i)
         prev, last, history = update(sample, model_output, last, history, c)
-        self.state = UniPCState(step_index=i + 1, lower_order_nums=min(st.lower_order_nums + 1, self.config.solver_order),
-                                this_order=order, last_sample=last, history=history)
+        lower = min(st.lower_order_nums + 1, self.config.solver_order)
+        self.state = UniPCState(step_index=i + 1, lower_order_nums=lower, this_order=order, last_sample=last,
+                                history=history)
         return prev

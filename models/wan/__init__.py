@@ -23,8 +23,8 @@ SPEC = port_spec(
     config, model, keys, port, name="wan", model_class=WanTransformer3DModel,
     released="Wan2.1-T2V-14B", bench_shape=dict(height=480, width=832, frames=9),
     tiny_shape=dict(height=64, width=96, frames=9),
-    # WanPipeline: 50 steps, classifier-free guidance 5.0 (batch 2), the flow
-    # shift per checkpoint (config.FLOW_SHIFTS); Wan2.2-A14B's expert switch.
+    # WanPipeline: 50 steps of its folders' UniPC scheduler, classifier-free guidance 5.0
+    # (batch 2), the flow shift per checkpoint (config.FLOW_SHIFTS); Wan2.2-A14B's expert switch.
     pipeline=Pipeline(schedule=lambda steps, inputs, preset: schedule.schedule(
         steps, FLOW_SHIFTS.get(preset, FLOW_SHIFT)), steps=50, guidance=5.0, guidance_mode="cfg",
         expert=schedule.expert, arg_names=schedule.ARG_NAMES),
