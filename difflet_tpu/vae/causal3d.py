@@ -481,6 +481,7 @@ class AutoencoderKLCausal3D(nnx.Module):
         return (jnp.asarray(latents, jnp.float32) - mean) * inv_std
 
     def encode_video(self, video):
+        """The traced body of `encode`: the latent mean in the model's dtype."""
         from difflet_tpu.vae.encoder3d import encode_mean
 
         return encode_mean(self.encoder, self.quant_conv, video.astype(self.dtype), self.config)
