@@ -6,9 +6,12 @@
         [--json timings.json] [--dtype bfloat16|float32] [--cpu-devices N]
 
 PATH is the folder with model_index.json. Everything that can be checked is checked before
-anything is loaded: the folder's components and files, the prompt, the size (multiples of
-2 x the VAE's scale factor, 16 for the published models), the output path (its folder must be
-writable). Progress per stage goes to stderr; `--json` writes the tokenize / encode / each
+anything is loaded: the arguments against the shared bounds (difflet_tpu.arguments: seed in
+[0, 2**32), steps, batch, size in multiples of 2 x the VAE's scale factor, finite scales,
+max_sequence_length within the text encoder's limit), the folder's components, files and
+configs (diffusion.check_configs), and every output path (checks.check_outputs: not an input,
+not the other output, a writable regular file). The images and the report are written
+together at the end, or not at all. Progress per stage goes to stderr; `--json` writes the tokenize / encode / each
 denoise step / decode timings, the load time and, when the backend reports it, the peak device
 memory. `--batch N` writes `out-0.png` ... `out-{N-1}.png`. Unset arguments take the pipeline's
 defaults (diffusers': FLUX 28 steps and guidance 3.5, Qwen-Image 50 steps and true CFG 4.0 with a
