@@ -1,14 +1,24 @@
-"""Prompt -> PNG from a diffusers pipeline folder (FLUX.1-dev / -schnell, Qwen-Image).
+"""Prompt -> PNG or MP4 from a diffusers pipeline folder (FLUX.1-dev / -schnell, Qwen-Image; Wan 2.1 / 2.2).
 
     python -m difflet_tpu.generate PATH --prompt "a cat holding a sign" --out cat.png \\
         [--negative-prompt ...] [--height 1024 --width 1024] [--steps N] [--guidance 3.5]
         [--true-cfg 4.0] [--seed 0] [--batch 1] [--max-sequence-length 512]
         [--json timings.json] [--dtype bfloat16|float32] [--cpu-devices N]
+    python -m difflet_tpu.generate WAN_PATH --prompt "a corgi on a beach" --frames 81 --out clip.mp4 \\
+        [--image first.png [--last-image last.png]] [--guidance 5.0] [--guidance-2 ...] [--fps 16]
+
+A video pipeline's folder (WanPipeline, WanImageToVideoPipeline) writes an H.264 MP4 at the model's
+frame rate (or `--fps`); `--image` makes it image-to-video (an image-to-video folder needs it, a
+text-to-video one refuses it; Wan2.2 TI2V-5B's folder takes both). `--frames` that is not 1 + 4k
+is rounded down as diffusers does, with a warning that says the count made.
 
 PATH is the folder with model_index.json. Everything that can be checked is checked before
-anything is loaded: the folder's components and files, the prompt, the size (multiples of
-2 x the VAE's scale factor, 16 for the published models), the output path (its folder must be
-writable). Progress per stage goes to stderr; `--json` writes the tokenize / encode / each
+anything is loaded: the arguments against the shared bounds (difflet_tpu.arguments: seed in
+[0, 2**32), steps, batch, size in multiples of 2 x the VAE's scale factor, finite scales,
+max_sequence_length within the text encoder's limit), the folder's components, files and
+configs (diffusion.check_configs), and every output path (checks.check_outputs: not an input,
+not the other output, a writable regular file). The images and the report are written
+together at the end, or not at all. Progress per stage goes to stderr; `--json` writes the tokenize / encode / each
 denoise step / decode timings, the load time and, when the backend reports it, the peak device
 memory. `--batch N` writes `out-0.png` ... `out-{N-1}.png`. Unset arguments take the pipeline's
 defaults (diffusers': FLUX 28 steps and guidance 3.5, Qwen-Image 50 steps and true CFG 4.0 with a
@@ -48,7 +58,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=1, help="num_images_per_prompt")
     ap.add_argument("--max-sequence-length", type=int)
-    ap.add_argument("--out", required=True, help="the PNG to write")
+    ap.add_argument("--frames", type=int, help="num_frames of a video pipeline (1 + 4k; default the pipeline's, 81)")
+    ap.add_argument("--image", help="image-to-video: the first frame (an image file)")
+    ap.add_argument("--last-image", help="image-to-video: the last frame (Wan2.2 I2V-A14B)")
+    ap.add_argument("--guidance-2", type=float, help="guidance_scale_2 (Wan2.2 A14B's low-noise expert)")
+    ap.add_argument("--fps", type=float, help="the MP4's frame rate (default: the model's)")
+    ap.add_argument("--out", required=True, help="the PNG (image pipelines) or MP4 (video pipelines) to write")
     ap.add_argument("--json", help="write the timings here")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on TPU, float32 on CPU")
     ap.add_argument("--cpu-devices", type=int, help="virtual CPU devices when there is no TPU (default 1)")
@@ -74,10 +89,36 @@ def quiet_start() -> None:
 
 
 def image_paths(args) -> list[Path]:
-    """`--out`, or `stem-0.png` ... `stem-{N-1}.png` beside it for `--batch N`."""
-    from difflet_tpu.pipeline import images
+    """`--out`, or `stem-0.png` ... `stem-{N-1}.png` (`.mp4`) beside it for `--batch N`."""
+    from difflet_tpu.pipeline import images, mp4
 
-    return images.png_paths(args.out, args.batch)
+    return (mp4.mp4_paths if Path(args.out).suffix.lower() == ".mp4" else images.png_paths)(args.out, args.batch)
+
+
+def pipeline_for(path: Path, index: dict, image: bool):
+    """The pipeline class to run: the folder's, or its image-to-video sibling when `--image` is
+    given to a folder that has one (Wan2.2 TI2V-5B's WanPipeline folder); `--image` to a
+    text-to-video folder and no `--image` for an image-to-video one are refused."""
+    from difflet_tpu.pipeline import diffusion as D
+
+    cls = D.pipeline_class(path, index)
+    i2v = getattr(cls, "vae_encoder", False)
+    if image and not i2v:
+        sibling = getattr(__import__(cls.__module__, fromlist=["PIPELINES"]), "PIPELINES", {})
+        if index.get("expand_timesteps") and "WanImageToVideoPipeline" in sibling:
+            return sibling["WanImageToVideoPipeline"]
+        raise ValueError(f"--image: {path} is a text-to-{'video' if is_video(cls) else 'image'} pipeline "
+                         f"({index['_class_name']}); give an image-to-video folder, or leave --image out")
+    if i2v and not image:
+        raise ValueError(f"{path} is an image-to-video pipeline ({index['_class_name']}): give the first frame "
+                         f"with --image")
+    return cls
+
+
+def is_video(cls) -> bool:
+    from difflet_tpu.pipeline.video import VideoPipeline
+
+    return issubclass(cls, VideoPipeline)
 
 
 def check_arguments(args) -> None:
@@ -86,7 +127,7 @@ def check_arguments(args) -> None:
     folder and everything its configs say (diffusion.check_configs)."""
     from difflet_tpu import arguments as A
     from difflet_tpu.pipeline import diffusion as D
-    from difflet_tpu.pipeline import images
+    from difflet_tpu.pipeline import images, mp4
 
     A.prompts(args.prompt, "--prompt")
     A.negative_prompt(args.negative_prompt, "--negative-prompt")
@@ -97,15 +138,37 @@ def check_arguments(args) -> None:
         if value is not None:
             A.count(flag, value, limit)
     A.scale("--guidance", args.guidance, required=False)
+    A.scale("--guidance-2", args.guidance_2, required=False)
     A.scale("--true-cfg", args.true_cfg, required=False)
-    targets = image_paths(args)
-    for t in targets:
-        images.check_writable(t)
-    checks.check_outputs([("--out", t) for t in targets] + [("--json", args.json)], {"PATH": args.path})
+    if args.frames is not None:
+        A.count("--frames", args.frames, "frames")
+    if args.fps is not None:
+        mp4.check_fps(args.fps)
+    for flag, value in (("--image", args.image), ("--last-image", args.last_image)):
+        if value is not None:
+            images.open_image(value, flag)  # readable as an image, before anything loads
+    if args.last_image is not None and args.image is None:
+        raise ValueError("--last-image needs --image (the first frame)")
     path = Path(args.path)
     index = D.read_model_index(path)
-    cls = D.pipeline_class(path, index)
-    D.check_folder(path, index, cls.components)
+    cls = pipeline_for(path, index, args.image is not None)
+    video = is_video(cls)
+    want = ".mp4" if video else ".png"
+    if Path(args.out).suffix.lower() != want:
+        raise ValueError(f"--out {args.out}: {index['_class_name']} makes {'a video' if video else 'an image'}: "
+                         f"give a {want} file")
+    for flag, value in (("--frames", args.frames), ("--guidance-2", args.guidance_2), ("--fps", args.fps)):
+        if value is not None and not video:
+            raise ValueError(f"{flag}: {index['_class_name']} makes images, not videos")
+    if args.true_cfg is not None and video:
+        raise ValueError(f"--true-cfg: {index['_class_name']} guides with --guidance (classifier-free guidance)")
+    targets = image_paths(args)
+    for t in targets:
+        (mp4 if video else images).check_writable(t)
+    inputs = {"PATH": args.path, "--image": args.image, "--last-image": args.last_image}
+    checks.check_outputs([("--out", t) for t in targets] + [("--json", args.json)],
+                         {k: v for k, v in inputs.items() if v is not None})
+    D.check_folder(path, index, cls.folder_components(index))
     D.check_configs(path, index, cls)
     if args.max_sequence_length is not None:
         A.max_sequence_length(args.max_sequence_length, cls.max_sequence_limit, "--max-sequence-length")
@@ -153,12 +216,22 @@ def load(args):
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype or ("bfloat16" if tpu else "float32")]
     mode = "one device" if mesh is None else f"{'SP' if config.sp else 'TP'} on {n} devices"
     log(f"loading {args.path} ({jnp.dtype(dtype).name}, {mode})")
-    pipe = D.DiffusionPipeline.from_pretrained(args.path, mesh=mesh, dtype=dtype, config=config)
+    path = Path(args.path)
+    cls = pipeline_for(path, D.read_model_index(path), getattr(args, "image", None) is not None)
+    pipe = cls.from_pretrained(args.path, mesh=mesh, dtype=dtype, config=config)
     return pipe, mesh, n, dtype, mode
 
 
-def call_kwargs(args) -> dict:
+def call_kwargs(args, video: bool = False) -> dict:
     """The pipeline call's arguments from the command line (diffusers' names)."""
+    if video:  # frames for a file leave the devices as uint8 ("pil")
+        kwargs = dict(prompt=args.prompt, num_videos_per_prompt=args.batch, seed=args.seed, output_type="pil")
+        optional = dict(negative_prompt=args.negative_prompt, height=args.height, width=args.width,
+                        num_frames=args.frames, num_inference_steps=args.steps, guidance_scale=args.guidance,
+                        guidance_scale_2=args.guidance_2, max_sequence_length=args.max_sequence_length,
+                        image=args.image, last_image=args.last_image)
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
+        return kwargs
     kwargs = dict(prompt=args.prompt, num_images_per_prompt=args.batch, seed=args.seed, output_type="np")
     optional = dict(negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                     num_inference_steps=args.steps, guidance_scale=args.guidance, true_cfg_scale=args.true_cfg,
@@ -185,15 +258,25 @@ def run(args) -> dict:
             log(stage + (f" ({info['steps']} steps)" if "steps" in info else ""))
 
     pipe.on_stage = on_stage
-    image = pipe(**call_kwargs(args)).images
+    video = is_video(type(pipe))
     targets = image_paths(args)
     devices = mesh.devices.flat if mesh is not None else jax.devices()[:1]
+    if video:
+        from difflet_tpu.pipeline import mp4
+
+        frames = pipe(**call_kwargs(args, video=True)).frames
+        fps = args.fps or pipe.fps
+        shape = [len(frames), len(frames[0]), frames[0][0].height, frames[0][0].width, 3]
+        outputs = [(t, mp4.mp4_writer(v, fps), "video") for t, v in zip(targets, frames)]
+        extra = dict(videos=[str(p) for p in targets], video_shape=shape, fps=fps)
+    else:
+        image = pipe(**call_kwargs(args)).images
+        # the images and the report all or none: no image is left without the report asked for
+        outputs = [(t, images.png_writer(x), "image") for t, x in zip(targets, images.to_pil(image))]
+        extra = dict(images=[str(p) for p in targets], image_shape=list(image.shape))
     report = dict(path=str(args.path), pipeline=type(pipe).__name__, devices=n, mode=mode,
-                  dtype=jnp.dtype(dtype).name, images=[str(p) for p in targets],
-                  image_shape=list(image.shape), load_s=load_s, **pipe.timings.as_dict(),
+                  dtype=jnp.dtype(dtype).name, **extra, load_s=load_s, **pipe.timings.as_dict(),
                   peak_device_memory_bytes=peak_device_memory(list(devices)))
-    # the images and the report all or none: no image is left without the report asked for
-    outputs = [(t, images.png_writer(x), "image") for t, x in zip(targets, images.to_pil(image))]
     if args.json is not None:
         outputs.append((args.json, json.dumps(report, indent=2) + "\n", "--json"))
     checks.write_all_atomic(outputs)

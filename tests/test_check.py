@@ -48,8 +48,8 @@ def test_check_cpu_quick_runs_to_completion_and_times_nothing(tmp_path):
 
 def test_check_refuses_bad_input_before_any_work(tmp_path):
     for argv, msg in [(["--only", "ports,nope"], "unknown section 'nope'"), (["--ports", "sd3"], "unknown port 'sd3'"),
-                      (["--iters", "0"], "--iters (0)"), (["--topology", "v5e:2x2"], "go together"),
-                      (["--json", str(tmp_path / "no" / "r.json")], "not a file in a writable")]:
+                      (["--iters", "0"], "--iters 0: must be >= 1"), (["--topology", "v5e:2x2"], "go together"),
+                      (["--json", str(tmp_path / "no" / "r.json")], "does not exist")]:
         proc = subprocess.run([sys.executable, "-m", "difflet_tpu.check", *argv], capture_output=True, text=True,
                               timeout=120, env=_env())
         assert proc.returncode == 2 and msg in proc.stderr, (argv, proc.stderr[-2000:])

@@ -40,6 +40,7 @@ from difflet_tpu import arguments as A
 from difflet_tpu import checks
 from difflet_tpu.arguments import ArgumentError as PipelineError  # one type for every refusal before the work
 from difflet_tpu.pipeline import samplers
+from difflet_tpu.pipeline import folder_checks
 from difflet_tpu.pipeline import schedules as S
 
 logger = logging.getLogger(__name__)
@@ -186,40 +187,9 @@ def scheduler_config(folder: Path):
 
 
 def check_configs(path: Path, index: dict, pipeline_cls, *, mesh=None, dtype=jnp.bfloat16, config=None) -> None:
-    """Everything the folder's configs say, before any weight is read: each component's config
-    names the class model_index.json lists (a FLUX VAE in a Qwen-Image folder is refused
-    here), the scheduler's values, the transformer against its port and `mesh` (heads
-    that do not divide; `loading.check_transformer` reads only headers), the widths the
-    components share (`pipeline_cls.config_problems`) and the compile-cache folder."""
-    from difflet_tpu import checks
-    from difflet_tpu.config import Config
-    from difflet_tpu.encoders.loading import Checkpoint
-    from difflet_tpu.loading import check_transformer
-
-    config = Config() if config is None else config
-    raw, problems = {}, []
-    for name, (kind, _, _) in pipeline_cls.components.items():
-        if kind not in ("text_encoder", "transformer", "vae"):
-            continue
-        try:
-            raw[name] = json.loads((path / name / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise PipelineError(f"{path / name / 'config.json'}: cannot read it ({e})") from None
-        declared = raw[name].get("_class_name") or (raw[name].get("architectures") or [None])[0]
-        if declared is not None and declared != index[name][1]:
-            problems.append(f"{name}/config.json names {declared}, but model_index.json lists {index[name][1]}")
-    if problems:
-        raise PipelineError(f"{path} ({index['_class_name']}): " + "; ".join(problems))
+    """Everything the folder's configs say, before any weight is read (difflet_tpu.pipeline.folder_checks)."""
     scheduler_config(path / "scheduler")
-    for name, (kind, _, _) in pipeline_cls.components.items():
-        if kind == "text_encoder":  # headers only: a truncated file is named before any encoder loads
-            Checkpoint(path / name)
-    _, transformer_config = check_transformer(path / "transformer", dtype=dtype, mesh=mesh, config=config)
-    problems = pipeline_cls.config_problems(transformer_config, raw)
-    if problems:
-        raise PipelineError(f"{path}: " + "; ".join(problems))
-    if config.compile_cache and "://" not in config.compile_cache:
-        checks.writable_dir(Path(config.compile_cache).expanduser(), "compile cache (DIFFLET_TPU_COMPILE_CACHE)")
+    folder_checks.check_configs(path, index, pipeline_cls, mesh=mesh, dtype=dtype, config=config)
 
 
 def encoder_mesh(module, config, mesh):

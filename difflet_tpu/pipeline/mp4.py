@@ -71,9 +71,16 @@ def check_fps(fps) -> fractions.Fraction:
 def write_mp4(frames, path, fps=16) -> Path:
     """One video (`[F, H, W, 3]` uint8 or float in [0, 1], or a list of PIL frames) to `path`
     as H.264 (yuv420p) at `fps`, atomically."""
+    path = check_writable(path)
+    checks.write_atomic(path, mp4_writer(frames, fps), "video")
+    return path
+
+
+def mp4_writer(frames, fps=16):
+    """A writer of `frames` as H.264 MP4 into an open binary file (for `checks.write_atomic` /
+    `write_all_atomic`); the frames and rate are checked here, before anything is written."""
     import av
 
-    path = check_writable(path)
     rate = check_fps(fps)
     x = as_uint8_frames(frames)
     if x.shape[1] % 2 or x.shape[2] % 2:
@@ -88,20 +95,24 @@ def write_mp4(frames, path, fps=16) -> Path:
                 container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
             container.mux(stream.encode())  # flush the encoder
 
-    checks.write_atomic(path, write, "video")
-    return path
+    return write
+
+
+def mp4_paths(path, n: int) -> list[Path]:
+    """One video -> `path`; several -> `stem-0.mp4`, `stem-1.mp4`, ... beside it."""
+    path = Path(path)
+    return [path] if n == 1 else [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(n)]
 
 
 def save_mp4s(videos, path, fps=16) -> list[Path]:
-    """A batch of videos: one -> `path`; several -> `stem-0.mp4`, `stem-1.mp4`, ... beside it.
-    Every destination is checked before the first is written."""
-    path = Path(path)
+    """A batch of videos to `mp4_paths(path, len(videos))`: every destination checked before the
+    first is written, and all written or none."""
     videos = list(videos)
-    targets = [path] if len(videos) == 1 else [path.with_name(f"{path.stem}-{i}{path.suffix}")
-                                               for i in range(len(videos))]
+    targets = mp4_paths(path, len(videos))
     for t in targets:
         check_writable(t)
-    return [write_mp4(v, t, fps) for v, t in zip(videos, targets)]
+    checks.write_all_atomic([(t, mp4_writer(v, fps), "video") for v, t in zip(videos, targets)])
+    return targets
 
 
 def read_mp4(path) -> tuple[np.ndarray, float]:

@@ -107,6 +107,7 @@ class WanPipeline(V.VideoPipeline):
         self = cls(path, index, samplers.scheduler_from_folder(path / "scheduler"))
         self.boundary_ratio = index.get("boundary_ratio")
         self.expand_timesteps = bool(index.get("expand_timesteps", False))
+        self.fps = 24 if self.expand_timesteps else 16  # Wan2.2 TI2V-5B: 24 fps; Wan 2.1, 2.2 A14B: 16 fps
         if self.boundary_ratio is not None and "transformer_2" not in cls.folder_components(index):
             raise PipelineError(f"{path}: model_index.json sets boundary_ratio={self.boundary_ratio} but names no "
                                 f"transformer_2 (Wan2.2-A14B's low-noise expert)")
@@ -120,27 +121,28 @@ class WanPipeline(V.VideoPipeline):
             self.experts.append(self.load_runner(path / "transformer_2", mesh=mesh, dtype=dtype, config=config,
                                                  runner_options=runner_options))
             self.transformer_2 = self.experts[1]
-        self.check_components()
         self.init_encoder_home([self.text_encoder], config)
         self.init_expert_home(config)
         return self
 
-    def check_components(self):
-        c = self.transformer_config
-        z = D.vae_latent_channels(self.vae)
+    @classmethod
+    def config_problems(cls, c, raw: dict) -> list[str]:
+        """The components fit each other, from the configs alone (before any weight is read)."""
+        z = D.folder_latent_channels(raw["vae"])
         problems = []
-        if c.text_dim != self.text_encoder.config.d_model:
-            problems.append(f"transformer text_dim {c.text_dim} != text_encoder d_model {self.text_encoder.config.d_model}")
-        if c.in_channels != self.latent_channels_in(z) or c.out_channels != z:
+        d_model = raw["text_encoder"].get("d_model")
+        if c.text_dim != d_model:
+            problems.append(f"transformer text_dim {c.text_dim} != text_encoder d_model {d_model}")
+        expand = c.in_channels == z  # text-to-video, or TI2V's image over latent frame 0
+        if c.in_channels != cls.latent_channels_in(z, expand) or c.out_channels != z:
             problems.append(f"transformer in/out channels {c.in_channels}/{c.out_channels} do not fit the VAE's "
-                            f"z_dim {z} (expected {self.latent_channels_in(z)}/{z})")
-        for r in self.experts[1:]:
-            c2 = r.cfg
-            if (c2.in_channels, c2.out_channels, tuple(c2.patch_size)) != (c.in_channels, c.out_channels,
-                                                                           tuple(c.patch_size)):
+                            f"z_dim {z} (expected {cls.latent_channels_in(z, expand)}/{z})")
+        if "transformer_2" in raw:
+            t2 = raw["transformer_2"]
+            if (t2.get("in_channels"), t2.get("out_channels"), list(t2.get("patch_size", []))) != \
+                    (c.in_channels, c.out_channels, list(c.patch_size)):
                 problems.append("transformer_2's channels or patch size differ from transformer's")
-        if problems:
-            raise PipelineError(f"{self.path}: " + "; ".join(problems))
+        return problems
 
     def sampler(self, num_inference_steps: int):
         """The folder's scheduler (`scheduler_config.json`'s `_class_name`) set to the call's steps."""
@@ -148,7 +150,8 @@ class WanPipeline(V.VideoPipeline):
 
         return samplers.make_sampler(self.scheduler_config, num_inference_steps)
 
-    def latent_channels_in(self, z: int) -> int:
+    @staticmethod
+    def latent_channels_in(z: int, expand_timesteps: bool = False) -> int:
         """The transformer's input channels: the latents alone (text-to-video)."""
         return z
 
@@ -353,23 +356,32 @@ class WanImageToVideoPipeline(WanPipeline):
         parts = cls.folder_components(index)
         self.image_encoder = self.image_processor = None
         if self.transformer_config.image_dim is not None:
-            if "image_encoder" not in parts or "image_processor" not in parts:
-                raise PipelineError(f"{path}: the transformer reads CLIP image tokens (image_dim "
-                                    f"{self.transformer_config.image_dim}) but model_index.json names no image_encoder "
-                                    f"and image_processor")
+            if "image_processor" not in parts:
+                raise PipelineError(f"{path}: the transformer reads CLIP image tokens but model_index.json names no "
+                                    f"image_processor")
             vision = clip_vision.CLIPVisionConfig.from_dict(loading.read_config(path / "image_encoder"))
-            if vision.hidden_size != self.transformer_config.image_dim:
-                raise PipelineError(f"{path}: image_encoder hidden_size {vision.hidden_size} != transformer image_dim "
-                                    f"{self.transformer_config.image_dim}")
             self.image_processor = clip_vision.load_image_processor(path / "image_processor")
             self.image_encoder = clip_vision.from_pretrained(path / "image_encoder", dtype=dtype,
                                                              mesh=D.encoder_mesh(clip_vision, vision, mesh))
             self.init_encoder_home([self.text_encoder, self.image_encoder], config)
         return self
 
-    def latent_channels_in(self, z: int) -> int:
+    @staticmethod
+    def latent_channels_in(z: int, expand_timesteps: bool = False) -> int:
         """The noise latents, then (not TI2V) the 4 mask channels and the condition's z."""
-        return z if self.expand_timesteps else 2 * z + 4
+        return z if expand_timesteps else 2 * z + 4
+
+    @classmethod
+    def config_problems(cls, c, raw: dict) -> list[str]:
+        problems = super().config_problems(c, raw)
+        if c.image_dim is not None:
+            if "image_encoder" not in raw:
+                problems.append(f"the transformer reads CLIP image tokens (image_dim {c.image_dim}) but "
+                                f"model_index.json names no image_encoder")
+            elif raw["image_encoder"].get("hidden_size") != c.image_dim:
+                problems.append(f"image_encoder hidden_size {raw['image_encoder'].get('hidden_size')} != transformer "
+                                f"image_dim {c.image_dim}")
+        return problems
 
     def encode_image(self, images) -> "jax.Array":
         """`hidden_states[-2]` of CLIP's vision tower for the (first, last) images, [n, L_img, D]."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -60,11 +61,11 @@ def _no_model_index(tmp_path):
 
 @pytest.mark.parametrize("case,match", [
     ("empty_prompt", "prompt` is empty"),
-    ("height_30", "--height must be a positive multiple of 16.*got 30"),
+    ("height_30", "--height 30: must be a positive multiple of 16"),
     ("unwritable_out", "does not exist"),
     ("no_model_index", "no model_index.json"),
     ("not_png", "must be a .png"),
-    ("nan_guidance", "--guidance` must be a finite real number, got nan"),
+    ("nan_guidance", "--guidance nan: must be a finite real number"),
 ])
 def test_bad_input_refused(tmp_path, capsys, case, match):
     out = tmp_path / "x.png"
@@ -77,7 +78,8 @@ def test_bad_input_refused(tmp_path, capsys, case, match):
     target = {"unwritable_out": tmp_path / "missing" / "x.png", "not_png": tmp_path / "x.jpg"}.get(case, out)
     before = set(tmp_path.rglob("*"))
     assert generate.main(argv + ["--out", str(target), "--steps", "1"]) == 1
-    assert f"error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert re.search(f"error: .*{match}", err), err
     assert not target.exists() and set(tmp_path.rglob("*")) == before
 
 
@@ -117,3 +119,21 @@ def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         generate.main([SCHNELL, "--out", "x.png"])  # no --prompt
     assert e.value.code == 2
+
+
+def test_a_first_run_shows_only_the_projects_lines(tmp_path):
+    """A fresh process on a machine without a TPU (JAX_PLATFORMS and TRANSFORMERS_VERBOSITY unset):
+    stderr holds only generate's own lines, not libtpu's TPU_WORKER_HOSTNAMES error or
+    transformers' "PyTorch was not found"."""
+    import subprocess
+    import sys
+
+    if generate.has_tpu():
+        pytest.skip("a TPU machine runs on the TPU")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TRANSFORMERS_VERBOSITY", "XLA_FLAGS")}
+    proc = subprocess.run([sys.executable, "-m", "difflet_tpu.generate", SCHNELL, "--prompt", "a cat", "--height", "32",
+                           "--width", "32", "--steps", "1", "--out", str(tmp_path / "x.png")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines and all(line.startswith("[generate] ") for line in lines), proc.stderr[-3000:]
