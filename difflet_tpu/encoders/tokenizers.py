@@ -153,11 +153,11 @@ def _tokens(tokenizer, prompts: list[str], max_length: int, padding: str, what: 
     return Tokens(input_ids=ids, attention_mask=mask, removed=removed)
 
 
-def clip_tokens(tokenizer, prompt, name: str = "prompt") -> Tokens:
+def clip_tokens(tokenizer, prompt, name: str = "prompt", allow_empty: bool = False) -> Tokens:
     """FluxPipeline._get_clip_prompt_embeds' tokenizer call: padded and truncated to
     `tokenizer.model_max_length` (77)."""
     n = int(tokenizer.model_max_length)
-    return _tokens(tokenizer, as_prompt_list(prompt, name), n, "max_length",
+    return _tokens(tokenizer, as_prompt_list(prompt, name, allow_empty), n, "max_length",
                    f"CLIP can only handle sequences up to {n} tokens")
 
 
