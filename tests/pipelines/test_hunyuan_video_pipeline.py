@@ -78,53 +78,58 @@ def test_sharded(call, mode):
     check_frames(call, 4, mode)
 
 
-def test_class_and_stages():
-    """The class from model_index.json; the schedule, the encoders' outputs and each step's
-    latents (given diffusers' initial latents) against diffusers'."""
-    from difflet_tpu.models.hunyuan_video.pipeline import HunyuanVideoPipeline
+def start(pipe, call):
+    """The checked call of the fixture's kwargs (`HunyuanVideoPipeline.__call__`'s defaults)."""
+    import inspect
 
-    calls, z = reference()
-    pipe = pipeline()
-    assert type(pipe) is HunyuanVideoPipeline
-    steps = []
-    pipe.on_stage = lambda stage, info: None
-    for call in ("true_cfg", "sigmas_videos2"):
-        kw = call_kwargs(call)
-        c = pipe.start_hunyuan_call({}, **{k: kw.get(k, v) for k, v in dict(
-            prompt=None, prompt_2=None, negative_prompt=None, negative_prompt_2=None, height=720, width=1280,
-            num_frames=129, num_inference_steps=50, sigmas=None, true_cfg_scale=1.0, guidance_scale=6.0,
-            num_videos_per_prompt=1, latents=None, output_type="np", prompt_template=None,
-            max_sequence_length=256, seed=None).items()})
-        np.testing.assert_allclose(c.sampler.timesteps, z[f"{call}.timesteps"], rtol=1e-6)
-        np.testing.assert_allclose(c.sampler.sigmas, z[f"{call}.sigmas"], rtol=0, atol=1e-7)
-        embeds, pooled, mask = pipe.encode_prompt(c.prompts, c)
-        for got, key in ((embeds, "prompt_embeds"), (pooled, "pooled_prompt_embeds")):
-            err = float(np.abs(np.asarray(got) - z[f"{call}.{key}"]).max())
-            assert got.shape == z[f"{call}.{key}"].shape and err <= EMBED_TOL, f"{call} {key}: {err:.2e}"
-        np.testing.assert_array_equal(mask, z[f"{call}.prompt_attention_mask"])
-        if c.do_true_cfg:
-            n_embeds, _, n_mask = pipe.encode_prompt(c.negatives, c, name="negative_prompt")
-            assert float(np.abs(np.asarray(n_embeds) - z[f"{call}.negative_prompt_embeds"]).max()) <= EMBED_TOL
-            np.testing.assert_array_equal(n_mask, z[f"{call}.negative_prompt_attention_mask"])
-        else:
-            assert call == "sigmas_videos2" and c.negatives is None  # a negative prompt without true_cfg_scale > 1
-        conds = pipe.encode_call(c)
-        x = c.latents
-        for i, t in enumerate(c.sampler.timesteps):
-            x = c.sampler.step(i, pipe.denoise_video.__func__ and pipe.transformer(
-                **pipe.step_kwargs(c, x, t, conds), return_dict=False)[0] if not c.do_true_cfg else
-                _cfg(pipe, c, x, t, conds), x)
-            err = float(np.abs(np.asarray(x) - z[f"{call}.step_latents"][i]).max())
-            assert err <= LATENT_TOL, f"{call} step {i}: {err:.2e}"
-            steps.append(err)
+    defaults = {k: v.default for k, v in inspect.signature(type(pipe).__call__).parameters.items()
+                if v.default is not inspect.Parameter.empty and k != "return_dict"}
+    return pipe.start_hunyuan_call({}, **{**defaults, **call_kwargs(call)})
 
 
-def _cfg(pipe, c, x, t, conds):
+def predict(pipe, c, x, t, conds):
+    """One step's model output as the pipeline's loop computes it (true CFG on the two rows)."""
     from difflet_tpu.pipeline import diffusion as D
 
     out = pipe.transformer(**pipe.step_kwargs(c, x, t, conds), return_dict=False)[0]
+    if not c.do_true_cfg:
+        return out
     neg, pos = jnp.split(out, 2)
     return D.true_cfg(pos, neg, jnp.float32(c.true_cfg_scale))
+
+
+@pytest.mark.parametrize("call", ["true_cfg", "sigmas_videos2"])
+def test_stages(call):
+    """The class from model_index.json; the schedule (linspace or the given sigmas, shift 7),
+    the encoders' outputs and each step's latents (from diffusers' initial latents) against
+    diffusers'."""
+    from difflet_tpu.models.hunyuan_video.pipeline import HunyuanVideoPipeline
+
+    _, z = reference()
+    pipe = pipeline()
+    assert type(pipe) is HunyuanVideoPipeline
+    c = start(pipe, call)
+    np.testing.assert_allclose(c.sampler.timesteps, z[f"{call}.timesteps"], rtol=1e-6)
+    np.testing.assert_allclose(c.sampler.sigmas, z[f"{call}.sigmas"], rtol=0, atol=1e-7)
+    embeds, pooled, mask = pipe.encode_prompt(c.prompts, c)
+    for got, key in ((embeds, "prompt_embeds"), (pooled, "pooled_prompt_embeds")):
+        err = float(np.abs(np.asarray(got) - z[f"{call}.{key}"]).max())
+        assert got.shape == z[f"{call}.{key}"].shape and err <= EMBED_TOL, f"{call} {key}: {err:.2e}"
+    np.testing.assert_array_equal(mask, z[f"{call}.prompt_attention_mask"])
+    if call == "true_cfg":
+        assert c.do_true_cfg
+        n_embeds, n_pooled, n_mask = pipe.encode_prompt(c.negatives, c, name="negative_prompt")
+        assert float(np.abs(np.asarray(n_embeds) - z[f"{call}.negative_prompt_embeds"]).max()) <= EMBED_TOL
+        assert float(np.abs(np.asarray(n_pooled) - z[f"{call}.negative_pooled_prompt_embeds"]).max()) <= EMBED_TOL
+        np.testing.assert_array_equal(n_mask, z[f"{call}.negative_prompt_attention_mask"])
+    else:  # a negative prompt without true_cfg_scale > 1 is not used
+        assert not c.do_true_cfg and c.negatives is None
+    conds = pipe.encode_call(c)
+    x = c.latents
+    for i, t in enumerate(c.sampler.timesteps):
+        x = c.sampler.step(i, predict(pipe, c, x, t, conds), x)
+        err = float(np.abs(np.asarray(x) - z[f"{call}.step_latents"][i]).max())
+        assert err <= LATENT_TOL, f"{call} step {i}: {err:.2e}"
 
 
 def test_prompt_2_has_no_effect_as_in_diffusers():
