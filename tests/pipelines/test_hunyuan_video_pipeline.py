@@ -184,3 +184,14 @@ def test_refused_before_work(kwargs, match):
 def test_unknown_argument_is_a_type_error():
     with pytest.raises(TypeError, match="unexpected keyword"):
         pipeline()(prompt="a cat", num_frames=5, height=32, width=32, fps=16)
+
+
+def test_default_prompt_template_is_diffusers():
+    """The port's DEFAULT_PROMPT_TEMPLATE is diffusers' text (the fixture calls pass diffusers'
+    template with the tiny tokenizer's crop_start); crop_start 95 is the published tokenizer's."""
+    from difflet_tpu.models.hunyuan_video.pipeline import DEFAULT_PROMPT_TEMPLATE
+
+    calls, _ = reference()
+    assert all(c["kwargs"]["prompt_template"]["template"] == DEFAULT_PROMPT_TEMPLATE["template"]
+               for c in calls.values())
+    assert DEFAULT_PROMPT_TEMPLATE["crop_start"] == 95
