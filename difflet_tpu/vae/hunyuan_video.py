@@ -13,7 +13,8 @@ half is not built (its keys are skipped).
   the first frame in front (none behind) and k // 2 edge copies on each spatial side, then a
   valid `nn.Conv3d`. So output frame t reads input frames <= t, and no zeros enter anywhere.
 - GroupNorm statistics per sample and group over all frames and positions (torch's 5-D
-  `nn.GroupNorm`), in float32 (`layers.GroupNorm`).
+  `nn.GroupNorm`), in float32 (`layers.GroupNorm`); so the decode as a whole is not causal
+  (a later latent frame moves the statistics every frame is normalised with).
 - The mid-block attention is diffusers' `Attention` (one head of width C, GroupNorm first,
   residual) over all T*H*W tokens with `prepare_causal_attention_mask`: a token of frame i
   sees the tokens of frames <= i (`layers.attention(..., causal_block=H*W)`).
