@@ -188,6 +188,15 @@ assert type(out).__name__ == "AudioVisualModelOutput"
 assert rel_l2(video, expected["sample"]) < 0.02, rel_l2(video, expected["sample"])
 assert rel_l2(audio, expected["audio_sample"]) < 0.02, rel_l2(audio, expected["audio_sample"])
 """),
+    ("docs/models/hunyuan_video.md", 0): Snippet(
+        subs=(('"HunyuanVideo"', '"{fixtures}/pipelines/hunyuan_video"'),
+              ("height=320, width=512, num_frames=61,\n             num_inference_steps=30",
+               "height=16, width=16, num_frames=5,\n             num_inference_steps=2"),
+              ('"cat.mp4"', '"{tmp}/cat.mp4"')),
+        check="""
+assert video.shape == (5, 16, 16, 3) and 0.0 <= video.min() and video.max() <= 1.0
+assert (TMP / "cat.mp4").stat().st_size > 0
+"""),
     ("docs/models/qwen_image.md", 0): Snippet(
         subs=(("Qwen-Image/transformer", "{fixtures}/qwen_image/transformer"), ("(1, 64, 64)", "(1, 4, 6)")),
         preamble="""

@@ -5,8 +5,9 @@
   `hidden_states[-2]`), on clip's encoder layers, and its image processor.
 * `t5`: the T5 v1.1 encoder (`T5EncoderModel`; FLUX.1's `text_encoder_2`) and UMT5
   (`UMT5EncoderModel`; Wan's `text_encoder`), one family.
-* `decoder_lm`: decoder-only LMs used as encoders (Qwen2.5-VL's language model; Qwen-Image's
-  `text_encoder`), one Llama-shaped family.
+* `decoder_lm`: decoder-only LMs used as encoders (Qwen2.5-VL's language model, Qwen-Image's
+  `text_encoder`; Llama's `LlamaModel`, HunyuanVideo's `text_encoder`, read at
+  `hidden_states[-3]`), one Llama-shaped family.
 
 Each module has `from_pretrained(folder, *, dtype=jnp.bfloat16, mesh=None)`, `build(config)`,
 `abstract(config, dtype, mesh)` and released-size config presets. `encode(model, input_ids,

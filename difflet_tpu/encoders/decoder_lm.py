@@ -12,6 +12,9 @@ Verified (tests/encoders) for Qwen2.5-VL's language model on text-only input as 
 `QwenImagePipeline` calls it: `text_encoder(input_ids, attention_mask, output_hidden_states=True)
 .hidden_states[-1]`. In transformers that last entry is `last_hidden_state`, i.e. AFTER the final
 norm (`capture_outputs` overwrites `hidden_states[-1]` with it), which is what `__call__` returns.
+And for Llama (`LlamaModel`, HunyuanVideo's `text_encoder`) as `HunyuanVideoPipeline` calls it:
+`.hidden_states[-(num_hidden_layers_to_skip + 1)]` = `hidden_states[-3]`, the output of decoder
+layer L - 2 (no final norm): `model(..., hidden_state=-3)` runs only the layers it needs.
 
 Position ids. The multimodal RoPE has three position streams (temporal, height, width); the
 rotary frequencies are split by `mrope_section` and section i reads stream i % 3. For text-only
@@ -205,7 +208,8 @@ class DecoderLayer(nnx.Module):
 
 class DecoderLM(nnx.Module):
     """`(input_ids [B, S] int, attention_mask [B, S] 0/1 or None, position_ids None | [B, S] |
-    [3, B, S]) -> hidden state after the final norm [B, S, hidden_size]` (`hidden_states[-1]`)."""
+    [3, B, S], hidden_state=-1) -> [B, S, hidden_size]`: transformers' `hidden_states[hidden_state]`
+    (-1: after the final norm; -1 - n: the output of layer L - n; 0: the embeddings)."""
 
     def __init__(self, config: DecoderLMConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
@@ -222,8 +226,18 @@ class DecoderLM(nnx.Module):
     def check_inputs(self, input_ids, attention_mask=None):
         check_token_inputs(input_ids, attention_mask, vocab_size=self.config.vocab_size, name="DecoderLM")
 
-    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+    def layers_for(self, hidden_state: int) -> int:
+        """How many decoder layers `hidden_states[hidden_state]` needs (L + 1 entries: the
+        embeddings, then each layer's output, the last one normed)."""
+        n = self.config.num_hidden_layers
+        if isinstance(hidden_state, bool) or not isinstance(hidden_state, int) or not -(n + 1) <= hidden_state <= n:
+            raise ValueError(f"DecoderLM: hidden_state must be an int in [{-(n + 1)}, {n}] (transformers' "
+                             f"hidden_states has {n + 1} entries), got {hidden_state!r}")
+        return hidden_state % (n + 1)
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, hidden_state: int = -1):
         self.check_inputs(input_ids, attention_mask)
+        run = self.layers_for(hidden_state)
         batch, length = input_ids.shape
         hidden_states = self.embed_tokens(input_ids)
         if self.config.embed_scale:
@@ -242,9 +256,9 @@ class DecoderLM(nnx.Module):
         mask = causal_mask(length)
         if attention_mask is not None:
             mask = mask & padding_mask(attention_mask)
-        for layer in self.layers:
+        for layer in self.layers[:run]:
             hidden_states = layer(hidden_states, mask, cos, sin)
-        return self.norm(hidden_states)
+        return self.norm(hidden_states) if run == self.config.num_hidden_layers else hidden_states
 
 
 def build(config: DecoderLMConfig, dtype=jnp.float32, seed: int = 0) -> DecoderLM:
@@ -261,11 +275,13 @@ SKIP_KEYS = (r"^(model\.)?visual\.", r"^lm_head\.")
 
 
 def candidates(key: str) -> list[str]:
-    return [f"model.language_model.{key}", f"model.{key}"]
+    # a bare `LlamaModel` (HunyuanVideo's text_encoder) saves its keys without a prefix
+    return [f"model.language_model.{key}", f"model.{key}", key]
 
 
 def from_pretrained(folder, *, dtype=jnp.bfloat16, mesh=None) -> DecoderLM:
     """A transformers folder of Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`, e.g. Qwen-Image
-    `text_encoder/`), Qwen2 or Llama: the language model only."""
+    `text_encoder/`), Qwen2 or Llama (`LlamaModel`, e.g. HunyuanVideo `text_encoder/`): the
+    language model only."""
     config = DecoderLMConfig.from_dict(loading.read_config(folder))
     return loading.load(lambda: build(config, dtype), folder, candidates=candidates, skip=SKIP_KEYS, mesh=mesh)

@@ -62,6 +62,11 @@ def _forward(model, input_ids, attention_mask):
 
 
 @nnx.jit(static_argnames="hidden_state")
+def _forward_hidden(model, input_ids, attention_mask, hidden_state):
+    return model(input_ids, attention_mask, hidden_state=hidden_state)
+
+
+@nnx.jit(static_argnames="hidden_state")
 def _forward_image(model, pixel_values, hidden_state):
     return model(pixel_values, hidden_state)
 
@@ -73,12 +78,16 @@ def _finite(model, out):
     return out
 
 
-def encode(model, input_ids, attention_mask=None):
+def encode(model, input_ids, attention_mask=None, hidden_state: int | None = None):
     """`model(input_ids, attention_mask)` under `jax.jit`, inputs checked first, outputs
-    checked finite. Returns what the model returns (an array or a tuple of arrays)."""
+    checked finite. Returns what the model returns (an array or a tuple of arrays).
+    `hidden_state` (a `decoder_lm.DecoderLM`): transformers' `hidden_states[hidden_state]`."""
     model.check_inputs(input_ids, attention_mask)
-    return _finite(model, _forward(model, jnp.asarray(input_ids),
-                                   None if attention_mask is None else jnp.asarray(attention_mask)))
+    mask = None if attention_mask is None else jnp.asarray(attention_mask)
+    if hidden_state is None:
+        return _finite(model, _forward(model, jnp.asarray(input_ids), mask))
+    model.layers_for(hidden_state)
+    return _finite(model, _forward_hidden(model, jnp.asarray(input_ids), mask, hidden_state))
 
 
 def encode_image(model, pixel_values, hidden_state: int = -2):

@@ -62,6 +62,10 @@ _FAMILIES = {
     "t5": ("T5Tokenizer", {"T5Tokenizer", "T5TokenizerFast"}, [("tokenizer.json",), ("spiece.model",)]),
     "qwen2": ("Qwen2Tokenizer", {"Qwen2Tokenizer", "Qwen2TokenizerFast"},
               [("tokenizer.json",), ("vocab.json", "merges.txt")]),
+    # HunyuanVideo `tokenizer/` (llava-llama-3-8b's; model_index.json names LlamaTokenizerFast, the
+    # folder declares PreTrainedTokenizerFast): read as diffusers reads it, with LlamaTokenizerFast
+    "llama": ("LlamaTokenizerFast", {"LlamaTokenizer", "LlamaTokenizerFast", "PreTrainedTokenizerFast"},
+              [("tokenizer.json",)]),
 }
 
 
@@ -90,7 +94,8 @@ def folder_problems(folder: Path, family: str) -> list[str]:
 
 def load_tokenizer(folder, family: str):
     """The tokenizer of a published `tokenizer/` folder: `family` is "clip" (FLUX.1 `tokenizer/`),
-    "t5" (FLUX.1 `tokenizer_2/`) or "qwen2" (Qwen-Image `tokenizer/`).
+    "t5" (FLUX.1 `tokenizer_2/`), "qwen2" (Qwen-Image `tokenizer/`) or "llama" (HunyuanVideo
+    `tokenizer/`).
 
     Raises TokenizerError naming the folder and the files expected when the folder or its files
     are missing, or when its tokenizer_config.json declares another tokenizer class."""
@@ -172,6 +177,17 @@ def qwen_image_tokens(tokenizer, prompt, name: str = "prompt", allow_empty: bool
     text = [QWEN_IMAGE_PROMPT_TEMPLATE.format(p) for p in prompts]
     return _tokens(tokenizer, text, QWEN_IMAGE_TOKENIZER_MAX_LENGTH + QWEN_IMAGE_TEMPLATE_START_IDX, "longest",
                    f"Qwen-Image reads at most {QWEN_IMAGE_TOKENIZER_MAX_LENGTH} prompt tokens")
+
+
+def hunyuan_video_tokens(tokenizer, prompt, template: str, crop_start: int, max_sequence_length: int,
+                         name: str = "prompt", allow_empty: bool = False) -> Tokens:
+    """HunyuanVideoPipeline._get_llama_prompt_embeds' tokenizer call: each prompt in the template,
+    padded and truncated to `max_sequence_length + crop_start` (the template's tokens before the
+    prompt are cropped after the encoder)."""
+    prompts = as_prompt_list(prompt, name, allow_empty=allow_empty)
+    text = [template.format(p) for p in prompts]
+    return _tokens(tokenizer, text, max_sequence_length + crop_start, "max_length",
+                   f"`max_sequence_length` is set to {max_sequence_length} tokens")
 
 
 def drop_template(hidden_states, attention_mask, max_sequence_length: int = 512,

@@ -51,6 +51,7 @@ PIPELINES = {
     "QwenImagePipeline": "difflet_tpu.models.qwen_image.pipeline",
     "WanPipeline": "difflet_tpu.models.wan.pipeline",
     "WanImageToVideoPipeline": "difflet_tpu.models.wan.pipeline",
+    "HunyuanVideoPipeline": "difflet_tpu.models.hunyuan_video.pipeline",
 }
 
 

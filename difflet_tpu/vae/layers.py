@@ -169,7 +169,7 @@ class RMSNorm(nnx.Module):
 QUERY_CHUNK = 1024
 
 
-def attention(q, k, v, *, query_chunk: int | None = None):
+def attention(q, k, v, *, query_chunk: int | None = None, causal_block: int | None = None):
     """Single-head softmax attention `softmax(q k^T / sqrt(d)) v` over `[B, N, d]`, scores,
     softmax and the weighted sum in float32 (torch SDPA; diffusers' `upcast_softmax`).
 
@@ -178,21 +178,29 @@ def attention(q, k, v, *, query_chunk: int | None = None):
     is `[B, query_chunk, N]`, never the `[B, N, N]` score matrix (1 GiB per sample in
     float32 at N = 16384). The queries are zero-padded to a multiple of the chunk; the
     padded rows are dropped.
+
+    `causal_block`: tokens come in blocks of this many (a video's frames); a query sees the
+    keys of its own block and the blocks before (diffusers' HunyuanVideo
+    `prepare_causal_attention_mask`).
     """
     query_chunk = query_chunk or QUERY_CHUNK
     b, n, d = q.shape
     scale = 1.0 / math.sqrt(d)
     acc = fp32(q.dtype)
+    key_block = None if causal_block is None else jnp.arange(k.shape[1]) // causal_block
 
-    def rows(qc):
+    def rows(qc, start):
         s = jnp.einsum("bqd,bkd->bqk", qc, k, preferred_element_type=acc) * scale
+        if key_block is not None:
+            query_block = (start + jnp.arange(qc.shape[1])) // causal_block
+            s = jnp.where(key_block[None, None, :] <= query_block[None, :, None], s, -jnp.inf)
         p = jax.nn.softmax(s, axis=-1)
         return jnp.einsum("bqk,bkd->bqd", p, v.astype(acc)).astype(q.dtype)
 
     if n <= query_chunk:
-        return rows(q)
+        return rows(q, 0)
     chunks = -(-n // query_chunk)
     qp = jnp.pad(q, ((0, 0), (0, chunks * query_chunk - n), (0, 0)))
     qp = qp.reshape(b, chunks, query_chunk, d).transpose(1, 0, 2, 3)
-    out = jax.lax.map(rows, qp)  # [chunks, B, chunk, d]
+    out = jax.lax.map(lambda a: rows(*a), (qp, jnp.arange(chunks) * query_chunk))  # [chunks, B, chunk, d]
     return out.transpose(1, 0, 2, 3).reshape(b, chunks * query_chunk, d)[:, :n]

@@ -28,6 +28,7 @@ CALLS = {
     "qwen_image_vae": ("image", "video"),
     "wan_vae": ("video", "video_b2"),
     "wan22_vae": ("image", "video"),
+    "hunyuan_video_vae": ("video", "tiled", "tiled3"),
 }
 
 
@@ -52,11 +53,11 @@ def io(case):
 
 
 def pipeline_decode(model, case, latents):
-    """The decode the case's pipeline does: QwenImagePipeline keeps frame 0, the Wan
-    pipelines every frame, FluxPipeline the image."""
+    """The decode the case's pipeline does: QwenImagePipeline keeps frame 0, the Wan and
+    HunyuanVideo pipelines every frame, FluxPipeline the image."""
     if case == "qwen_image_vae" and latents.shape[2] == 1:
         return model.decode(latents)[:, :, None]
-    if isinstance(model, vae.AutoencoderKLCausal3D):
+    if isinstance(model, (vae.AutoencoderKLCausal3D, vae.AutoencoderKLHunyuanVideo)):
         return model.decode_video(latents)
     return model.decode(latents)
 
@@ -113,6 +114,17 @@ def test_mesh_batch_sharded_equals_one_device(case, mesh4):
     np.testing.assert_allclose(np.asarray(got), np.asarray(pipeline_decode(one, case, lat4)), rtol=0, atol=1e-5)
     if lat.shape[0] == 2:
         assert_close(pipeline_decode(sharded, case, lat), want, f"{case} {call} batch 2 on 4 devices")
+
+
+def test_hunyuan_video_tiles_and_causal_attention(monkeypatch):
+    """HunyuanVideo: 3 latent frames decode whole, 6 and 8 in temporal tiles (diffusers'
+    default framewise decode); the frame-causal mid-block attention in query chunks of 7
+    (over 2 x 3 tokens a frame: chunks cross frame boundaries) gives the same decode. (The
+    decode is not causal as a whole: GroupNorm's statistics span every frame.)"""
+    model, data = load("hunyuan_video_vae"), io("hunyuan_video_vae")
+    monkeypatch.setattr(layers, "QUERY_CHUNK", 7)
+    z = jnp.asarray(data["video.z"])
+    assert_close(jax.jit(model.__call__)(z), data["video.sample"], "hunyuan chunked attention")
 
 
 @pytest.mark.parametrize("case", ["flux_vae", "qwen_image_vae"])
