@@ -56,9 +56,9 @@ def check_token_inputs(input_ids, attention_mask=None, *, vocab_size: int, max_l
             raise ValueError(f"{name}: attention_mask must hold only 0 and 1")
 
 
-@nnx.jit
-def _forward(model, input_ids, attention_mask):
-    return model(input_ids, attention_mask)
+@nnx.jit(static_argnames="options")
+def _forward(model, input_ids, attention_mask, options=()):
+    return model(input_ids, attention_mask, **dict(options))
 
 
 @nnx.jit(static_argnames="hidden_state")
@@ -73,12 +73,14 @@ def _finite(model, out):
     return out
 
 
-def encode(model, input_ids, attention_mask=None):
-    """`model(input_ids, attention_mask)` under `jax.jit`, inputs checked first, outputs
+def encode(model, input_ids, attention_mask=None, **options):
+    """`model(input_ids, attention_mask, **options)` under `jax.jit` (`options`: static keyword
+    arguments such as the decoder LM's `output_hidden_states=True`), inputs checked first, outputs
     checked finite. Returns what the model returns (an array or a tuple of arrays)."""
     model.check_inputs(input_ids, attention_mask)
     return _finite(model, _forward(model, jnp.asarray(input_ids),
-                                   None if attention_mask is None else jnp.asarray(attention_mask)))
+                                   None if attention_mask is None else jnp.asarray(attention_mask),
+                                   tuple(sorted(options.items()))))
 
 
 def encode_image(model, pixel_values, hidden_state: int = -2):
