@@ -4,6 +4,7 @@ causal-3D family's encoder (video -> latents) on request.
 - `autoencoder_kl.AutoencoderKL`: diffusers `AutoencoderKL` (FLUX.1, Stable Diffusion).
 - `causal3d.AutoencoderKLCausal3D`: the causal-3D family, diffusers
   `AutoencoderKLQwenImage` and `AutoencoderKLWan` (Wan 2.1 and 2.2).
+- `ltx2_video.AutoencoderKLLTX2Video`: LTX-2's video VAE decoder (diffusers `AutoencoderKLLTX2Video`).
 
 `from_pretrained(folder)` picks the class by `config.json`'s `_class_name`. Each model's
 `decode(latents)` does what its diffusers pipeline does after the denoise loop;
@@ -18,8 +19,10 @@ import jax.numpy as jnp
 from difflet_tpu.vae.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 from difflet_tpu.vae.causal3d import AutoencoderKLCausal3D, Causal3DConfig
 from difflet_tpu.vae.loading import WeightsError, read_config
+from difflet_tpu.vae.ltx2_video import AutoencoderKLLTX2Video, LTX2VideoVAEConfig
 
-CLASSES = {name: cls for cls in (AutoencoderKL, AutoencoderKLCausal3D) for name in cls.CLASS_NAMES}
+CLASSES = {name: cls for cls in (AutoencoderKL, AutoencoderKLCausal3D, AutoencoderKLLTX2Video)
+           for name in cls.CLASS_NAMES}
 
 
 def from_pretrained(folder, *, dtype=jnp.bfloat16, mesh=None, strict: bool = True, encoder: bool = False):
@@ -35,5 +38,5 @@ def from_pretrained(folder, *, dtype=jnp.bfloat16, mesh=None, strict: bool = Tru
     return AutoencoderKLCausal3D.from_pretrained(folder, dtype=dtype, mesh=mesh, strict=strict, encoder=True)
 
 
-__all__ = ["AutoencoderKL", "AutoencoderKLConfig", "AutoencoderKLCausal3D", "Causal3DConfig", "WeightsError",
-           "from_pretrained"]
+__all__ = ["AutoencoderKL", "AutoencoderKLConfig", "AutoencoderKLCausal3D", "AutoencoderKLLTX2Video", "Causal3DConfig",
+           "LTX2VideoVAEConfig", "WeightsError", "from_pretrained"]
