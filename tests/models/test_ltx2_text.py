@@ -44,3 +44,23 @@ def test_mismatched_encoder_and_connectors_refused():
     conn.config = connectors.LTX2TextConnectorsConfig(**{**conn.config.__dict__, "text_proj_in_factor": 5})
     with pytest.raises(ValueError, match="text_proj_in_factor 5"):
         text.encode_prompt(encoder, conn, np.zeros((1, 12), np.int64), np.ones((1, 12), np.int64))
+
+
+def test_from_prompts_parity():
+    """Strings -> ids (left padding, <bos>, truncation at max_sequence_length) -> Gemma-3 ->
+    stacked hidden states, against diffusers' `LTX2Pipeline._get_gemma_prompt_embeds` itself
+    (tests/fixtures/encoders/ltx2_connectors/prompts.npz; one prompt truncated, one with
+    leading / trailing spaces)."""
+    from difflet_tpu.encoders import tokenizers as T
+
+    data = np.load(FIXTURES / "ltx2_connectors" / "prompts.npz")
+    prompts = [str(data[f"in.prompt{i}"]) for i in range(3)]
+    tokenizer = T.load_tokenizer(FIXTURES / "gemma3_tokenizer", "gemma")
+    tokens = T.ltx2_tokens(tokenizer, prompts, max_sequence_length=12)
+    np.testing.assert_array_equal(tokens.input_ids, data["out.input_ids"])
+    np.testing.assert_array_equal(tokens.attention_mask, data["out.prompt_attention_mask"])
+    assert tokens.removed[1] and not tokens.removed[0] and not tokens.removed[2]
+    assert tokens.input_ids[2, 0] == tokenizer.pad_token_id and tokens.input_ids[2, -3] == tokenizer.bos_token_id
+    encoder = decoder_lm.from_pretrained(FIXTURES / "gemma3", dtype=jnp.float32)
+    embeds = text.gemma_prompt_embeds(encoder, tokens.input_ids, tokens.attention_mask)
+    check(embeds, data["out.prompt_embeds"], what="prompt_embeds from strings")
