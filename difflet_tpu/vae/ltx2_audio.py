@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from difflet_tpu.vae import loading
-from difflet_tpu.vae.layers import GroupNorm, fp32, param, silu
+from difflet_tpu.vae.layers import GroupNorm, conv2d, fp32, param, silu
 
 LATENT_DOWNSAMPLE_FACTOR = 4
 CLASS_NAME = "AutoencoderKLLTX2Audio"
@@ -94,11 +93,7 @@ class Conv2d(nnx.Module):
 
     def __call__(self, x):
         conv = self.conv if self.wrapped else self
-        x = jnp.pad(x, ((0, 0), self.pad[0], self.pad[1], (0, 0)))
-        y = jax.lax.conv_general_dilated(x, conv.kernel[...].astype(x.dtype), (1, 1), "VALID",
-                                         dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                         preferred_element_type=fp32(x.dtype))
-        return (y + conv.bias[...].astype(y.dtype)).astype(x.dtype)
+        return conv2d(jnp.pad(x, ((0, 0), self.pad[0], self.pad[1], (0, 0))), conv.kernel[...], conv.bias[...], 0)
 
 
 class _Conv(nnx.Module):
