@@ -123,18 +123,18 @@ class Checkpoint:
     """The tensors of a transformers folder: one `model.safetensors` or an index and shards.
     Headers only until `read(key)`."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, weights: str = "model"):
         from safetensors import safe_open
 
-        folder = Path(folder)
-        single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+        folder = Path(folder)  # weights: the file stem ("diffusion_pytorch_model" for diffusers' own modules)
+        single, index = folder / f"{weights}.safetensors", folder / f"{weights}.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
         elif single.is_file():
             files = [single.name]
         else:
-            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+            raise FileNotFoundError(f"no {single.name} or {index.name} in {folder}")
         self.folder = folder
         self.file_of, self.info = {}, {}  # key -> file, key -> (safetensors dtype, shape)
         for name in files:
@@ -215,13 +215,14 @@ def _torch_shape(shape, transpose):
     return shape[::-1] if transpose else shape
 
 
-def load(build: Callable, folder, *, candidates: Callable[[str], list[str]], skip: Iterable[str] = (), mesh=None):
+def load(build: Callable, folder, *, candidates: Callable[[str], list[str]], skip: Iterable[str] = (), mesh=None,
+         weights: str = "model"):
     """The model `build()` makes (built abstractly, nothing allocated), its parameters read
-    from `folder`, cast to the dtype `build` gave each (the model dtype, or e.g. float32 for
-    T5's `wo`) and placed on `mesh` (or the default device)."""
+    from `folder` (`<weights>.safetensors` or its index), cast to the dtype `build` gave each (the
+    model dtype, or e.g. float32 for T5's `wo`) and placed on `mesh` (or the default device)."""
     model = nnx.eval_shape(build)
     check_mesh(mesh, model)
-    ckpt = Checkpoint(folder)
+    ckpt = Checkpoint(folder, weights)
     plan = plan_keys(model, ckpt, candidates, skip)
     graphdef, state = nnx.split(model, nnx.Param)
     specs = dict(nnx.to_flat_state(partition_specs(model)))

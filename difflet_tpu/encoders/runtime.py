@@ -56,14 +56,9 @@ def check_token_inputs(input_ids, attention_mask=None, *, vocab_size: int, max_l
             raise ValueError(f"{name}: attention_mask must hold only 0 and 1")
 
 
-@nnx.jit
-def _forward(model, input_ids, attention_mask):
-    return model(input_ids, attention_mask)
-
-
-@nnx.jit(static_argnames="hidden_state")
-def _forward_hidden(model, input_ids, attention_mask, hidden_state):
-    return model(input_ids, attention_mask, hidden_state=hidden_state)
+@nnx.jit(static_argnames="options")
+def _forward(model, input_ids, attention_mask, options=()):
+    return model(input_ids, attention_mask, **dict(options))
 
 
 @nnx.jit(static_argnames="hidden_state")
@@ -78,16 +73,18 @@ def _finite(model, out):
     return out
 
 
-def encode(model, input_ids, attention_mask=None, hidden_state: int | None = None):
-    """`model(input_ids, attention_mask)` under `jax.jit`, inputs checked first, outputs
-    checked finite. Returns what the model returns (an array or a tuple of arrays).
-    `hidden_state` (a `decoder_lm.DecoderLM`): transformers' `hidden_states[hidden_state]`."""
+def encode(model, input_ids, attention_mask=None, **options):
+    """`model(input_ids, attention_mask, **options)` under `jax.jit` (`options`: static keyword
+    arguments such as the decoder LM's `output_hidden_states=True` or `hidden_state=-3`,
+    transformers' `hidden_states[-3]`), inputs checked first, outputs checked finite. Returns what
+    the model returns (an array or a tuple of arrays)."""
     model.check_inputs(input_ids, attention_mask)
-    mask = None if attention_mask is None else jnp.asarray(attention_mask)
-    if hidden_state is None:
-        return _finite(model, _forward(model, jnp.asarray(input_ids), mask))
-    model.layers_for(hidden_state)
-    return _finite(model, _forward_hidden(model, jnp.asarray(input_ids), mask, hidden_state))
+    if options.get("hidden_state") is not None:
+        model.layers_for(options["hidden_state"])  # a clear error before the compile
+    options = {k: v for k, v in options.items() if v is not None}
+    return _finite(model, _forward(model, jnp.asarray(input_ids),
+                                   None if attention_mask is None else jnp.asarray(attention_mask),
+                                   tuple(sorted(options.items()))))
 
 
 def encode_image(model, pixel_values, hidden_state: int = -2):

@@ -15,6 +15,10 @@ the exact call each pipeline makes, and the checks before it:
   1024 + 34 tokens; after the text encoder, `drop_template` keeps each prompt's valid hidden states
   past the 34 template tokens, right-pads them to the longest with a 0/1 mask, and `encode_prompt`
   then cuts at `max_sequence_length`.
+* LTX-2 Gemma-3 (`pipelines/ltx2/pipeline_ltx2.py`, `_get_gemma_prompt_embeds`): prompts stripped,
+  left padding (the tokenizer's `padding_side` set to "left", its eos as pad when it has none, as
+  diffusers does), `padding="max_length"`, `max_length=max_sequence_length` (1024 by default),
+  truncation, special tokens (Gemma's leading `<bos>`).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ _FAMILIES = {
     # folder declares PreTrainedTokenizerFast): read as diffusers reads it, with LlamaTokenizerFast
     "llama": ("LlamaTokenizerFast", {"LlamaTokenizer", "LlamaTokenizerFast", "PreTrainedTokenizerFast"},
               [("tokenizer.json",)]),
+    "gemma": ("GemmaTokenizer", {"GemmaTokenizer", "GemmaTokenizerFast"}, [("tokenizer.json",), ("tokenizer.model",)]),
 }
 
 
@@ -94,8 +99,8 @@ def folder_problems(folder: Path, family: str) -> list[str]:
 
 def load_tokenizer(folder, family: str):
     """The tokenizer of a published `tokenizer/` folder: `family` is "clip" (FLUX.1 `tokenizer/`),
-    "t5" (FLUX.1 `tokenizer_2/`), "qwen2" (Qwen-Image `tokenizer/`) or "llama" (HunyuanVideo
-    `tokenizer/`).
+    "t5" (FLUX.1 `tokenizer_2/`), "qwen2" (Qwen-Image `tokenizer/`), "llama" (HunyuanVideo
+    `tokenizer/`) or "gemma" (LTX-2 `tokenizer/`).
 
     Raises TokenizerError naming the folder and the files expected when the folder or its files
     are missing, or when its tokenizer_config.json declares another tokenizer class."""
@@ -188,6 +193,29 @@ def hunyuan_video_tokens(tokenizer, prompt, template: str, crop_start: int, max_
     text = [template.format(p) for p in prompts]
     return _tokens(tokenizer, text, max_sequence_length + crop_start, "max_length",
                    f"`max_sequence_length` is set to {max_sequence_length} tokens")
+
+
+def ltx2_tokens(tokenizer, prompt, max_sequence_length: int = 1024, name: str = "prompt",
+                allow_empty: bool = False) -> Tokens:
+    """LTX2Pipeline._get_gemma_prompt_embeds' tokenizer call: stripped prompts, left-padded and
+    truncated to `max_sequence_length`, with Gemma's `<bos>`."""
+    if not isinstance(max_sequence_length, int) or max_sequence_length < 1:
+        raise TokenizerError(f"`max_sequence_length` must be a positive int, got {max_sequence_length!r}")
+    prompts = [p.strip() for p in as_prompt_list(prompt, name, allow_empty)]
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(prompts, padding="max_length", max_length=max_sequence_length, truncation=True,
+                    add_special_tokens=True, return_tensors="np")
+    full = tokenizer(prompts, padding=False, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]
+    removed = [tokenizer.decode(f[max_sequence_length:], skip_special_tokens=True) if len(f) > max_sequence_length
+               else "" for f in full]
+    if any(removed):
+        logger.warning("The following part of your input was truncated because `max_sequence_length` is set to "
+                       "%d tokens: %s", max_sequence_length, [r for r in removed if r])
+    return Tokens(input_ids=np.asarray(enc["input_ids"], np.int32), attention_mask=np.asarray(enc["attention_mask"],
+                                                                                              np.int32),
+                  removed=removed)
 
 
 def drop_template(hidden_states, attention_mask, max_sequence_length: int = 512,
