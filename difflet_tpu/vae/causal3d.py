@@ -33,6 +33,11 @@ last temporal tap (exactly; a third of the work of the 3-D conv over zeros).
 Output frame 0 depends on latent frame 0 alone, so the Qwen-Image `decode` (which
 keeps frame 0, as QwenImagePipeline does) decodes only latent frame 0.
 
+On a mesh of several devices that do not divide the batch, `decode` / `decode_video`
+spread each video's rows (or columns) over them (`spread.py`: one-row halos before every
+spatial conv, the mid-block K/V all-gathered; exact): the causal chunks are sequential,
+so the split is spatial, not temporal.
+
 Layout: channels-last inside (`[B, T, H, W, C]`, `lax.conv_general_dilated`), diffusers'
 NCTHW at the boundary.
 
