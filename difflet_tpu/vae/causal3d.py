@@ -411,7 +411,7 @@ class AutoencoderKLCausal3D(nnx.Module):
     clamped); `model.decode(latents)` is what QwenImagePipeline does after its denoise
     loop (NCHW float32 image, frame 0); `model.decode_video(latents)` the same for every
     frame (NCTHW float32), as the Wan pipelines. Both jitted, batch-sharded over the
-    mesh given to `from_pretrained`.
+    mesh given to `from_pretrained`, or each video spread over it (`spread_axis`).
     """
 
     CLASS_NAMES = tuple(CONFIG_FIELDS)
