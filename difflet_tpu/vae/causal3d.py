@@ -51,7 +51,9 @@ score matrix). The one-frame decode records no causal cache. Compiled deviceless
 for v5e (batch 4 over a 2x2 slice, one image per chip): 1.46 GiB of HBM per chip
 (1.26 GiB temporaries). For video the scan carries each causal conv's 2-frame
 history (`FeatCache`) besides the output video: Wan 2.1 at 81 x 480 x 832 (latents
-16 x 21 x 60 x 104, one video per chip) compiles to 5.41 GiB per chip.
+16 x 21 x 60 x 104, one video per chip) compiles to 5.41 GiB per chip; one video at
+81 x 720 x 1280 spread by width over a v5e:2x2 (`spread.py`, uint8 frames out) to 4.87 GiB
+per chip, an estimated 3.5 s (docs/benchmarks.md).
 """
 
 from __future__ import annotations
