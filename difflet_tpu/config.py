@@ -20,6 +20,7 @@ KERNEL_VALUES = ("jax", "pallas")
 RS_KERNEL_VALUES = ("auto", "jax", "pallas")
 ASSEMBLE_VALUES = ("concat", "dus")
 OFFLOAD_VALUES = ("auto", "on", "off")
+SPREAD_VALUES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -106,6 +107,14 @@ class Config:
         largest tile up to 512 columns that fits VMEM (`DIFFLET_TPU_KERNEL_TILES`).
         Checked when set (format, sites, tiles) and again against the mesh's
         device kind (a table measured on another chip is an error).
+    vae_spread: how the causal-3D VAE (Wan 2.x, Qwen-Image) decodes on a mesh of
+        several devices (`DIFFLET_TPU_VAE_SPREAD`): "auto" (default) shards the batch
+        when the devices divide it and otherwise spreads each video's rows over
+        every device (`vae/spread.py`: a spatial split with one-row halos, exact,
+        not diffusers' blended tiling), so one long clip decodes on all chips;
+        "on" spreads the rows whatever the batch; "off" never (the batch sharded
+        when it divides, else the decode replicated on every device). The
+        `spread=` argument of `decode` / `decode_video` overrides it.
     """
 
     sp: bool = False
@@ -122,6 +131,7 @@ class Config:
     expert_offload: str = "auto"
     encoder_offload: str = "auto"
     kernel_tiles: str | None = None
+    vae_spread: str = "auto"
 
     def __post_init__(self):
         for name in ("sp", "sp_single", "sp_cross_local", "sp_pad", "check_vma", "split_rope"):
@@ -137,6 +147,8 @@ class Config:
             raise ConfigError(f"Config.expert_offload must be one of {OFFLOAD_VALUES}, got {self.expert_offload!r}")
         if self.encoder_offload not in OFFLOAD_VALUES:
             raise ConfigError(f"Config.encoder_offload must be one of {OFFLOAD_VALUES}, got {self.encoder_offload!r}")
+        if self.vae_spread not in SPREAD_VALUES:
+            raise ConfigError(f"Config.vae_spread must be one of {SPREAD_VALUES}, got {self.vae_spread!r}")
         if self.compile_cache is not None:
             _check_cache_path("Config.compile_cache", self.compile_cache)
         if self.mesh is not None:
@@ -264,4 +276,5 @@ ENV_VARS = {
     "DIFFLET_TPU_EXPERT_OFFLOAD": ("expert_offload", _parse_choice(OFFLOAD_VALUES)),
     "DIFFLET_TPU_ENCODER_OFFLOAD": ("encoder_offload", _parse_choice(OFFLOAD_VALUES)),
     "DIFFLET_TPU_KERNEL_TILES": ("kernel_tiles", _parse_tile_table),
+    "DIFFLET_TPU_VAE_SPREAD": ("vae_spread", _parse_choice(SPREAD_VALUES)),
 }

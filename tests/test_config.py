@@ -23,6 +23,7 @@ GOOD = {
     "DIFFLET_TPU_EXPERT_OFFLOAD": [("auto", "auto"), ("on", "on"), ("off", "off"), ("ON", "on")],
     "DIFFLET_TPU_ENCODER_OFFLOAD": [("auto", "auto"), ("on", "on"), ("off", "off"), ("Off", "off")],
     "DIFFLET_TPU_KERNEL_TILES": [(TILES, TILES), (f" {TILES} ", TILES)],
+    "DIFFLET_TPU_VAE_SPREAD": [("auto", "auto"), ("on", "on"), ("off", "off"), ("On", "on")],
 }
 BAD = {
     "DIFFLET_TPU_SP": ["2", "yes", "true", ""],
@@ -39,6 +40,7 @@ BAD = {
     "DIFFLET_TPU_EXPERT_OFFLOAD": ["1", "", "host", "cpu"],
     "DIFFLET_TPU_ENCODER_OFFLOAD": ["1", "", "host"],
     "DIFFLET_TPU_KERNEL_TILES": ["", "/nonexistent/tiles.json", os.path.dirname(TILES)],
+    "DIFFLET_TPU_VAE_SPREAD": ["1", "", "height"],
 }
 
 

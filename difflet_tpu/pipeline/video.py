@@ -11,11 +11,12 @@ video rules and outputs:
   with diffusers' warning (`check_video_size`).
 - unpacked latents `[B, C, T, h, w]` in float32 (`initial_video_latents`), as diffusers'
   `prepare_latents` draws them.
-- the decode: `vae.decode_video` (spread over the mesh where the VAE does so), then diffusers'
-  `VideoProcessor.postprocess_video`: `"np"` float32 `[B, F, H, W, 3]` in [0, 1], `"pil"` a list
-  (per video) of lists of PIL frames; for `"pil"` (and files) the frames leave the devices as
-  uint8, a quarter of float32's bytes (`round(255 x)`, as diffusers' `numpy_to_pil`).
-  A non-finite video is an error, checked on the devices before the conversion hides it.
+- the decode: `vae.decode_video` (spread over the mesh when the batch does not split over it:
+  difflet_tpu/vae/spread.py), then diffusers' `VideoProcessor.postprocess_video`: `"np"` float32
+  `[B, F, H, W, 3]` in [0, 1], `"pil"` a list (per video) of lists of PIL frames; for `"pil"` (and
+  files) the frames leave the devices as uint8, a quarter of float32's bytes (`round(255 x)`, as
+  diffusers' `numpy_to_pil`). A non-finite video is an error, checked on the devices before the
+  conversion could hide it.
 - `VideoPipelineOutput.frames`, and `fps` (the frame rate the model was trained for, what
   `difflet_tpu.generate` writes the MP4 at).
 """
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from difflet_tpu import arguments as A
+from difflet_tpu import checks
 from difflet_tpu.pipeline import diffusion as D
 from difflet_tpu.pipeline.diffusion import PipelineError
 
@@ -48,16 +50,8 @@ class VideoPipelineOutput:
 
 @jax.jit
 def _to_unit(video):
-    """[B, 3, F, H, W] in [-1, 1] -> float32 [B, F, H, W, 3] in [0, 1], and whether all finite."""
-    x = jnp.transpose(video.astype(jnp.float32), (0, 2, 3, 4, 1))
-    return jnp.clip(x * 0.5 + 0.5, 0.0, 1.0), jnp.isfinite(x).all()
-
-
-@jax.jit
-def _to_uint8(video):
-    """As `_to_unit`, then `round(255 x)` as uint8 on the devices."""
-    x, finite = _to_unit(video)
-    return jnp.round(x * 255.0).astype(jnp.uint8), finite
+    """[B, 3, F, H, W] in [-1, 1] -> float32 [B, F, H, W, 3] in [0, 1] (`postprocess_video`'s "np")."""
+    return jnp.clip(jnp.moveaxis(video, 1, -1) * 0.5 + 0.5, 0.0, 1.0)
 
 
 class VideoPipeline(D.DiffusionPipeline):
@@ -123,12 +117,12 @@ class VideoPipeline(D.DiffusionPipeline):
         """The VAE's decode of the denoised latents, then diffusers' `postprocess_video`."""
         self._stage("decode")
         start = time.perf_counter()
-        video = self.vae.decode_video(latents)
-        frames, finite = (_to_uint8 if output_type == "pil" else _to_unit)(video)
-        frames, finite = np.asarray(frames), bool(finite)
+        # the VAE refuses a non-finite decode on the devices, before any uint8 conversion could hide it
+        if output_type == "pil":
+            frames = np.asarray(self.vae.decode_video(latents, uint8=True))
+        else:
+            frames = np.asarray(_to_unit(self.vae.decode_video(latents)))
         self.timings.decode = time.perf_counter() - start
-        if not finite:
-            raise FloatingPointError("the decoded video has non-finite values (the VAE's decode of finite latents)")
         if output_type == "pil":
             from PIL import Image
 
@@ -138,9 +132,7 @@ class VideoPipeline(D.DiffusionPipeline):
     def finish(self, latents, output_type: str, return_dict: bool):
         """The output as diffusers returns it: the latents (checked finite: a non-finite result is
         a failure of the denoise, named so) or the decoded frames."""
-        if not bool(jnp.isfinite(latents).all()):
-            raise FloatingPointError("the denoised latents have non-finite values (the denoise loop produced NaN "
-                                     "or inf; the VAE was not run)")
+        checks.check_finite(latents, "the latents after the denoise (the transformer's steps)")
         self.final_latents = latents
         frames = latents if output_type == "latent" else self.decode_frames(latents, output_type)
         return VideoPipelineOutput(frames=frames) if return_dict else (frames,)

@@ -35,6 +35,11 @@ last temporal tap (exactly; a third of the work of the 3-D conv over zeros).
 Output frame 0 depends on latent frame 0 alone, so the Qwen-Image `decode` (which
 keeps frame 0, as QwenImagePipeline does) decodes only latent frame 0.
 
+On a mesh of several devices that do not divide the batch, `decode` / `decode_video`
+spread each video's rows (or columns) over them (`spread.py`: one-row halos before every
+spatial conv, the mid-block K/V all-gathered; exact): the causal chunks are sequential,
+so the split is spatial, not temporal.
+
 Layout: channels-last inside (`[B, T, H, W, C]`, `lax.conv_general_dilated`), diffusers'
 NCTHW at the boundary.
 
@@ -48,7 +53,9 @@ score matrix). The one-frame decode records no causal cache. Compiled deviceless
 for v5e (batch 4 over a 2x2 slice, one image per chip): 1.46 GiB of HBM per chip
 (1.26 GiB temporaries). For video the scan carries each causal conv's 2-frame
 history (`FeatCache`) besides the output video: Wan 2.1 at 81 x 480 x 832 (latents
-16 x 21 x 60 x 104, one video per chip) compiles to 5.41 GiB per chip.
+16 x 21 x 60 x 104, one video per chip) compiles to 5.41 GiB per chip; one video at
+81 x 720 x 1280 spread by width over a v5e:2x2 (`spread.py`, uint8 frames out) to 4.87 GiB
+per chip, an estimated 3.5 s (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -59,7 +66,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from difflet_tpu import config
 from difflet_tpu.vae import loading
+from difflet_tpu.vae import spread as vae_spread
 from difflet_tpu.vae.layers import Conv2d, RMSNorm, attention, conv2d, fp32, param, silu, upsample_nearest2x
 
 CACHE_T = 2  # frames of history a causal conv keeps (its temporal kernel 3 minus 1)
@@ -194,9 +203,9 @@ class CausalConv3d(nnx.Module):
             x = jnp.pad(x, ((0, 0), (kt - 1, 0), (0, 0), (0, 0), (0, 0)))
         else:
             x = jnp.concatenate([hist.astype(x.dtype), x], axis=1)[:, -(x.shape[1] + kt - 1):]
-        p = self.padding
+        x, pads = vae_spread.halo(x, self.padding)  # in a spread decode: the neighbours' rows
         y = jax.lax.conv_general_dilated(
-            x, kernel.astype(x.dtype), window_strides=(1, 1, 1), padding=((0, 0), (p, p), (p, p)),
+            x, kernel.astype(x.dtype), window_strides=(1, 1, 1), padding=[(0, 0)] + pads,
             dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), preferred_element_type=fp32(x.dtype))
         return (y + bias.astype(y.dtype)).astype(x.dtype)
 
@@ -232,8 +241,10 @@ class AttentionBlock(nnx.Module):
 
     def __call__(self, x):
         b, t, h, w, c = x.shape
-        qkv = self.to_qkv(self.norm(x)).reshape(b * t, h * w, 3 * c)
-        o = attention(qkv[..., :c], qkv[..., c:2 * c], qkv[..., 2 * c:])
+        qkv = self.to_qkv(self.norm(x))
+        kv = vae_spread.gather(qkv[..., c:])  # a spread decode: local queries, every rank's keys and values
+        q, k, v = (a.reshape(b * t, -1, c) for a in (qkv[..., :c], kv[..., :c], kv[..., c:]))
+        o = attention(q, k, v)
         return x + self.proj(o.reshape(b, t, h, w, c))
 
 
@@ -410,7 +421,7 @@ class AutoencoderKLCausal3D(nnx.Module):
     frame (NCTHW float32), as the Wan pipelines. `model.encode(video)` is
     `vae.encode(video).latent_dist.mean` (float32), `model.scale(mean)` the image-to-video
     pipelines' normalisation of it. All jitted, batch-sharded over the mesh given to
-    `from_pretrained`.
+    `from_pretrained`; a video's decode spread over it (`spread_axis`) when the batch does not split.
     """
 
     CLASS_NAMES = tuple(CONFIG_FIELDS)
@@ -499,21 +510,54 @@ class AutoencoderKLCausal3D(nnx.Module):
         check_video(video, self.config)
         return loading.call_jitted(self, "encode_video", video, self.mesh)
 
-    def decode_image(self, latents):
+    def _decode(self, latents, spread_axis: str | None):
+        z = self.unscale(latents)
+        if spread_axis is None:
+            return self(z)
+        graphdef, state = nnx.split(self)
+        return vae_spread.decode(lambda s, z: nnx.merge(graphdef, s)(z), state, z, self.mesh, spread_axis)
+
+    def decode_image(self, latents, spread_axis: str | None = None):
         # frame 0 of the output reads latent frame 0 only (causal), so decode that alone
-        return self(self.unscale(latents[:, :, :1]))[:, :, 0]
+        return self._decode(latents[:, :, :1], spread_axis)[:, :, 0]
 
-    def decode_video_latents(self, latents):
-        return self(self.unscale(latents))
+    def decode_video_latents(self, latents, spread_axis: str | None = None):
+        return self._decode(latents, spread_axis)
 
-    def decode(self, latents):
+    def spread_axis(self, shape, spread: str | None = None, axis: str | None = None) -> str | None:
+        """The axis ("height" / "width") a decode of latents of `shape` splits over the mesh's
+        devices (`vae/spread.py`), or None for the batch-sharded / one-device decode.
+        `spread` ("auto", "on", "off"; None: `Config.vae_spread`, `DIFFLET_TPU_VAE_SPREAD`):
+        "auto" spreads when the mesh has more than one device and they do not divide the
+        batch; "on" whenever the mesh has more than one device. `axis` None: the height
+        when its latent rows divide over the devices, else the width when it does, else
+        the height (padded)."""
+        spread = config.Config.from_env().vae_spread if spread is None else spread
+        if spread not in config.SPREAD_VALUES:
+            raise ValueError(f"spread: {spread!r} is not one of {config.SPREAD_VALUES}")
+        n = 1 if self.mesh is None else self.mesh.size
+        if spread == "off" or n == 1 or (spread == "auto" and shape[0] % n == 0):
+            return None
+        return vae_spread.plan(self.mesh, shape[3], shape[4], axis).axis
+
+    def decode(self, latents, *, spread: str | None = None, axis: str | None = None, uint8: bool = False):
         """QwenImagePipeline's decode of denoised latents `[B, z_dim, T, h, w]` (T = 1 for an
-        image): un-scale, decode, frame 0: float32 `[B, 3, 8h, 8w]` in [-1, 1]."""
+        image): un-scale, decode, frame 0: float32 `[B, 3, 8h, 8w]` in [-1, 1]; `uint8`:
+        `[B, 8h, 8w, 3]` uint8 (`loading.to_uint8`, as diffusers' `output_type="pil"`).
+        `spread` / `axis`: see `spread_axis`."""
         self.check_latents(latents)
-        return loading.call_jitted(self, "decode_image", latents, self.mesh)
+        return self._call("decode_image", latents, spread, axis, uint8)
 
-    def decode_video(self, latents):
+    def decode_video(self, latents, *, spread: str | None = None, axis: str | None = None, uint8: bool = False):
         """The Wan pipelines' decode: un-scale, decode every frame: float32
-        `[B, 3, 1 + 4 (T - 1), 8h, 8w]` in [-1, 1]."""
+        `[B, 3, 1 + 4 (T - 1), 8h, 8w]` in [-1, 1]; `uint8`: `[B, 1 + 4 (T - 1), 8h, 8w, 3]`
+        uint8 frames (`loading.to_uint8`), converted on the devices. On a mesh of several
+        devices that do not divide the batch, each video's rows are spread over them
+        (`spread_axis`, `vae/spread.py`: exact, not tiled)."""
         self.check_latents(latents)
-        return loading.call_jitted(self, "decode_video_latents", latents, self.mesh)
+        return self._call("decode_video_latents", latents, spread, axis, uint8)
+
+    def _call(self, method, latents, spread, axis, uint8):
+        split = self.spread_axis(latents.shape, spread, axis)
+        return loading.call_jitted(self, method, latents, self.mesh, options=(("spread_axis", split),), uint8=uint8,
+                                   batch_split=split is None)

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from difflet_tpu.vae import spread
+
 
 def fp32(dtype):
     """The dtype of norm statistics for `dtype`: float32 (float64 for float64 models)."""
@@ -76,10 +78,11 @@ class Conv2d(nnx.Module):
 def conv2d(x, kernel, bias, padding: int):
     """NHWC convolution, stride 1, zero padding `padding` on each spatial side (any leading
     dims before H, W are folded into the batch)."""
+    x, pads = spread.halo(x, padding)  # in a spread decode: the neighbours' rows (vae/spread.py)
     lead = x.shape[:-3]
     x = x.reshape((-1,) + x.shape[-3:])
     y = jax.lax.conv_general_dilated(
-        x, kernel.astype(x.dtype), window_strides=(1, 1), padding=((padding, padding), (padding, padding)),
+        x, kernel.astype(x.dtype), window_strides=(1, 1), padding=pads,
         dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=fp32(x.dtype))
     y = (y + bias.astype(y.dtype)).astype(x.dtype)  # accumulate and add the bias in float32, round once
     return y.reshape(lead + y.shape[1:])

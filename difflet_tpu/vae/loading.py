@@ -211,21 +211,35 @@ def batch_sharding(mesh: Mesh | None, shape) -> NamedSharding | None:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def _apply(graphdef, state, method: str, x):
-    out = getattr(nnx.merge(graphdef, state), method)(x).astype(jnp.float32)
-    return out, jnp.all(jnp.isfinite(out))
+def to_uint8(x):
+    """Pixels in [-1, 1] to uint8 as diffusers' `VaeImageProcessor` (`denormalize`:
+    `(x * 0.5 + 0.5).clamp(0, 1)`) then `numpy_to_pil` (`(x * 255).round()`, half to even,
+    as numpy) in float32. diffusers' `export_to_video` of float frames truncates instead
+    (`(frame * 255).astype(np.uint8)`): at most one level lower."""
+    y = jnp.clip(x.astype(jnp.float32) * 0.5 + 0.5, 0.0, 1.0)
+    return jnp.round(y * 255.0).astype(jnp.uint8)
 
 
-_apply_jit = jax.jit(_apply, static_argnums=(0, 2))  # compiled once per (model, method, shape)
+def _apply(graphdef, state, method: str, x, options: tuple = (), uint8: bool = False):
+    out = getattr(nnx.merge(graphdef, state), method)(x, **dict(options)).astype(jnp.float32)
+    finite = jnp.all(jnp.isfinite(out))
+    if uint8:  # only the uint8 frames leave the devices: channels last, as diffusers' output_type="np"
+        out = jnp.moveaxis(to_uint8(out), 1, -1)
+    return out, finite
 
 
-def call_jitted(model: nnx.Module, method: str, x, mesh: Mesh | None):
-    """`model.<method>(x)` under `jax.jit` as float32, the batch sharded over `mesh` when it
-    divides; refuses non-finite results."""
-    sharding = batch_sharding(mesh, x.shape)
+_apply_jit = jax.jit(_apply, static_argnums=(0, 2, 4, 5))  # compiled once per (model, method, options, shape)
+
+
+def call_jitted(model: nnx.Module, method: str, x, mesh: Mesh | None, *, options: tuple = (),
+                uint8: bool = False, batch_split: bool = True):
+    """`model.<method>(x, **dict(options))` under `jax.jit` as float32 (`uint8`: as uint8
+    channels-last pixels, `to_uint8`), the batch sharded over `mesh` when it divides and
+    `batch_split` (else `x` replicated); refuses non-finite results."""
+    sharding = batch_sharding(mesh, x.shape) if batch_split or mesh is None else NamedSharding(mesh, PartitionSpec())
     x = jnp.asarray(x) if sharding is None else jax.device_put(x, sharding)
     graphdef, state = nnx.split(model)
-    out, finite = _apply_jit(graphdef, state, method, x)
+    out, finite = _apply_jit(graphdef, state, method, x, tuple(options), bool(uint8))
     if not bool(finite):
         raise FloatingPointError(f"{type(model).__name__}.{method}: the output has non-finite values")
     return out

@@ -99,7 +99,8 @@ def test_qwen_image_decode_is_frame_zero_of_the_video():
 def test_mesh_batch_sharded_equals_one_device(case, mesh4):
     """On 4 devices (parameters replicated, batch 4 sharded over them) the decode equals the
     fixture and the one-device result (to 1e-5: per-device batch 1 vs 4 changes the CPU
-    convolution kernels); a batch of 2 (not divisible) runs replicated."""
+    convolution kernels); a batch of 2 (not divisible) runs replicated, or for the causal-3D VAE
+    spread by rows (`DIFFLET_TPU_VAE_SPREAD=auto`, tests/vae/test_vae_spread.py)."""
     one, sharded, data = load(case), load(case, mesh4), io(case)
     for key, var in vae.loading.param_keys(sharded).items():
         sharding = var.get_value().sharding
