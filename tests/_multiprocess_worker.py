@@ -9,7 +9,8 @@ Each process has 2 virtual CPU devices and joins the run with
 * parity: the wan_t2v fixture under SP on a tp=4 ring across the processes and
   wan_t2v_batch2 on a cfg=2 x tp=2 mesh (each cfg group on one process), each
   loaded with every `Checkpoint.read` counted; two CFG denoise steps on the
-  cfg mesh. Writes DIR/reads_<I>.json and, on process 0, DIR/outputs.npz.
+  cfg mesh; the tiny WanPipeline (tests/fixtures/pipelines/wan_t2v, its CFG call) under SP on
+  the tp=4 ring. Writes DIR/reads_<I>.json and, on process 0, DIR/outputs.npz.
 * bench: `python -m difflet_tpu.bench` in this process (wan:tiny, cfg=2,tp=2, SP,
   2 steps); its stdout to DIR/bench_<I>.txt.
 * die: process 1 exits abruptly after one step; process 0 keeps stepping and
@@ -132,6 +133,16 @@ def parity(out, pid):
     res["denoise_sha256"] = sha256(final)
     res["denoise_sha256_all"] = distributed.gather_strings(res["denoise_sha256"])
     outputs["denoise"] = final["hidden_states"]
+
+    # A whole pipeline: the tiny WanPipeline (UMT5, UniPC, CFG, the VAE) under SP on the tp=4 ring
+    from difflet_tpu.pipeline.diffusion import DiffusionPipeline
+
+    folder = FIXTURES / "pipelines" / "wan_t2v"
+    call = json.loads((folder / "calls.json").read_text())["calls"]["cfg"]["kwargs"]
+    pipe = DiffusionPipeline.from_pretrained(folder, mesh=make_mesh(4), dtype=jnp.float32, config=Config(sp=True))
+    frames = pipe(**call, latents=np.load(folder / "io.npz")["cfg.latents"], output_type="np").frames
+    res["pipeline_sha256_all"] = distributed.gather_strings(sha256({"frames": frames}))
+    outputs["pipeline_frames"] = frames
     (out / f"reads_{pid}.json").write_text(json.dumps(res))
     if pid == 0:
         np.savez(out / "outputs.npz", **outputs)

@@ -5,7 +5,8 @@ One run of two processes (tests/_multiprocess_worker.py) checks, in order:
 SP on a tp=4 ring across the processes and CFG-parallel (cfg=2 x tp=2, one cfg
 group per process) against the one-process result and diffusers' fixture;
 that each process read only the slices of its own devices; two CFG denoise
-steps equal on every process and to one process; the bench reporting once;
+steps equal on every process and to one process; a whole WanPipeline call (SP across the
+processes) equal on both and to diffusers' frames; the bench reporting once;
 then process 1 dies and process 0 must stop with a clear error, fast. Two
 one-process runs check that a coordinator that never answers and a peer that
 never joins end in bounded time. Every subprocess has a timeout; ports are
@@ -145,6 +146,17 @@ def test_cfg_denoise_steps_agree_on_every_process_and_with_one_process(two_proce
                       guidance=5.0, cfg_inputs=cfg_inputs, dtype=jnp.float32)
     want, _ = den.run()
     assert rel_l2(np.load(out / "outputs.npz")["denoise"], want["hidden_states"]) <= 1e-5
+
+
+def test_a_whole_video_pipeline_across_processes_equals_diffusers(two_processes):
+    """WanPipeline (prompt -> frames: UMT5, UniPC, CFG, the VAE decode) with its transformer
+    under SP on a tp=4 ring across the two processes: the same frames on both, and diffusers'."""
+    out, res = two_processes
+    r0, r1 = _reads(out, 0), _reads(out, 1)
+    assert r0["pipeline_sha256_all"][0] == r0["pipeline_sha256_all"][1] == r1["pipeline_sha256_all"][0]
+    want = np.load(FIXTURES / "pipelines" / "wan_t2v" / "io.npz")["cfg.frames"]
+    got = np.load(out / "outputs.npz")["pipeline_frames"]
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1e-3 and rel_l2(got, want) <= 1e-4
 
 
 def test_each_process_reads_only_its_own_slices(two_processes):

@@ -34,6 +34,7 @@ import numpy as np
 
 from difflet_tpu import arguments as A
 from difflet_tpu import checks
+from difflet_tpu.parallel import distributed
 from difflet_tpu.pipeline import diffusion as D
 from difflet_tpu.pipeline.diffusion import PipelineError
 
@@ -118,10 +119,11 @@ class VideoPipeline(D.DiffusionPipeline):
         self._stage("decode")
         start = time.perf_counter()
         # the VAE refuses a non-finite decode on the devices, before any uint8 conversion could hide it
+        # (the whole array on every process of a multi-process mesh)
         if output_type == "pil":
-            frames = np.asarray(self.vae.decode_video(latents, uint8=True))
+            frames = distributed.fetch(self.vae.decode_video(latents, uint8=True))
         else:
-            frames = np.asarray(_to_unit(self.vae.decode_video(latents)))
+            frames = distributed.fetch(_to_unit(self.vae.decode_video(latents)))
         self.timings.decode = time.perf_counter() - start
         if output_type == "pil":
             from PIL import Image

@@ -86,6 +86,7 @@ class WanConfig(PC.PortConfig):
     image_dim: int | None = None
     added_kv_proj_dim: int | None = None
     rope_max_seq_len: int = 1024
+    pos_embed_seq_len: int | None = None  # FLF2V: the image embedder's position embedding (2 images' tokens)
     # Self-attention q/k are stored in split-halves RoPE order (to_q/to_k rows
     # and norm_q/norm_k weights permuted per head at load); the forward rotates
     # split halves with permuted tables. Recorded so a cache is not permuted twice.
@@ -140,10 +141,6 @@ def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) ->
     if qk_norm != "rms_norm_across_heads":
         raise ValueError(f"qk_norm: {qk_norm!r} is not supported (only 'rms_norm_across_heads', "
                          f"the value of every released Wan checkpoint)")
-    pos_embed = values.pop("pos_embed_seq_len", None)
-    if pos_embed is not None:
-        raise ValueError(f"pos_embed_seq_len: {pos_embed!r} (the FLF2V image position "
-                         f"embedding) is not supported by this port (docs/models/wan.md)")
     if values.get("cross_attn_norm", True) is not True:
         raise ValueError("cross_attn_norm: False is not supported (every released Wan config uses True)")
     if values.get("out_channels") is None:
@@ -157,6 +154,9 @@ def config_from_diffusers(cfg: dict, *, split_rope: bool = True, **overrides) ->
     if c.added_kv_proj_dim is not None and c.added_kv_proj_dim != c.inner_dim:
         raise ValueError(f"added_kv_proj_dim: {c.added_kv_proj_dim} must equal heads*head_dim = "
                          f"{c.inner_dim} (it projects the image embedder's output)")
+    if c.pos_embed_seq_len is not None and (c.image_dim is None or c.pos_embed_seq_len % 2):
+        raise ValueError(f"pos_embed_seq_len: {c.pos_embed_seq_len} needs the image branch (image_dim) and an "
+                         f"even length (the first and last images' tokens)")
     return c
 
 

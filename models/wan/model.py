@@ -119,14 +119,21 @@ def wan_attention(c: WanConfig, *, added_kv_proj_dim: int | None, dtype, rngs: n
 # --------------------------------------------------------------------------
 
 class WanImageEmbedding(nnx.Module):
-    """FP32LayerNorm -> FeedForward(exact GELU) -> FP32LayerNorm (eps 1e-5, diffusers' default)."""
+    """FP32LayerNorm -> FeedForward(exact GELU) -> FP32LayerNorm (eps 1e-5, diffusers' default).
+    With `pos_embed_seq_len` (FLF2V) the first and last images' tokens of each sample, rows 2b and
+    2b + 1, are joined into one row of 2 L tokens and a learned position embedding added first."""
 
-    def __init__(self, in_dim: int, dim: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, in_dim: int, dim: int, *, pos_embed_seq_len: int | None = None, dtype, rngs: nnx.Rngs):
         self.norm1 = LayerNorm(in_dim, 1e-5, dtype=nn.fp32(dtype))
         self.ff = FeedForward(in_dim, dim_out=dim, mult=1, activation_fn="gelu", dtype=dtype, rngs=rngs)
         self.norm2 = LayerNorm(dim, 1e-5, dtype=nn.fp32(dtype))
+        self.pos_embed = (nnx.Param(jnp.zeros((1, pos_embed_seq_len, in_dim), dtype))
+                          if pos_embed_seq_len is not None else None)
 
     def __call__(self, x):
+        if self.pos_embed is not None:
+            b, n, d = x.shape
+            x = x.reshape(b // 2, 2 * n, d) + self.pos_embed[...].astype(x.dtype)
         return self.norm2(self.ff(Parallel(), self.norm1(x)))  # replicated (PLAN): local matmuls
 
 
@@ -137,7 +144,8 @@ class WanTimeTextImageEmbedding(nnx.Module):
         self.time_embedder = TimestepEmbedding(c.freq_dim, dim, dtype=nn.fp32(dtype), rngs=rngs)
         self.time_proj = nn.Linear(dim, 6 * dim, dtype=dtype, rngs=rngs)
         self.text_embedder = PixArtAlphaTextProjection(c.text_dim, dim, dtype=dtype, rngs=rngs)
-        self.image_embedder = (WanImageEmbedding(c.image_dim, dim, dtype=dtype, rngs=rngs)
+        self.image_embedder = (WanImageEmbedding(c.image_dim, dim, pos_embed_seq_len=c.pos_embed_seq_len,
+                                                 dtype=dtype, rngs=rngs)
                                if c.image_dim is not None else None)
 
     def time(self, par, timestep, dtype):

@@ -408,9 +408,13 @@ class WanImageToVideoPipeline(WanPipeline):
         if last_image is not None and self.expand_timesteps:
             raise PipelineError("`last_image` is not used by an expand_timesteps (Wan2.2 TI2V) pipeline: diffusers "
                                 "ignores it there, so it is refused rather than dropped")
-        if last_image is not None and self.image_encoder is not None:
-            raise PipelineError("`last_image` with a CLIP image encoder needs the FLF2V transformer's image position "
-                                "embedding (pos_embed_seq_len), which this port does not implement")
+        if last_image is not None and self.image_encoder is not None \
+                and self.transformer_config.pos_embed_seq_len is None:
+            raise PipelineError("`last_image` with CLIP image tokens needs an FLF2V transformer (its image position "
+                                "embedding, pos_embed_seq_len); this folder's transformer has none")
+        if last_image is None and self.transformer_config.pos_embed_seq_len is not None:
+            raise PipelineError("this FLF2V transformer (pos_embed_seq_len) reads a first and a last image: give "
+                                "`last_image`")
         call = self.start_video_call(unsupported, prompt=prompt, negative_prompt=negative_prompt, height=height,
                                      width=width, num_frames=num_frames, num_inference_steps=num_inference_steps,
                                      guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2,
@@ -418,7 +422,7 @@ class WanImageToVideoPipeline(WanPipeline):
                                      max_sequence_length=max_sequence_length, latents=latents, seed=seed)
         first = I.preprocess(image, call.height, call.width, "image")
         last = None if last_image is None else I.preprocess(last_image, call.height, call.width, "last_image")
-        call = dataclasses.replace(call, images=(image,))
+        call = dataclasses.replace(call, images=(image,) if last_image is None else (image, last_image))
         self.condition = self.prepare_condition(call, first, last)
         conds = self.encode_call(call)
         latents = self.denoise_video(call, conds)
@@ -432,8 +436,8 @@ class WanImageToVideoPipeline(WanPipeline):
         here every video gets it)."""
         if self.image_encoder is None:
             return {}
-        embeds = self.encode_image(list(call.images))
-        return {"encoder_hidden_states_image": jnp.repeat(embeds, call.batch * (2 if call.do_cfg else 1), axis=0)}
+        embeds = self.encode_image(list(call.images))  # [n images, L, D]: the images of one sample, in order
+        return {"encoder_hidden_states_image": jnp.tile(embeds, (call.batch * (2 if call.do_cfg else 1), 1, 1))}
 
     def prepare_condition(self, call, first, last):
         """`prepare_latents`' condition: the VAE's mode of [image, zeros.., (last image)], normalised;

@@ -100,6 +100,12 @@ def _check_text(run, B, ehs, img):
                          f"(diffusers hard-codes the 512-token umT5 context); encoder_hidden_states has "
                          f"{es[1]} tokens: pad or cut the prompt embeddings to {TEXT_LEN_I2V}")
     ims = tuple(img.shape)
+    if c.pos_embed_seq_len is not None:  # FLF2V: the first and last images' tokens, two rows per sample
+        want = (2 * B, c.pos_embed_seq_len // 2, c.image_dim)
+        if ims != want:
+            raise ValueError(f"encoder_hidden_states_image must be {want} (first and last image per sample, "
+                             f"pos_embed_seq_len={c.pos_embed_seq_len}), got {ims}")
+        return es[1], c.pos_embed_seq_len
     if len(ims) != 3 or ims[0] != B or ims[2] != c.image_dim:
         raise ValueError(f"encoder_hidden_states_image must be ({B}, L_img, image_dim={c.image_dim}), "
                          f"got {ims}")

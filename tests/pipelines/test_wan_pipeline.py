@@ -222,6 +222,14 @@ def test_i2v_wan22_two_experts_first_last():
     assert pipe.image_encoder is None and len(pipe.experts) == 2
 
 
+def test_i2v_wan21_flf2v_first_last():
+    """Wan 2.1 FLF2V: CLIP tokens of the first and last image joined per sample (2 L tokens) with
+    the transformer's image position embedding (pos_embed_seq_len); mask 1 on the first and last
+    pixel frames."""
+    pipe = run_i2v("wan_flf2v", "first_last")
+    assert pipe.transformer_config.pos_embed_seq_len == 10
+
+
 def test_i2v_ti2v_first_frame_condition():
     """Wan 2.2 TI2V-5B loaded as WanImageToVideoPipeline (as diffusers allows): the image's
     latents over latent frame 0, timestep 0 on its tokens, written back before the decode."""
