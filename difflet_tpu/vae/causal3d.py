@@ -529,9 +529,9 @@ class AutoencoderKLCausal3D(nnx.Module):
         devices (`vae/spread.py`), or None for the batch-sharded / one-device decode.
         `spread` ("auto", "on", "off"; None: `Config.vae_spread`, `DIFFLET_TPU_VAE_SPREAD`):
         "auto" spreads when the mesh has more than one device and they do not divide the
-        batch; "on" whenever the mesh has more than one device. `axis` None: the height
-        when its latent rows divide over the devices, else the width when it does, else
-        the height (padded)."""
+        batch; "on" whenever the mesh has more than one device. `axis` None: the width
+        when its latent columns divide over the devices, else the height when it does,
+        else the width (padded)."""
         spread = config.Config.from_env().vae_spread if spread is None else spread
         if spread not in config.SPREAD_VALUES:
             raise ValueError(f"spread: {spread!r} is not one of {config.SPREAD_VALUES}")

@@ -112,20 +112,20 @@ def test_auto_spreads_when_the_batch_does_not_split(mesh4, monkeypatch):
     model = load("wan_vae", mesh4)
     monkeypatch.delenv("DIFFLET_TPU_VAE_SPREAD", raising=False)
     assert model.spread_axis((4, 16, 3, 8, 6)) is None
-    assert model.spread_axis((1, 16, 3, 8, 6)) == "height"
-    assert model.spread_axis((2, 16, 3, 6, 8)) == "width"  # 6 rows do not divide over 4, 8 columns do
-    assert model.spread_axis((1, 16, 3, 7, 5)) == "height"  # neither divides: the height, padded
+    assert model.spread_axis((1, 16, 3, 6, 8)) == "width"
+    assert model.spread_axis((2, 16, 3, 8, 6)) == "height"  # 6 columns do not divide over 4, 8 rows do
+    assert model.spread_axis((1, 16, 3, 7, 5)) == "width"  # neither divides: the width, padded
     assert model.spread_axis((1, 16, 3, 8, 6), "off") is None
-    assert model.spread_axis((4, 16, 3, 8, 6), "on") == "height"
+    assert model.spread_axis((4, 16, 3, 6, 8), "on") == "width"
     assert load("wan_vae").spread_axis((1, 16, 3, 8, 6), "on") is None
     monkeypatch.setenv("DIFFLET_TPU_VAE_SPREAD", "off")
     assert model.spread_axis((1, 16, 3, 8, 6)) is None
-    data = io("wan_vae")
+    data = io("wan_vae")  # video_b2: latents 2 x 3, the width padded
     assert model.decode_video(data["video_b2.latents"]).sharding.is_fully_replicated
-    assert spread_over(model.decode_video(data["video_b2.latents"], spread="auto"), 3) > 1  # the argument wins
+    assert spread_over(model.decode_video(data["video_b2.latents"], spread="auto"), 4) > 1  # the argument wins
     monkeypatch.delenv("DIFFLET_TPU_VAE_SPREAD")
     got = model.decode_video(data["video_b2.latents"])
-    assert spread_over(got, 3) > 1
+    assert spread_over(got, 4) > 1
     assert_close(got, data["video_b2.sample"], "wan_vae batch 2 spread by auto")
 
 
