@@ -233,6 +233,34 @@ class Runner:
             raise ValueError(f"{self.spec.name}: this Runner's parameters are in host memory (offload()): "
                              f"call load() before running or tracing its step")
 
+    # ---- LoRA adapters (difflet_tpu/loading/lora.py) ----------------------------
+
+    def load_lora_weights(self, pretrained_model_name_or_path_or_dict, adapter_name=None, weight_name=None) -> str:
+        """diffusers' `load_lora_weights`: a LoRA safetensors file (or a folder with `weight_name`)
+        checked against the model, fused into the parameters on the chips as the only active
+        adapter (weight 1.0); returns its name. The compiled step is reused."""
+        from difflet_tpu.loading import lora
+
+        return lora.load_lora_weights(self, pretrained_model_name_or_path_or_dict, adapter_name, weight_name)
+
+    def set_adapters(self, adapter_names, adapter_weights=None) -> None:
+        """diffusers' `set_adapters`: the active adapters and their weights, fused from the base
+        parameters (no recompilation)."""
+        from difflet_tpu.loading import lora
+
+        lora.set_adapters(self, adapter_names, adapter_weights)
+
+    def unload_lora_weights(self) -> None:
+        """diffusers' `unload_lora_weights`: the base parameters back, bit-exact; adapters dropped."""
+        from difflet_tpu.loading import lora
+
+        lora.unload_lora_weights(self)
+
+    def get_active_adapters(self) -> list[str]:
+        from difflet_tpu.loading import lora
+
+        return lora.active_adapters(self)
+
     # ---- what ports use in `prepare` ----------------------------------------
 
     def row_multiple(self) -> int:

@@ -1,0 +1,195 @@
+"""LoRA adapters (difflet_tpu/loading/lora.py) against diffusers + peft on the tiny FLUX.1-dev
+folder of tests/fixtures/pipelines: tests/fixtures/lora's adapters (made with peft, saved with
+`FluxPipeline.save_lora_weights`) and diffusers' float32 transformer outputs with them, on one
+device and over 4 CPU devices under TP and SP; two adapters combined; switching and unloading
+without recompiling the step; unload bit-exact; bad files refused with the keys named."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from difflet_tpu.config import Config
+from difflet_tpu.loading import load_transformer
+from difflet_tpu.loading.lora import LoraError
+from difflet_tpu.parallel.mesh import make_mesh
+from difflet_tpu.pipeline.denoise import CompileCounter
+from difflet_tpu.runner import Runner
+
+LORA = Path(__file__).resolve().parent / "fixtures" / "lora"
+FLUX = Path(__file__).resolve().parent / "fixtures" / "pipelines" / "flux_dev"
+FAST = {"xla_backend_optimization_level": 0}
+TOL = 2e-4  # max abs over outputs of std ~1-10 in float32 (measured below 5e-5)
+KWARGS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance", "img_ids",
+          "txt_ids")
+
+
+@functools.lru_cache(maxsize=None)
+def io():
+    return dict(np.load(LORA / "io.npz"))
+
+
+def flux_kwargs():
+    z = io()
+    return {k: z[f"flux.{k}"] for k in KWARGS}
+
+
+def runner(tp=None, mode=None):
+    mesh = None if tp is None else make_mesh(tp)
+    model = load_transformer(FLUX / "transformer", dtype=jnp.float32, mesh=mesh, config=Config())
+    return Runner(model, mesh, Config(), mode=mode, compiler_options=FAST)
+
+
+def out(run):
+    return np.asarray(run(**flux_kwargs()).sample)
+
+
+def check(got, tag):
+    want = io()[f"flux.{tag}"]
+    err = float(np.abs(got - want).max())
+    print(f"{tag}: max abs {err:.2e} (output std {want.std():.2f})")
+    assert err <= TOL, f"{tag}: max abs {err:.2e}"
+
+
+@pytest.mark.parametrize("tp,mode", [(None, None), (4, "tp"), (4, "sp")])
+def test_flux_adapters_match_diffusers_and_switch_without_recompiling(tp, mode):
+    run = runner(tp, mode)
+    base = out(run)
+    check(base, "base")
+    params = jax.tree.leaves(run._state)
+    compiles = CompileCounter.count()
+    run.load_lora_weights(LORA / "flux_a.safetensors", adapter_name="a")
+    assert run.get_active_adapters() == ["a"]
+    check(out(run), "a")
+    run.set_adapters(["a"], adapter_weights=[0.6])
+    check(out(run), "a_0.6")
+    run.load_lora_weights(LORA / "flux_b.safetensors", adapter_name="b")
+    run.set_adapters(["a", "b"], adapter_weights=[0.7, -0.4])
+    check(out(run), "a_0.7_b_-0.4")
+    run.unload_lora_weights()
+    after = jax.tree.leaves(run._state)
+    assert all(x is y for x, y in zip(after, params)), "unload must give back the base arrays"
+    assert np.array_equal(out(run), base)
+    run.load_lora_weights(LORA / "flux_nometa.safetensors")  # no metadata: alpha = r (diffusers)
+    check(out(run), "nometa")
+    assert len(run._steps) == 1 and next(iter(run._steps.values()))._cache_size() == 1
+
+    # warm: every fuse shape has been compiled once; switching and unloading compile nothing
+    run.unload_lora_weights()
+    run.load_lora_weights(LORA / "flux_a.safetensors", adapter_name="a")
+    run.load_lora_weights(LORA / "flux_b.safetensors", adapter_name="b")
+    compiles = CompileCounter.count()
+    for names, weights, tag in ((["a"], [0.6], "a_0.6"), (["a", "b"], [0.7, -0.4], "a_0.7_b_-0.4"),
+                                (["a"], 1.0, "a")):
+        run.set_adapters(names, adapter_weights=weights)
+        check(out(run), tag)
+    run.unload_lora_weights()
+    assert np.array_equal(out(run), base)
+    assert CompileCounter.count() == compiles, "switching adapters or scales compiled something"
+
+
+def test_factors_are_placed_with_the_weights_plan_and_fused_without_communication():
+    """Under TP each chip holds A with the kernel's input sharding and B with its output
+    sharding; the fuse's compiled HLO has no collective, and the fused weight keeps the
+    weight's sharding (the step's parameters are unchanged)."""
+    from jax.sharding import NamedSharding
+
+    from difflet_tpu.loading import lora
+
+    run = runner(4, "tp")
+    before = {lora.leaf_path(p): x.sharding for p, x in jax.tree_util.tree_flatten_with_path(run._state)[0]}
+    run.load_lora_weights(LORA / "flux_a.safetensors")
+    specs = lora.state_leaves(run._param_specs, run._lora.base)
+    sharded = 0
+    for path, base in run._lora.base.items():
+        fused = lora.state_leaves(run._state, [path])[path]
+        assert fused is not base and fused.sharding == before[path] == base.sharding
+        sa, sb, ss = lora.factor_specs(specs[path], base.ndim)
+        a, b, s = run._lora.loaded["default_0"][path]
+        args = [jax.device_put(x, NamedSharding(run.mesh, sp)) for x, sp in ((a, sa), (b, sb), (s, ss))]
+        hlo = lora._fuse.lower(base, *args).compile().as_text()
+        for op in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute"):
+            assert op not in hlo, f"{path}: the fuse communicates ({op})"
+        sharded += "tp" in tuple(specs[path])
+    assert sharded >= 10  # column- and row-parallel kernels among them
+
+
+def _write(tmp_path, tensors, name="bad.safetensors", metadata=None):
+    p = tmp_path / name
+    save_file(tensors, str(p), metadata=metadata)
+    return p
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return runner()
+
+
+def test_bad_lora_files_are_refused_with_every_key_named(tmp_path, one_device):
+    run = one_device
+    good = load_file(str(LORA / "flux_b.safetensors"))
+    before = jax.tree.leaves(run._state)
+    cases = []
+    t = dict(good)
+    t["transformer.transformer_blocks.0.attn.to_zz.lora_A.weight"] = np.zeros((2, 32), np.float32)
+    t["transformer.transformer_blocks.0.attn.to_zz.lora_B.weight"] = np.zeros((32, 2), np.float32)
+    t["transformer.single_transformer_blocks.7.proj_mlp.lora_A.weight"] = np.zeros((2, 32), np.float32)
+    t["transformer.single_transformer_blocks.7.proj_mlp.lora_B.weight"] = np.zeros((128, 2), np.float32)
+    cases.append((t, ["transformer_blocks.0.attn.to_zz: no Linear", "single_transformer_blocks.7.proj_mlp: no Linear"]))
+    t = dict(good)
+    t["text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight"] = np.zeros((2, 32), np.float32)
+    t["transformer.single_transformer_blocks.0.attn.to_q.alpha"] = np.zeros((), np.float32)
+    cases.append((t, ["text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight",
+                      "single_transformer_blocks.0.attn.to_q.alpha"]))
+    t = dict(good)
+    del t["transformer.single_transformer_blocks.0.attn.to_v.lora_B.weight"]
+    cases.append((t, ["single_transformer_blocks.0.attn.to_v: lora_B.weight is missing"]))
+    t = dict(good)
+    t["transformer.single_transformer_blocks.1.attn.to_q.lora_A.weight"] = np.zeros((2, 31), np.float32)
+    cases.append((t, ["single_transformer_blocks.1.attn.to_q: lora_A (2, 31) / lora_B (32, 2) do not fit"]))
+    t = {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": np.zeros((2, 32), np.float32)}
+    cases.append((t, ["kohya-style keys"]))
+    for tensors, expected in cases:
+        with pytest.raises(LoraError) as e:
+            run.load_lora_weights(_write(tmp_path, tensors))
+        for s in expected:
+            assert s in str(e.value), (s, str(e.value))
+    meta = {"lora_adapter_metadata": json.dumps({"transformer.r": 3, "transformer.lora_alpha": 3})}
+    with pytest.raises(LoraError, match="rank 2 in the file, 3 in its LoraConfig"):
+        run.load_lora_weights(_write(tmp_path, good, metadata=meta))
+    meta = {"lora_adapter_metadata": json.dumps({"transformer.r": 2, "transformer.use_dora": True})}
+    with pytest.raises(LoraError, match="use_dora"):
+        run.load_lora_weights(_write(tmp_path, good, metadata=meta))
+    (tmp_path / "trunc.safetensors").write_bytes((LORA / "flux_b.safetensors").read_bytes()[:500])
+    with pytest.raises(LoraError, match="cannot read as safetensors"):
+        run.load_lora_weights(tmp_path / "trunc.safetensors")
+    with pytest.raises(LoraError, match="does not exist"):
+        run.load_lora_weights(tmp_path / "nope.safetensors")
+    with pytest.raises(LoraError, match="pytorch_lora_weights.safetensors does not exist"):
+        run.load_lora_weights(tmp_path)
+    assert all(x is y for x, y in zip(jax.tree.leaves(run._state), before)) and not run._lora.loaded
+
+
+def test_adapter_names_and_weights_are_checked(tmp_path, one_device):
+    run = one_device
+    shutil.copy(LORA / "flux_b.safetensors", tmp_path / "pytorch_lora_weights.safetensors")
+    assert run.load_lora_weights(tmp_path) == "default_0"  # a folder: diffusers' default weight name
+    try:
+        with pytest.raises(LoraError, match="already in use"):
+            run.load_lora_weights(LORA / "flux_b.safetensors", adapter_name="default_0")
+        with pytest.raises(LoraError, match=r"\['c'\] not loaded"):
+            run.set_adapters(["default_0", "c"])
+        with pytest.raises(LoraError, match="1 adapters and 2 adapter_weights"):
+            run.set_adapters(["default_0"], [1.0, 2.0])
+        with pytest.raises(LoraError, match="finite"):
+            run.set_adapters(["default_0"], [float("nan")])
+    finally:
+        run.unload_lora_weights()
