@@ -193,3 +193,31 @@ def test_adapter_names_and_weights_are_checked(tmp_path, one_device):
             run.set_adapters(["default_0"], [float("nan")])
     finally:
         run.unload_lora_weights()
+
+
+@pytest.mark.parametrize("tp,mode", [(None, None), (4, "tp"), (4, "sp")])
+def test_flux_pipeline_with_a_lora_matches_diffusers(tp, mode):
+    """FluxPipeline (flux_dev's `images_per_prompt` call) with flux_a at 0.8, as diffusers'
+    FluxPipeline.load_lora_weights + set_adapters gives it; unload gives the base images back."""
+    from difflet_tpu.pipeline.diffusion import DiffusionPipeline
+
+    mesh = None if tp is None else make_mesh(tp)
+    pipe = DiffusionPipeline.from_pretrained(FLUX, mesh=mesh, dtype=jnp.float32, config=Config(),
+                                             runner_options=dict(compiler_options=FAST,
+                                                                 **({"mode": mode} if mode else {})))
+    call = json.loads((FLUX / "calls.json").read_text())["calls"]["images_per_prompt"]["kwargs"]
+    latents = np.load(FLUX / "io.npz")["images_per_prompt.latents"]
+    base = pipe(**call, latents=latents, output_type="np").images
+    assert pipe.load_lora_weights(LORA / "flux_a.safetensors", adapter_name="a") == "a"
+    pipe.set_adapters("a", 0.8)
+    assert pipe.get_active_adapters() == ["a"]
+    images = pipe(**call, latents=latents, output_type="np").images
+    z = io()
+    err = float(np.abs(np.asarray(pipe.final_latents) - z["flux_pipe.final_latents"]).max())
+    assert err <= 1e-4, f"final latents max abs {err:.2e}"
+    err = float(np.abs(images - z["flux_pipe.images"]).max())
+    print(f"pipeline tp={tp} {mode}: images max abs {err:.2e}")
+    assert err <= 1e-3
+    assert float(np.abs(images - base).max()) > 0.05  # the adapter changes the images
+    pipe.unload_lora_weights()
+    assert np.array_equal(pipe(**call, latents=latents, output_type="np").images, base)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from difflet_tpu.pipeline import schedules as S
+from difflet_tpu.pipeline.lora import LoraLoaderMixin
 
 logger = logging.getLogger(__name__)
 
@@ -285,7 +286,7 @@ class Call:
     latents: Any
 
 
-class DiffusionPipeline:
+class DiffusionPipeline(LoraLoaderMixin):
     """Base of the text-to-image pipelines; `from_pretrained` picks the subclass."""
 
     # set by subclasses: {component: (kind, accepted classes, tokenizer family or None)}
