@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=1, help="num_images_per_prompt")
     ap.add_argument("--max-sequence-length", type=int)
+    ap.add_argument("--lora", action="append", default=[], metavar="FILE[:SCALE]",
+                    help="a LoRA safetensors (diffusers/PEFT, or FLUX's kohya format) at SCALE (default 1.0), "
+                         "fused into the transformer; repeat to combine adapters")
     ap.add_argument("--out", required=True, help="the PNG to write")
     ap.add_argument("--json", help="write the timings here")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on TPU, float32 on CPU")
@@ -69,7 +72,10 @@ def check_arguments(args) -> None:
     from difflet_tpu.pipeline import diffusion as D
     from difflet_tpu.pipeline import images
 
+    from difflet_tpu.pipeline.lora import parse_lora_arg
+
     as_prompt_list(args.prompt)
+    args.loras = [parse_lora_arg(text) for text in args.lora]
     for name in ("steps", "batch", "cpu_devices", "max_sequence_length"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -161,6 +167,10 @@ def run(args) -> dict:
     pipe, mesh, n, dtype, mode = load(args)
     load_s = time.perf_counter() - start
     log(f"loaded {type(pipe).__name__} in {load_s:.1f} s")
+    from difflet_tpu.pipeline.lora import apply_lora_args
+
+    for name, (path, scale) in zip(apply_lora_args(pipe, getattr(args, "loras", [])), getattr(args, "loras", [])):
+        log(f"LoRA {path} at {scale} fused ({name})")
 
     def on_stage(stage, info):
         if stage == "step":
@@ -175,7 +185,8 @@ def run(args) -> dict:
         log(f"wrote {p}")
     devices = mesh.devices.flat if mesh is not None else jax.devices()[:1]
     report = dict(path=str(args.path), pipeline=type(pipe).__name__, devices=n, mode=mode,
-                  dtype=jnp.dtype(dtype).name, images=[str(p) for p in written],
+                  dtype=jnp.dtype(dtype).name, loras=[[p, s] for p, s in getattr(args, "loras", [])],
+                  images=[str(p) for p in written],
                   image_shape=list(image.shape), load_s=load_s, **pipe.timings.as_dict(),
                   peak_device_memory_bytes=peak_device_memory(list(devices)))
     if args.json:

@@ -80,6 +80,9 @@ def test_flux_adapters_match_diffusers_and_switch_without_recompiling(tp, mode):
     assert np.array_equal(out(run), base)
     run.load_lora_weights(LORA / "flux_nometa.safetensors")  # no metadata: alpha = r (diffusers)
     check(out(run), "nometa")
+    run.unload_lora_weights()
+    run.load_lora_weights(LORA / "flux_kohya.safetensors")  # the community format, converted as diffusers does
+    check(out(run), "kohya")
     assert len(run._steps) == 1 and next(iter(run._steps.values()))._cache_size() == 1
 
     # warm: every fuse shape has been compiled once; switching and unloading compile nothing
@@ -155,8 +158,6 @@ def test_bad_lora_files_are_refused_with_every_key_named(tmp_path, one_device):
     t = dict(good)
     t["transformer.single_transformer_blocks.1.attn.to_q.lora_A.weight"] = np.zeros((2, 31), np.float32)
     cases.append((t, ["single_transformer_blocks.1.attn.to_q: lora_A (2, 31) / lora_B (32, 2) do not fit"]))
-    t = {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": np.zeros((2, 32), np.float32)}
-    cases.append((t, ["kohya-style keys"]))
     for tensors, expected in cases:
         with pytest.raises(LoraError) as e:
             run.load_lora_weights(_write(tmp_path, tensors))
@@ -176,6 +177,56 @@ def test_bad_lora_files_are_refused_with_every_key_named(tmp_path, one_device):
     with pytest.raises(LoraError, match="pytorch_lora_weights.safetensors does not exist"):
         run.load_lora_weights(tmp_path)
     assert all(x is y for x, y in zip(jax.tree.leaves(run._state), before)) and not run._lora.loaded
+
+
+def test_kohya_modules_diffusers_has_no_reference_for_are_the_diffusers_split(tmp_path, one_device):
+    """A single block's fused `linear1` (q, k, v, mlp rows: diffusers' converter hard-codes
+    FLUX.1's widths) and the top-level modules (diffusers 0.42.1 drops them: see lora_kohya.py)
+    fuse to the same parameters as the diffusers-format file diffusers' converter describes: A
+    shared and B split by rows, final_layer's adaLN rows swapped to (scale, shift); alpha 6 / r 4."""
+    from difflet_tpu.loading import lora
+
+    run = one_device
+    rng = np.random.default_rng(0)
+    D, M = run.cfg.inner_dim, run.cfg.mlp_hidden_dim
+    modules = {"single_blocks_1_linear1": (D, 3 * D + M), "img_in": (16, D), "time_in_in_layer": (256, D),
+               "final_layer_linear": (D, 16), "final_layer_adaLN_modulation_1": (D, 2 * D)}
+    kohya, peft = {}, {}
+    for name, (n_in, n_out) in modules.items():
+        down = rng.standard_normal((4, n_in)).astype(np.float32)
+        up = rng.standard_normal((n_out, 4)).astype(np.float32)
+        kohya.update({f"lora_unet_{name}.lora_down.weight": down, f"lora_unet_{name}.lora_up.weight": up,
+                      f"lora_unet_{name}.alpha": np.array(6.0, np.float32)})
+        if name == "single_blocks_1_linear1":
+            targets = [f"single_transformer_blocks.1.{m}" for m in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")]
+            rows = np.split(up, [D, 2 * D, 3 * D])
+        else:
+            targets = [{"img_in": "x_embedder", "time_in_in_layer": "time_text_embed.timestep_embedder.linear_1",
+                        "final_layer_linear": "proj_out", "final_layer_adaLN_modulation_1": "norm_out.linear"}[name]]
+            rows = [np.concatenate([up[D:], up[:D]]) if name.endswith("modulation_1") else up]
+        for m, b in zip(targets, rows):
+            peft[f"transformer.{m}.lora_A.weight"] = down
+            peft[f"transformer.{m}.lora_B.weight"] = b
+    meta = {"lora_adapter_metadata": json.dumps({"transformer.r": 4, "transformer.lora_alpha": 6})}
+    fused = []
+    for tensors, metadata in ((kohya, None), (peft, meta)):
+        run.load_lora_weights(_write(tmp_path, tensors, metadata=metadata))
+        paths = sorted(run._lora.base)
+        fused.append({p: np.asarray(x) for p, x in lora.state_leaves(run._state, paths).items()})
+        run.unload_lora_weights()
+    assert sorted(fused[0]) == sorted(fused[1]) and len(fused[0]) == 8
+    for p in fused[0]:
+        np.testing.assert_array_equal(fused[0][p], fused[1][p])
+    down, up = kohya["lora_unet_single_blocks_1_linear1.lora_down.weight"], kohya["lora_unet_single_blocks_1_linear1.lora_up.weight"]
+    with pytest.raises(LoraError) as e:
+        run.load_lora_weights(_write(tmp_path, {**kohya, "lora_unet_single_blocks_1_linear9.lora_down.weight": down,
+                                                "lora_unet_single_blocks_1_linear9.lora_up.weight": up,
+                                                "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": down}))
+    assert "lora_unet_single_blocks_1_linear9: no FLUX module" in str(e.value)
+    assert "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight (text-encoder" in str(e.value)
+    bad = dict(kohya, **{"lora_unet_single_blocks_1_linear1.lora_up.weight": up[:-1]})
+    with pytest.raises(LoraError, match=r"lora_up has 223 rows, the model's .* take 224"):
+        run.load_lora_weights(_write(tmp_path, bad))
 
 
 def test_adapter_names_and_weights_are_checked(tmp_path, one_device):
@@ -254,3 +305,59 @@ def test_two_adapters_on_qwen_image_and_wan_pipelines_match_diffusers(name, tp, 
     assert np.shape(got) == want.shape and err <= 1e-3
     base = np.load(folder / "io.npz")[f"{call}.{what}"]
     assert float(np.abs(want - base).max()) > 0.05  # the adapters change the output
+
+
+def test_generate_lora_flag(tmp_path, capsys):
+    """`python -m difflet_tpu.generate ... --lora FILE[:SCALE]` (repeatable): the PNG holds the
+    in-process pipeline's image with the same adapters and scales; bad --lora values are refused
+    before the work with exit 1 and no file."""
+    from PIL import Image
+
+    from difflet_tpu import generate
+    from difflet_tpu.pipeline.diffusion import DiffusionPipeline
+
+    out = tmp_path / "cat.png"
+    common = [str(FLUX), "--prompt", "a photo of a cat", "--height", "32", "--width", "32", "--steps", "2",
+              "--seed", "3", "--out", str(out)]
+    lora = ["--lora", f"{LORA / 'flux_a.safetensors'}:0.8", "--lora", str(LORA / "flux_b.safetensors")]
+    assert generate.main(common + lora) == 0
+    assert "LoRA" in capsys.readouterr().err
+    png = np.asarray(Image.open(out)).astype(int)
+    pipe = DiffusionPipeline.from_pretrained(FLUX, dtype=jnp.float32)
+    kw = dict(prompt="a photo of a cat", height=32, width=32, num_inference_steps=2, seed=3, output_type="np")
+    base = pipe(**kw).images[0]
+    pipe.load_lora_weights(LORA / "flux_a.safetensors", adapter_name="x")
+    pipe.load_lora_weights(LORA / "flux_b.safetensors", adapter_name="y")
+    pipe.set_adapters(["x", "y"], [0.8, 1.0])
+    want = pipe(**kw).images[0]
+    assert np.abs(png - (want * 255).round()).max() <= 1
+    assert np.abs(png - (base * 255).round()).max() > 10
+    out.unlink()
+    bad_keys = _write(tmp_path, {"transformer.nope.lora_A.weight": np.zeros((2, 4), np.float32),
+                                 "transformer.nope.lora_B.weight": np.zeros((4, 2), np.float32)})
+    for arg, match in ((f"{LORA / 'flux_a.safetensors'}:x", "is not a number"),
+                       (f"{LORA / 'flux_a.safetensors'}:inf", "finite"),
+                       (str(tmp_path / "missing.safetensors"), "does not exist"),
+                       (str(bad_keys), "nope: no Linear")):
+        assert generate.main(common + ["--lora", arg]) == 1
+        assert match in capsys.readouterr().err
+        assert not out.exists()
+
+
+def test_bench_end_to_end_lora_flag(tmp_path, capsys):
+    """`python -m difflet_tpu.bench --end-to-end DIR --lora FILE[:SCALE]`: the adapters are fused
+    before the timed calls and named in the report; --lora elsewhere or malformed is a usage error."""
+    from difflet_tpu.bench import cli
+
+    out = tmp_path / "e2e.json"
+    assert cli.main(["--end-to-end", str(FLUX), "--height", "32", "--width", "32", "--steps", "1",
+                     "--lora", f"{LORA / 'flux_a.safetensors'}:0.5", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["loras"] == [[str(LORA / "flux_a.safetensors"), 0.5]] and report["lora_fuse_s"] > 0
+    for argv, message in ((["--model", "flux:tiny", "--lora", str(LORA / "flux_a.safetensors")],
+                           "--lora only applies to --end-to-end"),
+                          (["--end-to-end", str(FLUX), "--lora", f"{LORA / 'flux_a.safetensors'}:big"],
+                           "is not a number")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err

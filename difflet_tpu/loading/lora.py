@@ -8,9 +8,9 @@ does), or the same keys without the `transformer.` prefix, or peft's own
 `base_model.model.` prefix; diffusers' older `.lora.down` / `.lora.up` names are read as A / B.
 The scale of a module is peft's `LoraConfig` scaling: `lora_alpha / r` (`alpha_pattern` /
 `rank_pattern` matched as peft's `get_pattern_key` does; `use_rslora`: alpha / sqrt(r));
-without metadata diffusers' `get_peft_kwargs` makes alpha = r, scale 1. A key that names no
-Linear of the port, a text-encoder key, DoRA, LoRA biases and kohya-style files are refused
-with every such key listed.
+without metadata diffusers' `get_peft_kwargs` makes alpha = r, scale 1. FLUX's community (kohya /
+sd-scripts) files are converted as diffusers does (`lora_kohya.py`). A key that names no Linear
+of the port, a text-encoder key, DoRA and LoRA biases are refused with every such key listed.
 
 Each LoRA module is matched to the port's parameters through the port's key map (the same
 `Key`s the checkpoint is loaded with), so every load-time transform applies to the delta as to
@@ -104,14 +104,15 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def parse_lora(tensors: dict, config: dict | None, where: str) -> dict[str, Module]:
+def parse_lora(tensors: dict, config: dict | None, where: str, kohya=None) -> dict[str, Module]:
     """diffusers module name -> Module, or a LoraError listing every key that is not a
-    transformer LoRA factor this loader reads."""
+    transformer LoRA factor this loader reads. `kohya`: the port's converter of kohya-style
+    (`lora_unet_*`) files, None where diffusers has none."""
     problems = []
     if any(k.startswith(("lora_unet_", "lora_te")) for k in tensors):
-        bad = sorted(k for k in tensors if k.startswith(("lora_unet_", "lora_te")))
-        raise LoraError(f"{where}: kohya-style keys ({len(bad)}, e.g. {bad[:3]}) are not read yet; convert the "
-                        f"file with diffusers (load_lora_weights, then save_lora_weights) first")
+        if kohya is None:
+            raise LoraError(f"{where}: kohya-style keys (lora_unet_* / lora_te*) are read for FLUX only")
+        return kohya(tensors, where)
     if config:
         for flag in ("use_dora", "lora_bias"):
             if config.get(flag):
@@ -336,7 +337,12 @@ def load_lora_weights(run, path, adapter_name=None, weight_name=None) -> str:
     model = run.model
     shapes = {leaf_path(q): tuple(x.shape) for q, x in jax.tree_util.tree_flatten_with_path(run._state)[0]}
     key_map = run.spec.key_map(run.cfg, model)
-    ad.loaded[name] = factors(parse_lora(tensors, config, str(p)), key_map, shapes, str(p))
+    kohya = None
+    if run.spec.name == "flux":  # the only family diffusers converts kohya-style files for here
+        from difflet_tpu.loading import lora_kohya
+
+        kohya = lambda t, where: lora_kohya.flux_modules(t, where, run.cfg)  # noqa: E731
+    ad.loaded[name] = factors(parse_lora(tensors, config, str(p), kohya), key_map, shapes, str(p))
     set_adapters(run, [name])
     return name
 
@@ -375,11 +381,13 @@ def _apply(run, active):
     for p in touched:
         ad.base.setdefault(p, current[p])
     specs = {} if run.mesh is None else state_leaves(run._param_specs, touched)
+    # the base arrays back first, so the previous fused arrays are dropped before new ones are
+    # made: the peak is the base copies + the new fused arrays + one fuse's factors
+    run._state = replace_leaves(run._state, {p: ad.base[p] for p in touched})
     new = {}
     for p in touched:
         parts = [(ad.loaded[n][p], w) for n, w in active if p in ad.loaded[n]]
         if not parts:
-            new[p] = ad.base[p]
             continue
         a = np.concatenate([f[0] for f, _ in parts], axis=-1)
         b = np.concatenate([f[1] for f, _ in parts], axis=-2)

@@ -55,3 +55,36 @@ class LoraLoaderMixin:
 
     def get_active_adapters(self) -> list[str]:
         return [n for run in self._lora_runners() for n in run.get_active_adapters()]
+
+
+def parse_lora_arg(text: str) -> tuple[str, float]:
+    """`FILE[:SCALE]` (the command lines' `--lora`) -> (file, scale); a missing scale is 1.0.
+    A ValueError for an unreadable file or a scale that is not a finite number."""
+    import math
+    import pathlib
+
+    from difflet_tpu.loading.checkpoint import file_problem
+
+    path, scale = text, 1.0
+    if ":" in text:
+        head, tail = text.rsplit(":", 1)
+        try:
+            scale = float(tail)
+            path = head
+        except ValueError:
+            if not pathlib.Path(text).exists():
+                raise ValueError(f"--lora {text!r}: expected FILE[:SCALE], {tail!r} is not a number") from None
+    if not math.isfinite(scale):
+        raise ValueError(f"--lora {text!r}: the scale must be a finite number")
+    problem = file_problem(path)
+    if problem:
+        raise ValueError(f"--lora {text!r}: {path} {problem}")
+    return path, scale
+
+
+def apply_lora_args(pipe, loras) -> list[str]:
+    """Loads each (file, scale) as adapter `lora_<i>` and activates them all with their scales."""
+    names = [pipe.load_lora_weights(path, adapter_name=f"lora_{i}") for i, (path, _) in enumerate(loras)]
+    if names:
+        pipe.set_adapters(names, [scale for _, scale in loras])
+    return names
