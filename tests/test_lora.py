@@ -292,6 +292,8 @@ def test_two_adapters_on_qwen_image_and_wan_pipelines_match_diffusers(name, tp, 
                                                                  **({"mode": mode} if mode else {})))
     kw = json.loads((folder / "calls.json").read_text())["calls"][call]["kwargs"]
     latents = np.load(folder / "io.npz")[f"{call}.latents"]
+    base = getattr(pipe(**kw, latents=latents, output_type="np"), what)  # fills Wan's text K/V cache
+    assert float(np.abs(np.asarray(base) - np.load(folder / "io.npz")[f"{call}.{what}"]).max()) <= 1e-3
     pipe.load_lora_weights(LORA / f"{name}_a.safetensors", adapter_name="a")
     pipe.load_lora_weights(LORA / f"{name}_b.safetensors", adapter_name="b")
     pipe.set_adapters(["a", "b"], adapter_weights=[0.8, -0.5])
@@ -303,8 +305,34 @@ def test_two_adapters_on_qwen_image_and_wan_pipelines_match_diffusers(name, tp, 
     err = float(np.abs(np.asarray(got) - want).max())
     print(f"{name} tp={tp} {mode}: {what} max abs {err:.2e}")
     assert np.shape(got) == want.shape and err <= 1e-3
-    base = np.load(folder / "io.npz")[f"{call}.{what}"]
-    assert float(np.abs(want - base).max()) > 0.05  # the adapters change the output
+    assert float(np.abs(want - np.asarray(base)).max()) > 0.05  # the adapters change the output
+
+
+@pytest.mark.parametrize("tp,mode", [(None, None), (4, "sp")])
+def test_wan22_two_experts_take_their_own_adapters(tp, mode):
+    """Wan 2.2 A14B: one adapter into `transformer`, another into `transformer_2`
+    (`load_into_transformer_2=True`), as diffusers' WanPipeline gives it."""
+    from difflet_tpu.loading.lora import LoraError
+    from difflet_tpu.pipeline.diffusion import DiffusionPipeline
+
+    folder = FLUX.parent / "wan22_a14b"
+    mesh = None if tp is None else make_mesh(tp)
+    pipe = DiffusionPipeline.from_pretrained(folder, mesh=mesh, dtype=jnp.float32, config=Config(),
+                                             runner_options=dict(compiler_options=FAST,
+                                                                 **({"mode": mode} if mode else {})))
+    kw = json.loads((folder / "calls.json").read_text())["calls"]["two_experts"]["kwargs"]
+    latents = np.load(folder / "io.npz")["two_experts.latents"]
+    pipe.load_lora_weights(LORA / "wan_t2v_a.safetensors", adapter_name="a")
+    pipe.load_lora_weights(LORA / "wan_t2v_b.safetensors", adapter_name="b", load_into_transformer_2=True)
+    assert pipe.transformer.get_active_adapters() == ["a"] and pipe.transformer_2.get_active_adapters() == ["b"]
+    frames = pipe(**kw, latents=latents, output_type="np").frames
+    want = io()["wan22_a14b.frames"]
+    err = float(np.abs(np.asarray(frames) - want).max())
+    print(f"wan22_a14b tp={tp} {mode}: frames max abs {err:.2e}")
+    assert err <= 1e-3
+    assert float(np.abs(want - np.load(folder / "io.npz")["two_experts.frames"]).max()) > 0.05
+    with pytest.raises(LoraError, match=r"\['c'\] not loaded"):
+        pipe.set_adapters(["a", "c"])
 
 
 def test_generate_lora_flag(tmp_path, capsys):
@@ -361,3 +389,24 @@ def test_bench_end_to_end_lora_flag(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_wan_text_kv_cache_is_dropped_when_the_weights_change():
+    """Wan's `cache_text=True` reuses the text K/V while the calls pass the same embeddings; a
+    LoRA on attn2.to_k / to_v changes them, so a switch must drop the cache: the output equals a
+    Runner without the cache holding the same adapter, and differs from the cached base's."""
+    wan = FLUX.parent / "wan_t2v" / "transformer"
+    rng = np.random.default_rng(0)
+    kw = dict(hidden_states=rng.standard_normal((1, 16, 2, 4, 4)).astype(np.float32),
+              timestep=np.array([500.0], np.float32),
+              encoder_hidden_states=rng.standard_normal((1, 8, 32)).astype(np.float32))
+    cached = Runner(load_transformer(wan, dtype=jnp.float32, config=Config()), None, Config(),
+                    compiler_options=FAST, cache_text=True)
+    base = np.asarray(cached(**kw).sample)
+    assert "text_kv" in cached.state
+    cached.load_lora_weights(LORA / "wan_t2v_b.safetensors")  # attn1/attn2 to_k, ffn, proj_out
+    got = np.asarray(cached(**kw).sample)
+    plain = Runner(load_transformer(wan, dtype=jnp.float32, config=Config()), None, Config(), compiler_options=FAST)
+    plain.load_lora_weights(LORA / "wan_t2v_b.safetensors")
+    np.testing.assert_allclose(got, np.asarray(plain(**kw).sample), rtol=0, atol=1e-5)
+    assert np.abs(got - base).max() > 1e-2
