@@ -410,3 +410,31 @@ def test_wan_text_kv_cache_is_dropped_when_the_weights_change():
     plain.load_lora_weights(LORA / "wan_t2v_b.safetensors")
     np.testing.assert_allclose(got, np.asarray(plain(**kw).sample), rtol=0, atol=1e-5)
     assert np.abs(got - base).max() > 1e-2
+
+
+@pytest.mark.slow
+def test_flux_dev_rank64_compile_only_hbm_on_v5e():
+    """Compile-only (deviceless v5e:2x2, tp=4) HBM of FLUX.1-dev bf16 with a rank-64 adapter on
+    every Linear (difflet_tpu/tools/lora_memory.py): the base copies kept are the touched
+    parameters' shards, and the fuse of the largest parameter reads only this chip's shards of
+    the weight and of A / B (its arguments are the weight shard plus the factor shards, counted
+    here from the shapes) with no temporary the size of a gathered weight."""
+    from difflet_tpu.tools import deviceless
+
+    out = deviceless.run_python("import json\nfrom difflet_tpu.tools.lora_memory import measure\n"
+                                "print(json.dumps(measure('flux.1-dev', 64, 'v5e:2x2')))", timeout=1200)
+    print(out)
+    L, n_in, n_out = out["largest_shape"]
+    spec = out["largest_spec"] + [None] * (3 - len(out["largest_spec"]))
+    in_split, out_split = (4 if spec[1] == "tp" else 1), (4 if spec[2] == "tp" else 1)
+    assert out["largest_parameter"] == "single_transformer_blocks.proj_mlp.kernel" and (in_split, out_split) == (1, 4)
+    weight_shard = L * n_in * (n_out // 4) * 2  # bf16, output features split over 4 chips
+    assert out["tp"] == 4 and out["lora_parameters"] >= 30
+    assert out["base_copies_per_chip"] <= out["params_per_chip"] < 1.01 * out["base_copies_per_chip"]
+    fuse = out["fuse_largest_compiled"]
+    # float32: A^T [L, in, 64] and s whole, B^T [L, 64, out] split by output features like the weight
+    factor_shards = 4 * L * 64 * (n_in // in_split + n_out // out_split) + 4 * L * 64
+    assert fuse["outputs"] == weight_shard
+    # (a few KB of buffer padding; a whole factor instead of its shard would add 90 MB)
+    assert 0 <= fuse["arguments"] - (weight_shard + factor_shards) <= 65536
+    assert fuse["temporaries"] < weight_shard

@@ -37,7 +37,7 @@ def measure(preset: str, rank: int, topology: str, tp: int | None = None) -> dic
         param_specs(state, spec.plan), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]}
     targets = {t.path for ts in lora.linear_targets(spec.key_map(cfg, model)).values() for t in ts}
     per_chip = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # noqa: E731
-    factor_bytes, largest = 0, max(targets, key=lambda p: math.prod(leaves[p].shape))
+    factor_bytes, largest = 0, max(sorted(targets), key=lambda p: math.prod(leaves[p].shape))
     for p in targets:
         x = leaves[p]
         factor_bytes += 4 * rank * (x.shape[-2] + x.shape[-1] + 1) * (x.shape[0] if x.ndim == 3 else 1)
@@ -52,6 +52,7 @@ def measure(preset: str, rank: int, topology: str, tp: int | None = None) -> dic
             "base_copies_per_chip": sum(per_chip(leaves[p]) for p in targets),
             "lora_parameters": len(targets), "factors_host_float32_total": factor_bytes,
             "largest_parameter": largest, "largest_shape": list(x.shape),
+            "largest_spec": [None if a is None else str(a) for a in tuple(specs[largest])],
             "fuse_largest_compiled": runtime.memory_report(fuse)}
 
 
