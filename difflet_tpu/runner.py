@@ -198,6 +198,11 @@ class Runner:
             self._host = jax.block_until_ready(
                 jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), self._state))
         device = [weakref.ref(x) for x in jax.tree_util.tree_leaves(self._state)]
+        if getattr(self, "_lora", None) is not None:  # a LoRA's base copies go too (loading/lora.py)
+            from difflet_tpu.loading import lora
+
+            device += [weakref.ref(x) for x in self._lora.base.values()]
+            lora.offload_base(self, runtime.HOST_MEMORY_KIND)
         self._state = self._host
         self.state.clear()
         if any(r() is not None for r in device):

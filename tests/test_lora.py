@@ -438,3 +438,28 @@ def test_flux_dev_rank64_compile_only_hbm_on_v5e():
     # (a few KB of buffer padding; a whole factor instead of its shard would add 90 MB)
     assert 0 <= fuse["arguments"] - (weight_shard + factor_shards) <= 65536
     assert fuse["temporaries"] < weight_shard
+
+
+def test_offload_moves_the_base_copies_to_host_memory_too():
+    """`Runner.offload()` (an idle Wan 2.2 expert) with an adapter active: the base copies go to
+    host memory with the fused parameters, so no device array of the Runner stays alive; after
+    `load()`, switching and unloading work from them (unload still bit-exact)."""
+    from difflet_tpu import runtime
+
+    run = runner()
+    base = out(run)
+    run.load_lora_weights(LORA / "flux_a.safetensors", adapter_name="a")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "device arrays are still referenced" would be one
+        run.offload()
+    assert {x.sharding.memory_kind for x in run._lora.base.values()} == {runtime.HOST_MEMORY_KIND}
+    with pytest.raises(ValueError, match="call load"):
+        run.set_adapters(["a"], [0.6])
+    run.load()
+    check(out(run), "a")
+    run.set_adapters(["a"], [0.6])
+    check(out(run), "a_0.6")
+    run.unload_lora_weights()
+    assert np.array_equal(out(run), base)

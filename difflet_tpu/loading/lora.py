@@ -380,6 +380,7 @@ def _apply(run, active):
     current = state_leaves(run._state, touched)
     for p in touched:
         ad.base.setdefault(p, current[p])
+    _base_on_device(ad, current)
     specs = {} if run.mesh is None else state_leaves(run._param_specs, touched)
     # the base arrays back first, so the previous fused arrays are dropped before new ones are
     # made: the peak is the base copies + the new fused arrays + one fuse's factors
@@ -413,3 +414,20 @@ def base_bytes(run) -> int:
     ad = _adapters(run)
     current = state_leaves(run._state, ad.base)
     return runtime.tree_bytes_per_device([x for p, x in ad.base.items() if current[p] is not x])
+
+
+def offload_base(run, kind: str) -> None:
+    """`Runner.offload`: the base copies go to host memory (`kind`) too, so the device holds none
+    of this Runner's arrays; `_apply` brings back the ones it fuses from."""
+    ad = getattr(run, "_lora", None)
+    if ad is None or not ad.base:
+        return
+    ad.base = {p: x if x.sharding.memory_kind == kind else jax.device_put(x, x.sharding.with_memory_kind(kind))
+               for p, x in ad.base.items()}
+    jax.block_until_ready(list(ad.base.values()))
+
+
+def _base_on_device(ad, current: dict) -> None:
+    for p, x in ad.base.items():
+        if x.sharding != current[p].sharding:  # in host memory since an offload()
+            ad.base[p] = jax.device_put(x, current[p].sharding)
