@@ -241,7 +241,7 @@ class Runner:
     # ---- LoRA adapters (difflet_tpu/loading/lora.py) ----------------------------
 
     def load_lora_weights(self, pretrained_model_name_or_path_or_dict, adapter_name=None, weight_name=None) -> str:
-        """diffusers' `load_lora_weights`: a LoRA safetensors file (or a folder with `weight_name`)
+        """diffusers' `load_lora_weights`: a LoRA safetensors file (a folder with `weight_name`, or a state dict)
         checked against the model, fused into the parameters on the chips as the only active
         adapter (weight 1.0); returns its name. The compiled step is reused."""
         from difflet_tpu.loading import lora

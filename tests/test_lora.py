@@ -81,6 +81,9 @@ def test_flux_adapters_match_diffusers_and_switch_without_recompiling(tp, mode):
     run.load_lora_weights(LORA / "flux_nometa.safetensors")  # no metadata: alpha = r (diffusers)
     check(out(run), "nometa")
     run.unload_lora_weights()
+    run.load_lora_weights(load_file(str(LORA / "flux_nometa.safetensors")))  # a state dict, as diffusers takes it
+    check(out(run), "nometa")
+    run.unload_lora_weights()
     run.load_lora_weights(LORA / "flux_kohya.safetensors")  # the community format, converted as diffusers does
     check(out(run), "kohya")
     assert len(run._steps) == 1 and next(iter(run._steps.values()))._cache_size() == 1

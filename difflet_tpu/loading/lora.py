@@ -323,8 +323,9 @@ def _check_runner(run, what):
 
 
 def load_lora_weights(run, path, adapter_name=None, weight_name=None) -> str:
-    """Reads and checks a LoRA file against the Runner's model, keeps its factors on the host
-    and makes it the only active adapter (weight 1.0), as diffusers does. Returns its name."""
+    """Reads and checks a LoRA file (or a state dict of arrays) against the Runner's model, keeps
+    its factors on the host and makes it the only active adapter (weight 1.0), as diffusers
+    does. Returns its name."""
     _check_runner(run, "load_lora_weights")
     ad = _adapters(run)
     name = adapter_name if adapter_name is not None else f"default_{len(ad.loaded)}"
@@ -332,8 +333,11 @@ def load_lora_weights(run, path, adapter_name=None, weight_name=None) -> str:
         raise LoraError(f"adapter_name: {name!r}, expected a non-empty string")
     if name in ad.loaded:
         raise LoraError(f"adapter name {name!r} is already in use (loaded: {sorted(ad.loaded)})")
-    p = lora_file(path, weight_name)
-    tensors, config = read_lora_file(p)
+    if isinstance(path, dict):  # a state dict, as diffusers takes it (no metadata: alpha = r)
+        p, tensors, config = "the state dict", {k: np.asarray(v) for k, v in path.items()}, None
+    else:
+        p = lora_file(path, weight_name)
+        tensors, config = read_lora_file(p)
     model = run.model
     shapes = {leaf_path(q): tuple(x.shape) for q, x in jax.tree_util.tree_flatten_with_path(run._state)[0]}
     key_map = run.spec.key_map(run.cfg, model)
