@@ -220,7 +220,8 @@ def test_kohya_modules_diffusers_has_no_reference_for_are_the_diffusers_split(tm
     assert sorted(fused[0]) == sorted(fused[1]) and len(fused[0]) == 8
     for p in fused[0]:
         np.testing.assert_array_equal(fused[0][p], fused[1][p])
-    down, up = kohya["lora_unet_single_blocks_1_linear1.lora_down.weight"], kohya["lora_unet_single_blocks_1_linear1.lora_up.weight"]
+    down = kohya["lora_unet_single_blocks_1_linear1.lora_down.weight"]
+    up = kohya["lora_unet_single_blocks_1_linear1.lora_up.weight"]
     with pytest.raises(LoraError) as e:
         run.load_lora_weights(_write(tmp_path, {**kohya, "lora_unet_single_blocks_1_linear9.lora_down.weight": down,
                                                 "lora_unet_single_blocks_1_linear9.lora_up.weight": up,

@@ -41,7 +41,8 @@ class LoraLoaderMixin:
         held = [set(getattr(run, "_lora", lora.Adapters()).loaded) for run in self._lora_runners()]
         unknown = [n for n in names if not any(n in h for h in held)]
         if unknown:
-            raise lora.LoraError(f"set_adapters: adapter(s) {unknown} not loaded (loaded: {sorted(set().union(*held))})")
+            loaded = sorted(set().union(*held))
+            raise lora.LoraError(f"set_adapters: adapter(s) {unknown} not loaded (loaded: {loaded})")
         for run, h in zip(self._lora_runners(), held):
             if h:
                 pairs = [(n, w) for n, w in zip(names, weights) if n in h]
