@@ -58,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=1, help="num_images_per_prompt")
     ap.add_argument("--max-sequence-length", type=int)
+    ap.add_argument("--lora", action="append", default=[], metavar="FILE[:SCALE]",
+                    help="a LoRA safetensors (diffusers/PEFT, or FLUX's kohya format) at SCALE (default 1.0), "
+                         "fused into the transformer; repeat to combine adapters")
     ap.add_argument("--frames", type=int, help="num_frames of a video pipeline (1 + 4k; default the pipeline's, 81)")
     ap.add_argument("--image", help="image-to-video: the first frame (an image file)")
     ap.add_argument("--last-image", help="image-to-video: the last frame (Wan2.2 I2V-A14B)")
@@ -129,7 +132,10 @@ def check_arguments(args) -> None:
     from difflet_tpu.pipeline import diffusion as D
     from difflet_tpu.pipeline import images, mp4
 
+    from difflet_tpu.pipeline.lora import parse_lora_arg
+
     A.prompts(args.prompt, "--prompt")
+    args.loras = [parse_lora_arg(text) for text in args.lora]
     A.negative_prompt(args.negative_prompt, "--negative-prompt")
     A.seed(args.seed, "--seed")
     args.batch = A.count("--batch", args.batch, "batch")  # bounded before a name is made per image
@@ -250,6 +256,10 @@ def run(args) -> dict:
     pipe, mesh, n, dtype, mode = load(args)
     load_s = time.perf_counter() - start
     log(f"loaded {type(pipe).__name__} in {load_s:.1f} s")
+    from difflet_tpu.pipeline.lora import apply_lora_args
+
+    for name, (path, scale) in zip(apply_lora_args(pipe, getattr(args, "loras", [])), getattr(args, "loras", [])):
+        log(f"LoRA {path} at {scale} fused ({name})")
 
     def on_stage(stage, info):
         if stage == "step":
@@ -275,7 +285,8 @@ def run(args) -> dict:
         outputs = [(t, images.png_writer(x), "image") for t, x in zip(targets, images.to_pil(image))]
         extra = dict(images=[str(p) for p in targets], image_shape=list(image.shape))
     report = dict(path=str(args.path), pipeline=type(pipe).__name__, devices=n, mode=mode,
-                  dtype=jnp.dtype(dtype).name, **extra, load_s=load_s, **pipe.timings.as_dict(),
+                  dtype=jnp.dtype(dtype).name, loras=[[p, s] for p, s in getattr(args, "loras", [])],
+                  **extra, load_s=load_s, **pipe.timings.as_dict(),
                   peak_device_memory_bytes=peak_device_memory(list(devices)))
     if args.json is not None:
         outputs.append((args.json, json.dumps(report, indent=2) + "\n", "--json"))

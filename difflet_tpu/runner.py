@@ -198,6 +198,11 @@ class Runner:
             self._host = jax.block_until_ready(
                 jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), self._state))
         device = [weakref.ref(x) for x in jax.tree_util.tree_leaves(self._state)]
+        if getattr(self, "_lora", None) is not None:  # a LoRA's base copies go too (loading/lora.py)
+            from difflet_tpu.loading import lora
+
+            device += [weakref.ref(x) for x in self._lora.base.values()]
+            lora.offload_base(self, runtime.HOST_MEMORY_KIND)
         self._state = self._host
         self.state.clear()
         if any(r() is not None for r in device):
@@ -232,6 +237,34 @@ class Runner:
         if self.resident == "host":
             raise ValueError(f"{self.spec.name}: this Runner's parameters are in host memory (offload()): "
                              f"call load() before running or tracing its step")
+
+    # ---- LoRA adapters (difflet_tpu/loading/lora.py) ----------------------------
+
+    def load_lora_weights(self, pretrained_model_name_or_path_or_dict, adapter_name=None, weight_name=None) -> str:
+        """diffusers' `load_lora_weights`: a LoRA safetensors file (a folder with `weight_name`, or a state dict)
+        checked against the model, fused into the parameters on the chips as the only active
+        adapter (weight 1.0); returns its name. The compiled step is reused."""
+        from difflet_tpu.loading import lora
+
+        return lora.load_lora_weights(self, pretrained_model_name_or_path_or_dict, adapter_name, weight_name)
+
+    def set_adapters(self, adapter_names, adapter_weights=None) -> None:
+        """diffusers' `set_adapters`: the active adapters and their weights, fused from the base
+        parameters (no recompilation)."""
+        from difflet_tpu.loading import lora
+
+        lora.set_adapters(self, adapter_names, adapter_weights)
+
+    def unload_lora_weights(self) -> None:
+        """diffusers' `unload_lora_weights`: the base parameters back, bit-exact; adapters dropped."""
+        from difflet_tpu.loading import lora
+
+        lora.unload_lora_weights(self)
+
+    def get_active_adapters(self) -> list[str]:
+        from difflet_tpu.loading import lora
+
+        return lora.active_adapters(self)
 
     # ---- what ports use in `prepare` ----------------------------------------
 

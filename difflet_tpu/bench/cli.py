@@ -87,6 +87,9 @@ def parser():
                     help="time one prompt -> image call of a diffusers pipeline folder stage by stage (tokenize, "
                     "text encode, each denoise step, decode), cold and warm (difflet_tpu/bench/end_to_end.py)")
     ap.add_argument("--prompt", help="--end-to-end: the prompt (default: a fixed one)")
+    ap.add_argument("--lora", action="append", default=[], metavar="FILE[:SCALE]",
+                    help="--end-to-end: a LoRA safetensors at SCALE (default 1.0) fused into the transformer; "
+                         "repeat to combine adapters")
     ap.add_argument("--encoder-offload", choices=("auto", "on", "off"),
                     help="--pipeline: where the text encoders live between prompts (default: "
                     "DIFFLET_TPU_ENCODER_OFFLOAD, else auto: host memory only when the stages do not fit together)")
@@ -233,6 +236,8 @@ def validate(args, ap):
         ap.error("--mode sp-pallas is a --compile-only variant; on a device set DIFFLET_TPU_SP_KERNEL=pallas")
     if args.pipeline or args.encoder_offload:
         validate_pipeline_plan(args, ap)
+    if args.lora and not args.end_to_end:
+        ap.error("--lora only applies to --end-to-end (the pipeline's transformer takes the adapters)")
     if args.end_to_end or args.prompt is not None:
         validate_end_to_end(args, ap)
     # Outputs are checked before any work (a run must not end in a traceback over its report).
@@ -272,6 +277,12 @@ def validate_end_to_end(args, ap):
                      f"on every device; DIFFLET_TPU_SP picks SP)")
     if args.prompt is not None and not args.prompt.strip():
         ap.error("--prompt is empty")
+    from difflet_tpu.pipeline.lora import parse_lora_arg
+
+    try:
+        args.loras = [parse_lora_arg(text) for text in args.lora]
+    except ValueError as e:
+        ap.error(str(e))
     if not (pathlib.Path(args.end_to_end) / "model_index.json").is_file():
         ap.error(f"--end-to-end {args.end_to_end}: no model_index.json (expected a diffusers pipeline folder)")
     for name in ("height", "width"):

@@ -52,6 +52,11 @@ def run_end_to_end(args) -> int:
     start = time.perf_counter()
     pipe, mesh, n, dtype, mode = generate.load(g)
     load_s = time.perf_counter() - start
+    from difflet_tpu.pipeline.lora import apply_lora_args
+
+    start = time.perf_counter()
+    apply_lora_args(pipe, getattr(args, "loras", []))
+    lora_s = time.perf_counter() - start
     kwargs = generate.call_kwargs(g)
     runs = {}
     for name in ("cold", "warm"):
@@ -63,6 +68,7 @@ def run_end_to_end(args) -> int:
     report = dict(kind="end-to-end", path=str(args.end_to_end), pipeline=type(pipe).__name__, devices=n,
                   mode=mode, dtype=jnp.dtype(dtype).name, platform=devices[0].platform, prompt=kwargs["prompt"],
                   image_shape=list(images.shape), load_s=load_s, runs=runs,
+                  loras=[[p, s] for p, s in getattr(args, "loras", [])], lora_fuse_s=lora_s,
                   peak_device_memory_bytes=generate.peak_device_memory(devices),
                   note="measured on " + devices[0].platform + (" (not a TPU)" if devices[0].platform != "tpu" else ""))
     print(f"{report['pipeline']} from {args.end_to_end}: {mode}, {report['dtype']}, "

@@ -42,6 +42,7 @@ from difflet_tpu.arguments import ArgumentError as PipelineError  # one type for
 from difflet_tpu.pipeline import samplers
 from difflet_tpu.pipeline import folder_checks
 from difflet_tpu.pipeline import schedules as S
+from difflet_tpu.pipeline.lora import LoraLoaderMixin
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +284,7 @@ class Call:
     max_sequence_length: int
 
 
-class DiffusionPipeline:
+class DiffusionPipeline(LoraLoaderMixin):
     """Base of the text-to-image pipelines; `from_pretrained` picks the subclass."""
 
     # set by subclasses: {component: (kind, accepted classes, tokenizer family or None)}
