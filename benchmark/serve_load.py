@@ -118,7 +118,9 @@ def main(argv=None) -> int:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=120)
     if args.json:
-        Path(args.json).write_text(json.dumps({"pipeline": args.pipeline, "steps": args.steps, "size": args.size,
+        shown = os.path.relpath(args.pipeline, ROOT) if Path(args.pipeline).resolve().is_relative_to(ROOT) \
+            else args.pipeline
+        Path(args.json).write_text(json.dumps({"pipeline": shown, "steps": args.steps, "size": args.size,
                                                "rows": rows}, indent=2) + "\n")
     return 0
 
