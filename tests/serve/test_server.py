@@ -121,8 +121,9 @@ def test_bad_json_gets_422(flux):
 
 
 def test_a_failing_request_answers_an_error_and_the_server_serves_the_next(flux):
-    """true CFG at 1e38 overflows to a non-finite image: that request gets a 500 naming it, even
-    when batched with a good one (the batch is re-run one by one), and the next is served."""
+    """true CFG at 1e38 overflows to a non-finite image: that request gets a 500 naming it, the
+    one sent with it and the next are served (a failing batch re-run one by one:
+    tests/serve/test_engine.py)."""
     async def both():
         async with httpx.AsyncClient(timeout=TIMEOUT) as c:
             bad = dict(prompt="a cat", negative_prompt="a dog", true_cfg_scale=1e38, seed=1, **TINY)
@@ -143,6 +144,14 @@ def test_health_models_and_metrics(flux):
     assert flux.metric("difflet_compiles") > 0  # the warm-up compiled
     for name in ("difflet_queue_depth", "difflet_step_seconds_count", "difflet_compiles_after_ready"):
         flux.metric(name)  # present
+
+
+def test_a_size_not_warmed_up_compiles_on_its_first_request(flux):
+    before = flux.metric("difflet_compiles_after_ready")
+    r = httpx.post(flux.url + "/v1/images/generations", json=dict(prompt="a", seed=1, size="48x32",
+                                                                  num_inference_steps=2), timeout=TIMEOUT)
+    assert r.status_code == 200 and png_pixels(r.json()["data"][0]["b64_json"]).shape == (32, 48, 3)
+    assert flux.metric("difflet_compiles_after_ready") > before
 
 
 # ---- load: nothing lost, fewer calls than requests, batched == alone ------------------------------
@@ -178,17 +187,19 @@ def test_load_every_request_answered_batched_and_equal_alone(flux):
 
 
 def test_a_client_that_went_away_is_dropped_before_it_runs(flux):
-    slow = dict(prompt="slow", seed=3, size="32x32", num_inference_steps=60)
+    slow = dict(prompt="slow", seed=3, size="32x32", num_inference_steps=800)
     calls_before = flux.metric("difflet_pipeline_calls_total")
     dropped_before = flux.metric("difflet_requests_total", outcome="dropped")
 
     async def run():
         async with httpx.AsyncClient(timeout=TIMEOUT) as c:
             first = asyncio.create_task(c.post(flux.url + "/v1/images/generations", json=slow))
-            await asyncio.sleep(1.0)  # the first is running
+            deadline = time.monotonic() + 60
+            while flux.metric("difflet_pipeline_calls_total") == calls_before and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # until the first runs (800 steps: seconds)
             with pytest.raises(httpx.TimeoutException):
                 await c.post(flux.url + "/v1/images/generations", timeout=0.5,
-                             json=dict(slow, num_inference_steps=61))  # another key: never batched with it
+                             json=dict(slow, num_inference_steps=801))  # another key: never batched with it
             return await first
 
     assert asyncio.run(run()).status_code == 200
