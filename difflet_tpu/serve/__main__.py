@@ -38,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--mesh", default=None, help="one | tp | sp, optionally :N devices (default: tp over all "
                                                  "devices when there are several)")
-    ap.add_argument("--max-batch", type=int, default=4, help="requests per pipeline call at most")
+    ap.add_argument("--max-batch", type=int, default=4, help="rows (images) per pipeline call at most")
     ap.add_argument("--queue", type=int, default=64, help="requests waiting at most (then 429)")
     ap.add_argument("--warmup", default="", help="sizes WxH,WxH compiled before ready")
     ap.add_argument("--warmup-frames", type=int, default=None, help="video: num_frames of the warm-up")

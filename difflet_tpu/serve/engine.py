@@ -3,7 +3,8 @@
 `Engine(backend, max_batch, queue_size)` holds a bounded FIFO of `Work` items (`submit` raises
 `QueueFull` when it is full, `NotAccepting` after `stop_accepting`). One worker thread owns the
 devices: it takes the oldest item, adds the later items with the same `backend.key` (same
-pipeline shape and schedule: size, frames, steps, guidance) up to `max_batch` requests, drops the
+pipeline shape and schedule: size, frames, steps, guidance) while their rows (an image request's
+`n`) fit in `max_batch` (a request larger than that runs alone), drops the
 items whose client went away, and hands the batch to `backend.run`. A batch that fails is run
 again one request at a time, so only the request that fails (a non-finite image, say) gets the
 error. Every item's `future` gets exactly one result or exception.
@@ -50,6 +51,11 @@ class Work:
     on_start: Any = None  # called when the work starts (video jobs: status in_progress)
     on_progress: Any = None  # called with the fraction of denoise steps done (video jobs)
     id: int = dataclasses.field(default_factory=itertools.count().__next__)
+
+
+def _rows(w: Work) -> int:
+    """The batch rows a request takes: its `n` images (one video)."""
+    return int(w.params.get("n", 1))
 
 
 class Engine:
@@ -133,7 +139,11 @@ class Engine:
                     continue
                 first = self._queue[0]
                 key = self.backend.key(first)
-                batch = [first] + [w for w in self._queue[1:] if self.backend.key(w) == key][: self.max_batch - 1]
+                batch, rows = [first], _rows(first)
+                for w in self._queue[1:]:
+                    if rows + _rows(w) <= self.max_batch and self.backend.key(w) == key:
+                        batch.append(w)
+                        rows += _rows(w)
                 for w in batch:
                     self._queue.remove(w)
                 self._busy = True

@@ -55,6 +55,18 @@ def test_compatible_requests_share_a_call_in_order_up_to_max_batch():
     assert e.drain(timeout=30)
 
 
+def test_a_batch_holds_at_most_max_batch_rows():
+    fake = Fake()
+    fake.gate.clear()
+    e = Engine(fake, max_batch=4, queue_size=10)
+    ws = [e.submit(work(i, n=n)) for i, n in enumerate([2, 3, 1, 1, 6])]
+    e.start()
+    fake.gate.set()
+    assert [w.future.result(timeout=30) for w in ws] == [0, 10, 20, 30, 40]
+    assert fake.calls == [[0, 2, 3], [1], [4]]
+    assert e.drain(timeout=30)
+
+
 def test_queue_full_and_not_accepting():
     fake = Fake()
     e = Engine(fake, max_batch=1, queue_size=2)  # not started: nothing leaves the queue
