@@ -178,7 +178,7 @@ def serve(args, pipe, backend, metrics, sizes, mode, publish) -> int:
         metrics.set_ready()
         ready.set()
         logger.info("ready (%s; warm-up %.1f s, %d compiles so far)", mode, time.monotonic() - start,
-                    metrics._count())
+                    metrics.compiles())
         engine.start()
 
     class Server(uvicorn.Server):

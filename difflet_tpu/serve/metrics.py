@@ -46,6 +46,9 @@ class Metrics:
         Gauge("difflet_compiles_after_ready", "compiles while serving (shapes not warmed up)",
               registry=r).set_function(lambda: 0 if self._at_ready is None else count() - self._at_ready)
 
+    def compiles(self) -> int:
+        return self._count()
+
     def set_ready(self) -> None:
         self._at_ready = self._count()
         self.ready.set(1)

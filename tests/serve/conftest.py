@@ -73,10 +73,10 @@ class Live:
         return total
 
     def stop(self, timeout: float = 120) -> int:
-        """SIGTERM, then the exit status (killed after `timeout` s: then -9)."""
-        for p in [self.proc, *self.extra]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM) if p is self.proc else None
+        """SIGTERM to process 0 (the others stop when it tells them), then its exit status
+        (killed after `timeout` s: then -9)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
         try:
             rc = self.proc.wait(timeout=timeout)
             for p in self.extra:

@@ -13,7 +13,6 @@ import asyncio
 import base64
 import functools
 import io
-import json
 import signal
 import time
 from pathlib import Path
