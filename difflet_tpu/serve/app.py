@@ -32,10 +32,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from difflet_tpu.arguments import LIMITS  # the bounds every entry point shares (difflet_tpu.arguments)
 from difflet_tpu.pipeline.diffusion import PipelineError
 from difflet_tpu.serve.engine import Dropped, NotAccepting, QueueFull, Work
 
-MAX_N = 16  # images per request
+MAX_N = 16  # images per request (a server's policy: one request cannot take the slice's whole batch)
+STEPS, SEED, FRAMES = LIMITS["steps"], LIMITS["seed"], LIMITS["frames"]
 POLL_S = 0.2  # how often a waiting handler checks that its client is still there
 
 
@@ -49,10 +51,10 @@ class ImageRequest(BaseModel):
     output_format: Literal["png"] = "png"
     user: str | None = None
     negative_prompt: str | None = None
-    num_inference_steps: int | None = Field(None, ge=1, le=1000)
+    num_inference_steps: int | None = Field(None, ge=STEPS[0], le=STEPS[1])
     guidance_scale: float | None = Field(None, allow_inf_nan=False)
     true_cfg_scale: float | None = Field(None, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, lt=2**32)
+    seed: int | None = Field(None, ge=SEED[0], le=SEED[1])
 
 
 class VideoRequest(BaseModel):
@@ -61,11 +63,11 @@ class VideoRequest(BaseModel):
     model: str | None = None
     seconds: float | None = Field(None, gt=0, le=600)
     size: str | None = Field(None, pattern=r"^\d+x\d+$")
-    num_frames: int | None = Field(None, ge=1, le=10_000)
+    num_frames: int | None = Field(None, ge=FRAMES[0], le=FRAMES[1])
     negative_prompt: str | None = None
-    num_inference_steps: int | None = Field(None, ge=1, le=1000)
+    num_inference_steps: int | None = Field(None, ge=STEPS[0], le=STEPS[1])
     guidance_scale: float | None = Field(None, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, lt=2**32)
+    seed: int | None = Field(None, ge=SEED[0], le=SEED[1])
 
 
 def error(status: int, message: str, *, type: str, param: str | None = None, code: str | None = None,
@@ -114,9 +116,10 @@ def create_app(engine, *, model_id: str, defaults: dict, size_multiple: int, fps
         if body.size is None:
             return defaults["height"], defaults["width"]
         width, height = (int(v) for v in body.size.split("x"))
-        if not (0 < width <= 8192 and 0 < height <= 8192) or width % size_multiple or height % size_multiple:
+        top_h, top_w = LIMITS["height"][1], LIMITS["width"][1]
+        if not (0 < width <= top_w and 0 < height <= top_h) or width % size_multiple or height % size_multiple:
             return invalid(f"size {body.size!r}: width and height must be positive multiples of {size_multiple} "
-                           f"(at most 8192)", "size")
+                           f"(at most {top_w}x{top_h})", "size")
         return height, width
 
     def submit(work: Work):
