@@ -48,7 +48,7 @@ def kwargs(i, **extra):
             **extra}
 
 
-@pytest.mark.parametrize("tp,mode", [(None, None)])
+@pytest.mark.parametrize("tp,mode", [(None, None), (4, "tp"), (4, "sp")])
 @pytest.mark.parametrize("call", [0, 1])
 def test_frames_and_audio_match_diffusers(call, tp, mode):
     pipe = pipeline(tp, mode)
