@@ -142,7 +142,7 @@ class LTX2Pipeline(V.VideoPipeline):
         lm_config = decoder_lm.DecoderLMConfig.from_dict(loading.read_config(path / "text_encoder"))
         lm_mesh = D.encoder_mesh(decoder_lm, lm_config, mesh)
         self.text_encoder = decoder_lm.from_pretrained(path / "text_encoder", dtype=dtype, mesh=lm_mesh)
-        # the connectors read the encoder's output where it is: on its mesh (heads split) or one device
+        # the connectors (replicated) read the encoder's output where it is: its mesh or one device
         self.connectors = connectors.from_pretrained(path / "connectors", dtype=dtype, mesh=lm_mesh)
         self.transformer = self.load_runner(path / "transformer", mesh=mesh, dtype=dtype, config=config,
                                             runner_options=runner_options)

@@ -64,6 +64,19 @@ def test_frames_and_audio_match_diffusers(call, tp, mode):
                                                                 f"{rel_l2(got, want):.2e}"
 
 
+@pytest.mark.parametrize("call", [0, 1])
+def test_latent_output_matches_diffusers(call):
+    """output_type="latent": both denormalised latents, [B, C, T, h, w] and [B, C, L, M]."""
+    out = pipeline()(**kwargs(call, output_type="latent"))
+    _, z = reference()
+    for what, got, want in (("latents", out.frames, z[f"c{call}.out.latents"]),
+                            ("audio latents", out.audio, z[f"c{call}.out.audio_latents"])):
+        got = np.asarray(got)
+        assert got.shape == want.shape, f"{what}: {got.shape} != {want.shape}"
+        err = float(np.abs(got - want).max())
+        assert err <= 1e-4 and rel_l2(got, want) <= REL_L2, f"{what}: max abs {err:.2e}, rel L2 {rel_l2(got, want):.2e}"
+
+
 def test_audio_length_mismatch_refused():
     pipe = pipeline()
     _, z = reference()
