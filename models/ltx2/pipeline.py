@@ -237,7 +237,8 @@ class LTX2Pipeline(V.VideoPipeline):
             scales["audio_" + k] = scales["audio_" + k] or scales[k]
         frame_rate = A.scale("frame_rate", frame_rate, minimum=1e-6)
         motion_speed = A.scale("motion_speed", motion_speed, minimum=1e-6)
-        A.scale("decode_timestep", decode_timestep)  # no effect without the VAE's timestep conditioning
+        for value in decode_timestep if isinstance(decode_timestep, (list, tuple)) else [decode_timestep]:
+            A.scale("decode_timestep", value)  # a number or one per video; no effect without timestep conditioning
         if not isinstance(use_cross_timestep, (bool, np.bool_)):
             raise PipelineError(f"`use_cross_timestep` must be True or False, got {use_cross_timestep!r}")
         do_cfg = scales["guidance_scale"] > 1.0 or scales["audio_guidance_scale"] > 1.0

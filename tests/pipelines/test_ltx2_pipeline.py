@@ -92,6 +92,13 @@ def test_unimplemented_arguments_refused_by_name(name, value):
         pipeline()(**kwargs(1, **{name: value}))
 
 
+@pytest.mark.parametrize("name,value", [("decode_timestep", "0.05"), ("use_cross_timestep", 1),
+                                        ("frame_rate", 0.0), ("height", 48)])
+def test_bad_values_refused(name, value):
+    with pytest.raises(Exception, match=name):
+        pipeline()(**kwargs(1, **{name: value}))
+
+
 def test_stg_without_blocks_refused():
     with pytest.raises(PipelineError, match="spatio_temporal_guidance_blocks"):
         pipeline()(**{**kwargs(0), "spatio_temporal_guidance_blocks": None})
