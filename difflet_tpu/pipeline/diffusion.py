@@ -53,6 +53,7 @@ PIPELINES = {
     "WanPipeline": "difflet_tpu.models.wan.pipeline",
     "WanImageToVideoPipeline": "difflet_tpu.models.wan.pipeline",
     "HunyuanVideoPipeline": "difflet_tpu.models.hunyuan_video.pipeline",
+    "LTX2Pipeline": "difflet_tpu.models.ltx2.pipeline",
 }
 
 

@@ -100,6 +100,12 @@ class VideoPipeline(D.DiffusionPipeline):
                            "Adjusting (%d, %d) -> (%d, %d).", mh, mw, height, width, h, w)
         return h, w
 
+    @staticmethod
+    def check_video_output_type(output_type) -> str:
+        if output_type not in ("np", "pil", "latent"):
+            raise PipelineError(f"`output_type` must be 'np', 'pil' or 'latent', got {output_type!r}")
+        return output_type
+
     def latent_shape(self, batch: int, channels: int, num_frames: int, height: int, width: int) -> tuple:
         ft, fs = self.vae_scale_factor_temporal, self.vae_scale_factor_spatial
         return (batch, channels, (num_frames - 1) // ft + 1, height // fs, width // fs)

@@ -300,12 +300,6 @@ class WanPipeline(V.VideoPipeline):
         self._stage("denoise", steps=len(call.sampler))
         return self.denoise(call.latents, call.sampler, predict)
 
-    @staticmethod
-    def check_video_output_type(output_type) -> str:
-        if output_type not in ("np", "pil", "latent"):
-            raise PipelineError(f"`output_type` must be 'np', 'pil' or 'latent', got {output_type!r}")
-        return output_type
-
 
 @dataclasses.dataclass(frozen=True)
 class VideoCall:
