@@ -172,6 +172,17 @@ def test_a14b_two_experts():
         check_frames("wan22_a14b", call)
 
 
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_a14b_two_experts_sharded(mode):
+    """Both experts under TP and SP on 4 devices (each expert's own Runner on the mesh)."""
+    check_frames("wan22_a14b", "two_experts", 4, mode)
+
+
+def test_ti2v_one_device_and_tp():
+    check_frames("wan22_ti2v", "t2v")
+    check_frames("wan22_ti2v", "t2v", 4, "tp")
+
+
 def test_ti2v_expand_timesteps_sharded():
     """Wan2.2 TI2V-5B's layout: the 48-channel-style VAE (16x spatial, patch 2), per-token
     timesteps (`expand_timesteps`), under SP on 4 devices."""
@@ -213,6 +224,22 @@ def test_i2v_wan21_clip_image_tokens():
 def test_i2v_wan21_batch2_tp():
     """Two prompts, one image (its tokens and condition repeated per video), TP on 4 devices."""
     run_i2v("wan_i2v", "batch2", 4, "tp")
+
+
+def test_i2v_wan21_sp():
+    """Wan 2.1 I2V with its CLIP image tokens under SP on 4 devices."""
+    run_i2v("wan_i2v", "i2v", 4, "sp")
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_i2v_wan22_two_experts_sharded(mode):
+    run_i2v("wan22_i2v", "two_experts", 4, mode)
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_i2v_ti2v_and_flf2v_sharded(mode):
+    run_i2v("wan22_ti2v", "i2v", 4, mode)
+    run_i2v("wan_flf2v", "first_last", 4, mode)
 
 
 def test_i2v_wan22_two_experts_first_last():
