@@ -32,6 +32,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
+from difflet_tpu import arguments as A
 from difflet_tpu.pipeline import diffusion as D
 from difflet_tpu.pipeline import video as V
 from difflet_tpu.pipeline.diffusion import PipelineError
@@ -110,32 +111,34 @@ class HunyuanVideoPipeline(V.VideoPipeline):
         self.text_encoder_2 = clip.from_pretrained(path / "text_encoder_2", dtype=dtype,
                                                    mesh=D.encoder_mesh(clip, clip_config, mesh))
         self.load_denoiser(path, mesh=mesh, dtype=dtype, config=config, runner_options=runner_options)
-        self.check_components()
         self.init_encoder_home([self.text_encoder, self.text_encoder_2], config)
         self.init_expert_home(config)
         return self
 
-    def check_components(self):
-        c = self.transformer_config
+    @classmethod
+    def config_problems(cls, c, raw: dict) -> list[str]:
+        """The components fit each other, from the configs alone (before any weight is read)."""
+        from difflet_tpu.encoders import clip, decoder_lm
+
+        lm = decoder_lm.DecoderLMConfig.from_dict(raw["text_encoder"])
+        clip_hidden = clip.CLIPTextConfig.from_dict(raw["text_encoder_2"]).hidden_size
+        z = D.folder_latent_channels(raw["vae"])
         problems = []
-        if c.text_embed_dim != self.text_encoder.config.hidden_size:
-            problems.append(f"transformer text_embed_dim {c.text_embed_dim} != text_encoder hidden_size "
-                            f"{self.text_encoder.config.hidden_size}")
-        if c.pooled_projection_dim != self.text_encoder_2.config.hidden_size:
+        if c.text_embed_dim != lm.hidden_size:
+            problems.append(f"transformer text_embed_dim {c.text_embed_dim} != text_encoder hidden_size {lm.hidden_size}")
+        if c.pooled_projection_dim != clip_hidden:
             problems.append(f"transformer pooled_projection_dim {c.pooled_projection_dim} != text_encoder_2 "
-                            f"hidden_size {self.text_encoder_2.config.hidden_size}")
-        z = D.vae_latent_channels(self.vae)
+                            f"hidden_size {clip_hidden}")
         if c.in_channels != z or c.out_channels != z:
             problems.append(f"transformer in/out channels {c.in_channels}/{c.out_channels} != the VAE's "
                             f"latent_channels {z}")
         if c.image_condition_type is not None:
             problems.append(f"the transformer has image_condition_type {c.image_condition_type!r} "
                             f"(HunyuanVideoImageToVideoPipeline's), not text-to-video's None")
-        if self.text_encoder.config.num_hidden_layers < NUM_HIDDEN_LAYERS_TO_SKIP:
-            problems.append(f"text_encoder has {self.text_encoder.config.num_hidden_layers} layers; "
+        if lm.num_hidden_layers < NUM_HIDDEN_LAYERS_TO_SKIP:
+            problems.append(f"text_encoder has {lm.num_hidden_layers} layers; "
                             f"hidden_states[-{NUM_HIDDEN_LAYERS_TO_SKIP + 1}] needs at least {NUM_HIDDEN_LAYERS_TO_SKIP}")
-        if problems:
-            raise PipelineError(f"{self.path}: " + "; ".join(problems))
+        return problems
 
     @property
     def vae_scale_factor_temporal(self) -> int:
@@ -208,25 +211,19 @@ class HunyuanVideoPipeline(V.VideoPipeline):
         output_type = self.check_video_output_type(output_type)
         if prompt is None:
             raise PipelineError("`prompt` is required (prompt_embeds are not supported by this port)")
-        prompts = T.as_prompt_list(prompt)
+        prompts = A.prompts(prompt)
         for name, p in (("prompt_2", prompt_2), ("negative_prompt_2", negative_prompt_2)):
-            if p is not None:
-                T.as_prompt_list(p, name, allow_empty=True)  # diffusers checks it; its CLIP call reads `prompt`
-        for name, v in (("height", height), ("width", width)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0 or v % 16:
-                raise PipelineError(f"`{name}` must be a positive multiple of 16 (diffusers' check_inputs), got {v!r}")
-        num_frames = self.check_count("num_frames", num_frames)
-        num_videos_per_prompt = self.check_count("num_videos_per_prompt", num_videos_per_prompt)
-        self.check_scale("guidance_scale", guidance_scale, required=True)
-        self.check_scale("true_cfg_scale", true_cfg_scale, required=True)
+            A.negative_prompt(p, name)  # diffusers checks it; its CLIP call reads `prompt`
+        height, width = A.size("height", height, 16), A.size("width", width, 16)  # diffusers' check_inputs
+        num_frames = A.count("num_frames", num_frames, "frames")
+        num_videos_per_prompt = A.count("num_videos_per_prompt", num_videos_per_prompt, "batch")
+        guidance_scale = A.scale("guidance_scale", guidance_scale)
+        true_cfg_scale = A.scale("true_cfg_scale", true_cfg_scale)
         template, crop_start = self.check_template(prompt_template)
-        if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, (int, np.integer)) \
-                or max_sequence_length < 1:
-            raise PipelineError(f"`max_sequence_length` must be an int >= 1, got {max_sequence_length!r}")
-        do_true_cfg = float(true_cfg_scale) > 1 and negative_prompt is not None
-        negatives = None
-        if negative_prompt is not None:
-            negatives = T.as_prompt_list(negative_prompt, "negative_prompt", allow_empty=True)
+        max_sequence_length = A.integer("max_sequence_length", max_sequence_length, minimum=1)
+        do_true_cfg = true_cfg_scale > 1 and negative_prompt is not None
+        negatives = A.negative_prompt(negative_prompt)
+        if negatives is not None:
             negatives = D.match_batch(negatives, len(prompts), "negative_prompt")
             if not do_true_cfg:
                 negatives = None  # diffusers encodes it only with true_cfg_scale > 1
@@ -236,7 +233,7 @@ class HunyuanVideoPipeline(V.VideoPipeline):
                 raise PipelineError(f"`sigmas` must be a non-empty list of finite numbers, got {sigmas!r}")
             num_inference_steps = len(sigmas)
         else:
-            num_inference_steps = self.check_count("num_inference_steps", num_inference_steps)
+            num_inference_steps = A.count("num_inference_steps", num_inference_steps, "steps")
             sigmas = np.linspace(1.0, 0.0, num_inference_steps + 1)[:-1]
         sampler = samplers.make_sampler(self.scheduler_config, num_inference_steps, sigmas=sigmas)
         batch = len(prompts) * num_videos_per_prompt
