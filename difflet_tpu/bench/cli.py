@@ -32,7 +32,8 @@ Prompt to image (`--compile-only --pipeline flux|qwen_image --topology v5e:2x2`)
 stage of the released pipeline compiled deviceless (text encoders, the transformer per
 `--mode`, default tp and sp-pallas, the VAE decode), HBM per chip, ESTIMATED ms, where the
 text encoders live between prompts (`--encoder-offload`) and the end-to-end estimate
-(difflet_tpu/bench/pipeline_plan.py; docs/benchmarks.md).
+(difflet_tpu/bench/pipeline_plan.py; docs/benchmarks.md). Prompt to video: `--pipeline wan`
+(`--model wan:<preset>`, `--frames`; difflet_tpu/bench/video_plan.py).
 
 Modes: tp, sp (JAX rings or Pallas kernels per the config / model default),
 sp-xla (plain all_gather / psum_scatter with XLA's collective-matmul
