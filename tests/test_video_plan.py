@@ -75,6 +75,10 @@ def test_resolve_models():
     (["--compile-only", "--topology", "v5e:2x2", "--pipeline", "wan", "--model", "wan", "--model", "wan"],
      "plans one model"),
     (["--compile-only", "--topology", "v5e:2x2", "--pipeline", "wan", "--mesh", "tp=2"], "--mesh cannot be"),
+    (["--compile-only", "--topology", "v5e:2x2", "--pipeline", "wan", "--decode-rows", "/nonexistent.json"],
+     "no such file"),
+    (["--compile-only", "--topology", "v5e:2x2", "--pipeline", "flux", "--decode-rows", "x.json"],
+     "only applies to --pipeline wan"),
 ])
 def test_bad_video_plan_flags_are_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -105,3 +109,20 @@ def test_cli_plans_wan_tiny(tmp_path):
     for key in ("fits", "encode_ms", "denoise_ms", "decode_ms", "encode_decode_share", "total_ms"):
         assert key in t
     assert (r["height"], r["width"], r["frames"]) == (32, 32, 5)
+
+
+def test_reused_decode_rows_match_shape_placement_and_program(tmp_path):
+    hbm = dict(total=5 * GIB, arguments=GIB // 8)
+    row = dict(shape="720p", height=720, width=1280, frames=81, latents=[1, 16, 21, 90, 160], placement="width",
+               chips=4, output="uint8", hbm=hbm, estimate_ms=3500.0, estimate_raw_ms=5800.0, compile_s=2500.0)
+    path = tmp_path / "vae_spread_v5e.json"
+    other = dict(row, placement="one", chips=1, output="float32")
+    path.write_text(json.dumps(dict(topology="v5e:2x2", rows=[row, other])))
+    r = video_plan.reused_decode(str(path), video_plan.WAN21_VAE, "v5e:2x2", 720, 1280, 81, "width")
+    assert r["estimate_ms"] == 3500.0 and r["placement"] == "spread width" and r["weights_per_chip"] == GIB // 8
+    assert str(path) in r["source"]
+    # float32 frames are another program; another shape, topology or VAE: compiled instead
+    assert video_plan.reused_decode(str(path), video_plan.WAN21_VAE, "v5e:2x2", 720, 1280, 81, "one") is None
+    assert video_plan.reused_decode(str(path), video_plan.WAN21_VAE, "v5e:2x2", 480, 832, 81, "width") is None
+    assert video_plan.reused_decode(str(path), video_plan.WAN21_VAE, "v6e:2x2", 720, 1280, 81, "width") is None
+    assert video_plan.reused_decode(str(path), video_plan.WAN22_VAE, "v5e:2x2", 720, 1280, 81, "width") is None

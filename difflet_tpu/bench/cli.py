@@ -300,6 +300,8 @@ def validate_pipeline_plan(args, ap):
         ap.error("--pipeline plans batch 1 (--batch must be 1)")
     if args.decode_rows and args.pipeline != "wan":
         ap.error("--decode-rows only applies to --pipeline wan")
+    if args.decode_rows and not pathlib.Path(args.decode_rows).is_file():
+        ap.error(f"--decode-rows {args.decode_rows}: no such file (a benchmark/vae_spread.py result)")
     if args.pipeline == "wan" and args.model and len(args.model) > 1:
         ap.error("--pipeline wan plans one model: give one --model (e.g. wan:Wan2.2-T2V-A14B)")
     if args.mode is None:

@@ -244,7 +244,8 @@ def run_video_plan(args) -> int:
 
 def print_video_plan(report: dict, out=None) -> None:
     out = out or sys.stdout
-    PP.print_plan(dict(report, output="video", height=f"{report['height']}x{report['width']}", width=f"{report['frames']} frames"),
+    PP.print_plan(dict(report, output="video", height=f"{report['height']}x{report['width']}",
+                       width=f"{report['frames']} frames"),
                   out)
     for t in report["plans"]:
         if t.get("experts") not in (None, "one"):
