@@ -29,8 +29,8 @@ from difflet_tpu.bench.report import ms, write_json
 # the released Wan 2.1 VAE (Wan-AI/Wan2.1-T2V-14B-Diffusers vae/config.json; Wan2.2 A14B ships it too)
 WAN21_VAE = dict(class_name="AutoencoderKLWan", base_dim=96, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
                  temperal_downsample=(False, True, True))
-# the Wan 2.2 VAE (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json; diffusers'
-# scripts/convert_wan_to_diffusers.py `vae22`): 16x spatial, 48 latent channels, patch 2
+# the Wan 2.2 VAE of Wan-AI/Wan2.2-TI2V-5B-Diffusers (vae/config.json, as tests/fixtures/vae/generate.py
+# records it): 16x spatial, 48 latent channels, patch 2; latents_mean / std are placeholders (shapes only)
 WAN22_VAE = dict(class_name="AutoencoderKLWan", base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=(1, 2, 4, 4),
                  num_res_blocks=2, temperal_downsample=(False, True, True), is_residual=True, in_channels=12,
                  out_channels=12, patch_size=2, latents_mean=(0.0,) * 48, latents_std=(1.0,) * 48)
