@@ -231,7 +231,7 @@ def plan_totals(rows: dict, p: dict, transformer: dict, setting: str, chip) -> d
 
 def print_plan(report: dict, out=None) -> None:
     out = out or sys.stdout
-    print(f"prompt -> image plan, ESTIMATES for {report['topology']} ({report['pipeline']}, "
+    print(f"prompt -> {report.get('output', 'image')} plan, ESTIMATES for {report['topology']} ({report['pipeline']}, "
           f"{report['height']}x{report['width']}, batch 1, bf16; HBM {report['chip']['hbm_bytes'] / GIB:.0f} GiB/chip)",
           file=out)
     print(f"{'stage':34} {'placement':10} {'weights GiB':>11} {'HBM GiB':>8} {'est ms':>9} {'raw ms':>9} {'x/image':>8}",
