@@ -26,8 +26,9 @@ negative prompt); `--seed` defaults to 0 (latents from `jax.random`).
 
 On a TPU VM the transformer runs on every chip (TP, or SP with DIFFLET_TPU_SP=1). Without a TPU
 it runs on one CPU device unless `--cpu-devices N` asks for N virtual ones (then TP/SP over them).
-Exit status 0 on success, 1 on an error (the message on stderr; no output file is left), 2 for
-bad arguments.
+Exit status 0 on success; 1 on an error, a refusal of a value before loading included (the message
+on stderr; no output file is left); 2 for a command line argparse cannot parse (an unknown flag, a
+number that is not one).
 """
 
 from __future__ import annotations
