@@ -163,7 +163,7 @@ def check_arguments(args) -> None:
     want = ".mp4" if video else ".png"
     if Path(args.out).suffix.lower() != want:
         raise ValueError(f"--out {args.out}: {index['_class_name']} makes {'a video' if video else 'an image'}: "
-                         f"give a {want} file")
+                         f"the output must be a {want} file")
     for flag, value in (("--frames", args.frames), ("--guidance-2", args.guidance_2), ("--fps", args.fps)):
         if value is not None and not video:
             raise ValueError(f"{flag}: {index['_class_name']} makes images, not videos")

@@ -197,6 +197,15 @@ assert rel_l2(audio, expected["audio_sample"]) < 0.02, rel_l2(audio, expected["a
 assert video.shape == (5, 16, 16, 3) and 0.0 <= video.min() and video.max() <= 1.0
 assert (TMP / "cat.mp4").stat().st_size > 0
 """),
+    ("docs/video.md", 0): Snippet(
+        subs=(('"Wan2.1-T2V-14B-Diffusers"', '"{fixtures}/pipelines/wan_t2v"'),
+              ("height=480, width=832, num_frames=81, num_inference_steps=50",
+               "height=32, width=32, num_frames=5, num_inference_steps=2"),
+              ('"corgi.mp4"', '"{tmp}/corgi.mp4"')),
+        check="""
+assert video.shape == (5, 32, 32, 3) and 0.0 <= video.min() and video.max() <= 1.0
+assert (TMP / "corgi.mp4").stat().st_size > 0
+"""),
     ("docs/models/qwen_image.md", 0): Snippet(
         subs=(("Qwen-Image/transformer", "{fixtures}/qwen_image/transformer"), ("(1, 64, 64)", "(1, 4, 6)")),
         preamble="""

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh
 
 from difflet_tpu.encoders import decoder_lm
-from models.ltx2 import connectors, text
+from difflet_tpu.models.ltx2 import connectors, text
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "encoders"
 

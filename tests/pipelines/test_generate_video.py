@@ -74,8 +74,8 @@ def test_ti2v_folder_takes_an_image(tmp_path):
 
 
 @pytest.mark.parametrize("argv,match", [
-    ([T2V, "--prompt", "a cat", "--out", "{tmp}/x.png"], "makes a video: give a .mp4 file"),
-    ([T2V, "--prompt", "a cat", "--out", "{tmp}/x.avi"], "makes a video: give a .mp4 file"),
+    ([T2V, "--prompt", "a cat", "--out", "{tmp}/x.png"], "makes a video: the output must be a .mp4 file"),
+    ([T2V, "--prompt", "a cat", "--out", "{tmp}/x.avi"], "makes a video: the output must be a .mp4 file"),
     ([T2V, "--prompt", "a cat", "--image", "{img}", "--out", "{tmp}/x.mp4"], "text-to-video pipeline"),
     ([I2V, "--prompt", "a cat", "--out", "{tmp}/x.mp4"], "give the first frame with --image"),
     ([I2V, "--prompt", "a cat", "--image", "{tmp}/missing.png", "--out", "{tmp}/x.mp4"], "is not a file"),
