@@ -45,14 +45,16 @@ def to_pil(images) -> list:
             for x in to_uint8(images)]
 
 
-def check_writable(path) -> Path:
-    """Refuses, before any work, a destination that cannot be written: its folder missing or
-    not writable, the path a folder, or an existing file that is not writable."""
+def check_writable(path, suffix: str = ".png", wrong_suffix: str = "the output must be a .png file",
+                   example: str = "image.png") -> Path:
+    """Refuses, before any work, a destination that cannot be written: not a `suffix` file
+    (`wrong_suffix` says so), its folder missing or not writable, the path a folder, or an
+    existing file that is not writable. Also the MP4 writer's check (`mp4.check_writable`)."""
     path = Path(path)
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"{path}: the output must be a .png file")
+    if path.suffix.lower() != suffix:
+        raise ValueError(f"{path}: {wrong_suffix}")
     if path.is_dir():
-        raise ValueError(f"{path} is a folder; give a file name such as {path / 'image.png'}")
+        raise ValueError(f"{path} is a folder; give a file name such as {path / example}")
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise ValueError(f"{path}: the folder {folder} does not exist")

@@ -19,26 +19,17 @@ import numpy as np
 
 from difflet_tpu import checks
 
-SUFFIXES = (".mp4",)
 CRF = 18  # libx264's constant quality: visually near lossless, a few MB per 81-frame 720p clip
 
 
 def check_writable(path) -> Path:
     """Refuses, before any work, a destination that cannot be written: not .mp4, a folder, its
-    folder missing or not writable, or an existing file that is not writable."""
-    path = Path(path)
-    if path.suffix.lower() not in SUFFIXES:
-        raise ValueError(f"{path}: the output must be an .mp4 file (H.264); got {path.suffix or 'no suffix'!r}")
-    if path.is_dir():
-        raise ValueError(f"{path} is a folder; give a file name such as {path / 'video.mp4'}")
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise ValueError(f"{path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"{path}: the folder {folder} is not writable")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise ValueError(f"{path}: the file exists and is not writable")
-    return path
+    folder missing or not writable, or an existing file that is not writable (`images.check_writable`)."""
+    from difflet_tpu.pipeline import images
+
+    suffix = Path(path).suffix
+    return images.check_writable(path, ".mp4", f"the output must be an .mp4 file (H.264); got "
+                                              f"{suffix or 'no suffix'!r}", "video.mp4")
 
 
 def as_uint8_frames(frames) -> np.ndarray:

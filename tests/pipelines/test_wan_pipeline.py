@@ -20,16 +20,13 @@ import pytest
 from difflet_tpu.config import Config
 from difflet_tpu.parallel.mesh import make_mesh
 from difflet_tpu.pipeline.diffusion import DiffusionPipeline, PipelineError
+from difflet_tpu.testing import rel_l2
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "pipelines"
 FAST = {"xla_backend_optimization_level": 0}
 FRAMES_MAX_ABS, FRAMES_REL_L2 = 1e-3, 1e-4
 LATENT_TOL = 1e-4  # max abs over latents of std ~1 (measured <= 1e-5)
 EMBED_TOL = 1e-4
-
-
-def rel_l2(got, want):
-    return float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
 
 
 @functools.lru_cache(maxsize=None)
