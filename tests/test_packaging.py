@@ -1,6 +1,7 @@
 """`kernels/` and `models/` import only as difflet_tpu.kernels / difflet_tpu.models."""
 
 import pathlib
+import re
 import subprocess
 import sys
 import zipfile
@@ -24,6 +25,15 @@ def test_no_top_level_kernels_or_models_from_this_repo():
     for name in ("kernels", "models"):
         mod = sys.modules.get(name)
         assert mod is None or ROOT not in pathlib.Path(getattr(mod, "__file__", "") or "/").parents
+
+
+def test_no_source_file_imports_top_level_kernels_or_models():
+    """Whether a stray `import models` shows in sys.modules depends on test order under xdist;
+    reading the sources catches it every run."""
+    pattern = re.compile(r"^\s*(from|import)\s+(kernels|models)(\.|\s|$)", re.M)
+    bad = [str(p.relative_to(ROOT)) for folder in ("difflet_tpu", "kernels", "models", "tests", "benchmark")
+           for p in (ROOT / folder).rglob("*.py") if pattern.search(p.read_text())]
+    assert not bad, bad
 
 
 def test_each_module_imported_once_in_a_fresh_process():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from models.ltx2 import connectors
+from difflet_tpu.models.ltx2 import connectors
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "encoders"
 
