@@ -1,0 +1,215 @@
+"""Block-sparse video attention masks (difflet_tpu/layers/sparse_masks.py) against their
+definitions written out token by token, the radial mask against a plain transliteration
+of the reference's `gen_log_mask_shrinked` (github.com/mit-han-lab/radial-attention,
+radial_attn/attn_mask.py), and splash attention with a block mask against softmax
+attention with the same mask as -inf."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from difflet_tpu.layers import sparse_masks as M
+
+
+# ---- the option ---------------------------------------------------------------
+
+def test_parse_reads_each_kind():
+    assert M.parse(None).dense and M.parse("dense").dense
+    sta = M.parse("sta:window=3,2,5,tile=2,8,8,full_steps=7")
+    assert (sta.kind, sta.window, sta.tile, sta.full_steps) == ("sta", (3, 2, 5), (2, 8, 8), 7)
+    assert sta.dense_at(6) and not sta.dense_at(7)
+    rad = M.parse("radial:decay=0.25,sink=0")
+    assert (rad.kind, rad.decay, rad.sink, rad.full_steps) == ("radial", 0.25, False, 0)
+    assert M.parse("sta") == M.SparseAttention(kind="sta")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("sparse", "kind must be one of"),
+    ("sta:window=3,3", "3 positive integers"),
+    ("sta:window=0,3,3", "3 positive integers"),
+    ("sta:decay=0.5", "unknown option 'decay'"),
+    ("radial:window=1,1,1", "unknown option 'window'"),
+    ("sta:full_steps=-1", "full_steps must be >= 0"),
+    ("sta:full_steps=1,full_steps=2", "given twice"),
+    ("radial:decay=2", "decay must be in (0, 1]"),
+    ("radial:sink=yes", "sink must be 0 or 1"),
+    ("sta:3,3,3", "name=value"),
+    (3, "must be a string"),
+])
+def test_parse_refuses_with_the_reason(text, words):
+    with pytest.raises(M.SparsityError) as e:
+        M.parse(text)
+    assert words in str(e.value)
+
+
+# ---- sliding tile attention ---------------------------------------------------
+
+@pytest.mark.parametrize("grid, tile", [((3, 5, 7), (2, 2, 4)), ((4, 4, 8), (2, 4, 4)), ((1, 6, 6), (1, 3, 2))])
+def test_tile_order_is_a_permutation_that_keeps_each_tile_a_box(grid, tile):
+    lay = M.TileLayout(grid, tile)
+    order = lay.order()
+    real = order[order >= 0]
+    assert len(order) == lay.padded_tokens and sorted(real) == list(range(lay.tokens))
+    assert np.array_equal(order[lay.inverse()], np.arange(lay.tokens))
+    coords = np.stack(np.unravel_index(real, grid), -1)
+    tile_of = np.repeat(np.arange(np.prod(lay.tiles)), lay.block)[order >= 0]
+    for n in range(np.prod(lay.tiles)):
+        c = coords[tile_of == n]
+        origin = np.array(np.unravel_index(n, lay.tiles)) * np.array(tile)
+        assert len(c) and (c >= origin).all() and (c < origin + np.array(tile)).all()
+
+
+def _sta_token_mask(grid, tile, window):
+    """The definition: query token q attends key token k when, along each axis, k's tile lies
+    in the window of w tiles centred on q's tile and shifted inside the grid of tiles."""
+    tiles = [-(-g // t) for g, t in zip(grid, tile)]
+    coords = np.stack(np.unravel_index(np.arange(int(np.prod(grid))), grid), -1) // np.array(tile)
+    ok = np.ones((len(coords), len(coords)), bool)
+    for a in range(3):
+        n, w = tiles[a], window[a]
+        start = np.array([min(max(i - (w - 1) // 2, 0), max(n - w, 0)) for i in range(n)])
+        s = start[coords[:, a]][:, None]
+        ok &= (coords[None, :, a] >= s) & (coords[None, :, a] < s + w)
+    return ok
+
+
+@pytest.mark.parametrize("grid, tile, window", [
+    ((3, 5, 7), (2, 2, 4), (1, 2, 1)), ((4, 4, 8), (2, 4, 4), (2, 1, 1)), ((5, 6, 6), (1, 2, 2), (3, 1, 3)),
+    ((5, 6, 6), (1, 2, 2), (2, 2, 2))])
+def test_sta_block_mask_is_the_windowed_token_mask(grid, tile, window):
+    lay = M.TileLayout(grid, tile)
+    bm = M.sta_block_mask(lay.tiles, window)
+    order = lay.order()
+    tokens = M.expand(bm, lay.block)
+    real = order >= 0
+    mine = np.zeros((lay.tokens, lay.tokens), bool)
+    mine[np.ix_(order[real], order[real])] = tokens[np.ix_(real, real)]
+    assert np.array_equal(mine, _sta_token_mask(grid, tile, window))
+    # every query tile sees the same number of key tiles (the window shifts inside the grid)
+    assert len(set(bm.sum(1))) == 1
+
+
+def test_a_window_over_every_tile_is_dense():
+    assert M.sta_block_mask((3, 4, 5), (3, 4, 5)).all()
+
+
+def test_plan_sta_default_window_and_errors():
+    lay, window = M.plan_sta((21, 45, 80), M.parse("sta"))
+    assert lay.block % M.LANE == 0 and lay.block <= M.MAX_TILE
+    assert M.density(M.sta_block_mask(lay.tiles, window)) <= M.STA_DEFAULT_DENSITY
+    with pytest.raises(M.SparsityError, match="wider than"):
+        M.plan_sta((21, 45, 80), M.parse("sta:window=9,9,9"))
+    with pytest.raises(M.SparsityError, match="multiple of 128"):
+        M.plan_sta((21, 45, 80), M.parse("sta:tile=3,3,3"))
+    with pytest.raises(M.SparsityError, match="no STA tile fits"):
+        M.plan_sta((1, 3, 5), M.parse("sta"))
+
+
+# ---- radial attention ----------------------------------------------------------
+
+def _reference_radial(frames, per_frame, block, decay, wan):
+    """radial_attn/attn_mask.py's gen_log_mask_shrinked (block size = its threshold),
+    transliterated to numpy loop for loop, for a video-only sequence."""
+    def window_width(i, j):
+        dist = abs(i - j)
+        if dist <= 1:
+            return per_frame
+        group = dist.bit_length()
+        length = 2 ** per_frame.bit_length() / 2 ** group * decay
+        return length if length >= block else block
+
+    def split(i, j):
+        dist = abs(i - j)
+        group = dist.bit_length()
+        length = 2 ** per_frame.bit_length() / 2 ** group
+        if length >= block:
+            return True
+        return dist % int(block / length) == 0
+
+    def shrink(mask):
+        n = mask.shape[0] // block
+        m = mask[:n * block, :n * block].reshape(n, block, n, block)
+        col = m.sum(1) / block
+        nonzero = col > 0
+        high = col > 1 / 3
+        return high.sum(-1) / (nonzero.sum(-1) + 1e-9) > 0.6
+
+    s = -(-frames * per_frame // block) * block
+    out = np.zeros((s // block, s // block), bool)
+    border = frames * per_frame // block
+    out[border:] = True
+    out[:, border:] = True
+    idx = np.arange(per_frame)
+    for i in range(frames):
+        for j in range(frames):
+            if j == 0 and wan:
+                local = np.ones((per_frame, per_frame), bool)
+            else:
+                local = (np.abs(idx[None, :] - idx[:, None]) <= window_width(i, j)) & split(i, j)
+            rr, rc = (i * per_frame) % block, (j * per_frame) % block
+            nr = rr + ((per_frame - 1) // block + 1) * block
+            nc = rc + ((per_frame - 1) // block + 1) * block
+            padded = np.zeros((nr, nc), bool)
+            padded[rr:rr + per_frame, rc:rc + per_frame] = local
+            bm = shrink(padded)
+            r0, c0 = i * per_frame // block, j * per_frame // block
+            h, w = min(bm.shape[0], out.shape[0] - r0), min(bm.shape[1], out.shape[1] - c0)
+            out[r0:r0 + h, c0:c0 + w] |= bm[:h, :w]
+    return out
+
+
+@pytest.mark.parametrize("frames, per_frame, block, decay, wan", [
+    (9, 64, 16, 0.5, True), (9, 64, 16, 0.5, False), (12, 40, 16, 0.5, True), (17, 24, 8, 1.0, False),
+    (6, 100, 32, 0.5, True)])
+def test_radial_block_mask_is_the_references(frames, per_frame, block, decay, wan):
+    mine = M.radial_block_mask(frames, per_frame, block=block, decay=decay, sink=wan)
+    ref = _reference_radial(frames, per_frame, block, decay, wan)
+    assert np.array_equal(mine, ref)
+    assert 0 < M.density(mine) < 1  # these shapes are sparse
+
+
+def test_radial_token_mask_bands_shrink_with_distance():
+    m = M.radial_token_mask(9, 64, block=8, sink=False)
+    widths = [m[0:64, j * 64:(j + 1) * 64][32].sum() for j in range(9)]  # middle query row of frame 0
+    assert widths[0] == widths[1] == 64 and widths[2] >= widths[4] >= widths[8] and widths[8] < 64
+
+
+# ---- the splash mask -------------------------------------------------------------
+
+def test_splash_mask_slices_are_the_expanded_block_mask():
+    rng = np.random.default_rng(0)
+    bm = rng.random((5, 7)) < 0.4
+    mask = M.splash_mask(bm, 16)
+    dense = M.expand(bm, 16)
+    assert mask.shape == dense.shape
+    for qs, ks in [(slice(0, 16), slice(32, 48)), (slice(5, 40), slice(0, 112)), (slice(64, 80), slice(96, 112))]:
+        assert np.array_equal(mask[qs, ks], dense[qs, ks])
+    assert hash(mask) == hash(M.splash_mask(bm.copy(), 16)) and mask == M.splash_mask(bm.copy(), 16)
+    assert mask != M.splash_mask(~bm, 16)
+
+
+def test_splash_with_an_sta_block_mask_is_masked_softmax_attention():
+    """The kernel (interpret mode) skips the empty blocks and equals float32 softmax attention
+    with the block mask's zeros as -inf, on tokens reordered tile by tile."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    lay = M.TileLayout((4, 8, 16), (2, 4, 16))  # 2 x 2 x 1 tiles of 128 tokens
+    bm = M.sta_block_mask(lay.tiles, (1, 2, 1))
+    assert 0 < M.density(bm) < 1
+    H, D, S = 2, 128, lay.padded_tokens
+    k0, k1, k2 = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (H, S, D), jnp.float32) for key in (k0, k1, k2))
+    blocks = sk.BlockSizes(block_q=lay.block, block_kv=lay.block, block_kv_compute=lay.block)
+    kernel = sk.make_splash_mha(sm.MultiHeadMask([M.splash_mask(bm, lay.block)] * H), block_sizes=blocks,
+                                head_shards=1, q_seq_shards=1, interpret=True)
+    out = kernel(q * (1 / np.sqrt(D)), k, v)
+    token_mask = M.expand(bm, lay.block)
+    # the reference with the mask as -inf
+    s = jnp.einsum("hqd,hkd->hqk", q, k) / np.sqrt(D)
+    s = jnp.where(token_mask[None], s, -jnp.inf)
+    ref = jnp.einsum("hqk,hkd->hqd", jax.nn.softmax(s, -1), v)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    dense = jnp.einsum("hqk,hkd->hqd", jax.nn.softmax(jnp.einsum("hqd,hkd->hqk", q, k) / np.sqrt(D), -1), v)
+    assert np.abs(np.asarray(out) - np.asarray(dense)).max() > 1e-2  # the mask did something
