@@ -406,3 +406,78 @@ def splash_mask(block_mask: np.ndarray, block: int, shape: tuple[int, int] | Non
             return hash(self.key)
 
     return BlockMask(np.asarray(block_mask, bool), block, shape)
+
+
+# --------------------------------------------------------------------------
+# The plan a step runs with
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockSparsity:
+    """A self-attention's block-sparse mask as the kernel runs it: `block_mask` over blocks of
+    `block` tokens (in the order the tokens are given to the attention), `kernel_block` tokens
+    a kernel block (a multiple of `block`; one kernel block may hold several mask blocks, and
+    then costs a whole block when any of them is active). `order`: the tile-major position ->
+    frame-major token map the port applies around the step (STA), or None. Hashable by value:
+    it is part of a compiled step's key."""
+
+    name: str
+    block_mask: np.ndarray
+    block: int
+    kernel_block: int
+    order: np.ndarray | None = None
+
+    @property
+    def key(self):
+        return (self.name, self.block, self.kernel_block, self.block_mask.shape,
+                np.packbits(self.block_mask).tobytes())
+
+    def __eq__(self, other):
+        return isinstance(other, BlockSparsity) and other.key == self.key
+
+    def __hash__(self):
+        return hash(self.key)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the mask covers (padded to whole blocks)."""
+        return self.block_mask.shape[0] * self.block
+
+    def kernel_mask(self, length: int) -> np.ndarray:
+        """bool `[n, n]` over kernel blocks for a sequence padded to `length` (a multiple of
+        `kernel_block`): a kernel block is computed when any mask block in it is active;
+        blocks past the mask (the step's own pad rows) as its last block."""
+        r = self.kernel_block // self.block
+        n = length // self.kernel_block
+        idx = np.minimum(np.arange(n * r), self.block_mask.shape[0] - 1)
+        fine = self.block_mask[np.ix_(idx, idx)]
+        return fine.reshape(n, r, n, r).any(axis=(1, 3))
+
+    def density(self, length: int | None = None) -> float:
+        """Share of kernel blocks computed (what `--compile-only` prices)."""
+        length = length or -(-self.tokens // self.kernel_block) * self.kernel_block
+        return density(self.kernel_mask(length))
+
+
+def plan(option: SparseAttention, grid: tuple[int, int, int], *, sink: bool = True) -> BlockSparsity | None:
+    """The block sparsity of `option` over a frame-major latent grid `(t, h, w)` of tokens,
+    or None for dense. STA reorders tokens tile by tile (`order`); radial keeps frame-major
+    tokens, masks at RADIAL_BLOCK and runs kernel blocks of 2 x RADIAL_BLOCK (128-token
+    kernel blocks would need more SMEM metadata than splash has at 720p). `sink`: the
+    first frame attended by every frame (the reference's rule for Wan; not for HunyuanVideo)."""
+    if option.dense:
+        return None
+    if option.kind == "sta":
+        layout, window = plan_sta(grid, option)
+        bm = sta_block_mask(layout.tiles, window)
+        out = BlockSparsity(f"sta window {window} of tile {layout.tile} over {grid}", bm, layout.block,
+                            layout.block, layout.order())
+    else:
+        t, h, w = grid
+        sink = sink and option.sink
+        bm = radial_block_mask(t, h * w, decay=option.decay, block=RADIAL_BLOCK, sink=sink)
+        out = BlockSparsity(f"radial decay {option.decay} sink {int(sink)} over {grid}", bm, RADIAL_BLOCK,
+                            2 * RADIAL_BLOCK)
+    # a mask with every block active is dense attention: run the dense step (same order, same
+    # program, bit-identical), not a kernel that masks nothing
+    return None if out.kernel_mask(-(-out.tokens // out.kernel_block) * out.kernel_block).all() else out

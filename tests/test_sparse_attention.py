@@ -4,6 +4,8 @@ of the reference's `gen_log_mask_shrinked` (github.com/mit-han-lab/radial-attent
 radial_attn/attn_mask.py), and splash attention with a block mask against softmax
 attention with the same mask as -inf."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -213,3 +215,109 @@ def test_splash_with_an_sta_block_mask_is_masked_softmax_attention():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     dense = jnp.einsum("hqk,hkd->hqd", jax.nn.softmax(jnp.einsum("hqd,hkd->hqk", q, k) / np.sqrt(D), -1), v)
     assert np.abs(np.asarray(out) - np.asarray(dense)).max() > 1e-2  # the mask did something
+
+
+# ---- Wan with block-sparse self-attention -------------------------------------------
+
+WAN_GRID = (4, 8, 16)  # latent frames x (height, width) / patch (1, 2, 2): 512 tokens
+
+
+def _wan_inputs(dtype, grid=WAN_GRID, seed=0):
+    import pathlib
+
+    from difflet_tpu.testing import read_fixture_io
+
+    kw, _ = read_fixture_io(pathlib.Path(__file__).parent / "fixtures" / "wan_ti2v")
+    rng = np.random.default_rng(seed)
+    t, h, w = grid
+    n = t * h * w
+    return dict(hidden_states=rng.standard_normal((1, 4, t, 2 * h, 2 * w)).astype(dtype),
+                timestep=rng.uniform(0, 1000, (1, n)).astype(dtype),  # per token (TI2V): reordered too
+                encoder_hidden_states=kw["encoder_hidden_states"].astype(dtype))
+
+
+def _wan(dtype, mesh=None):
+    import pathlib
+
+    from difflet_tpu import loading
+    from difflet_tpu.config import Config
+
+    return loading.load_transformer(pathlib.Path(__file__).parent / "fixtures" / "wan_ti2v" / "transformer",
+                                    dtype=dtype, mesh=mesh, config=Config())
+
+
+def _frame_major(token_mask):
+    """A BlockSparsity of one-token blocks in frame-major order: the reference runs the plain
+    (dense-order) model with exactly this token mask as -inf."""
+    return M.BlockSparsity("reference", np.asarray(token_mask, bool), 1, 1)
+
+
+def _radial_tokens(grid, decay=0.5, sink=True):
+    """The reference's 128-token block mask, computed by kernel blocks of 256 tokens (a kernel
+    block runs when any of its four mask blocks is active), at token resolution."""
+    t, h, w = grid
+    fine = _reference_radial(t, h * w, 128, decay, sink)
+    n = fine.shape[0] // 2
+    coarse = fine[:2 * n, :2 * n].reshape(n, 2, n, 2).any(axis=(1, 3))
+    return M.expand(coarse, 256)[:t * h * w, :t * h * w]
+
+
+@pytest.mark.parametrize("option", ["sta:tile=2,4,16,window=1,2,1", "radial:decay=0.5,sink=1"])
+def test_wan_sparse_equals_the_masked_plain_model_float64(option):
+    """The port's block-sparse step (tokens reordered tile by tile, RoPE rows and per-token
+    timesteps with them, the output put back) equals the frame-major model whose
+    self-attention gets the same mask token by token as -inf, in float64."""
+    from difflet_tpu.models import wan
+
+    with jax.enable_x64(True):
+        grid = WAN_GRID if option.startswith("sta") else (8, 8, 16)  # radial: sparse at 256-token blocks
+        kw = _wan_inputs(np.float64, grid)
+        run = wan.Runner(_wan(jnp.float64))
+        out = run(**kw, attention=option).sample
+        if option.startswith("sta"):
+            opt = M.parse(option)
+            tokens = _sta_token_mask(grid, opt.tile, opt.window)
+        else:
+            tokens = _radial_tokens(grid)
+        assert 0.2 < tokens.mean() < 0.97  # some blocks masked
+        ref = run(**kw, attention=None).sample
+        assert np.abs(np.asarray(out) - np.asarray(ref)).max() > 1e-3  # sparse is not dense here
+        # the reference: dense order, the token mask
+        prep = run.prepare(dict(kw))
+        masked = run.run_prepared(dataclasses.replace(prep, key=(prep.key, _frame_major(tokens)))).sample
+        np.testing.assert_allclose(np.asarray(out), np.asarray(masked), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_wan_sparse_sharded_equals_one_device(mode):
+    """TP and SP over 4 CPU devices: the same sparse step as one device (float32)."""
+    from difflet_tpu.config import Config
+    from difflet_tpu.models import wan
+    from difflet_tpu.parallel.mesh import make_mesh
+    from difflet_tpu.testing import rel_l2
+
+    kw = _wan_inputs(np.float32)
+    option = "sta:tile=2,4,16,window=1,2,1"
+    ref = wan.Runner(_wan(jnp.float32))(**kw, attention=option).sample
+    mesh = make_mesh(4)
+    out = wan.Runner(_wan(jnp.float32, mesh), mesh, Config(), mode)(**kw, attention=option).sample
+    assert rel_l2(out, ref) <= 1e-5
+
+
+def test_wan_window_over_everything_is_the_dense_step():
+    from difflet_tpu.models import wan
+
+    kw = _wan_inputs(np.float32)
+    run = wan.Runner(_wan(jnp.float32))
+    assert wan.port.sparse_plan("sta:tile=2,4,16,window=2,2,1", WAN_GRID) is None
+    dense = run(**kw).sample
+    np.testing.assert_array_equal(np.asarray(run(**kw, attention="sta:tile=2,4,16,window=2,2,1").sample),
+                                  np.asarray(dense))
+
+
+def test_wan_sparse_bad_window_is_refused_before_the_step():
+    from difflet_tpu.models import wan
+
+    run = wan.Runner(_wan(jnp.float32))
+    with pytest.raises(M.SparsityError, match="wider than"):
+        run.prepare(dict(_wan_inputs(np.float32), attention="sta:tile=2,4,16,window=3,1,1"))
