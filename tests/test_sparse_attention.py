@@ -321,3 +321,36 @@ def test_wan_sparse_bad_window_is_refused_before_the_step():
     run = wan.Runner(_wan(jnp.float32))
     with pytest.raises(M.SparsityError, match="wider than"):
         run.prepare(dict(_wan_inputs(np.float32), attention="sta:tile=2,4,16,window=3,1,1"))
+
+
+# ---- the instrument ----------------------------------------------------------------
+
+def test_compile_only_prices_splash_by_its_active_blocks():
+    """A deviceless v5e compile of splash with an STA block mask: the kernel is there, the
+    estimator reads the density from its scope and prices its FLOPs at that share of the
+    dense call's (compiled the same way), within the bytes-bound floor."""
+    from difflet_tpu.tools import deviceless
+
+    out = deviceless.run_python("""
+import json, jax, jax.numpy as jnp
+from difflet_tpu.tools import deviceless, estimate as E
+from difflet_tpu.layers import sparse_masks as M
+from difflet_tpu.layers.sdpa import attention
+dev = deviceless.topology_devices('v5e:2x2')[0]
+_, chip, _ = deviceless.compile_target('v5e:2x2')
+s = jax.sharding.SingleDeviceSharding(dev)
+plan = M.plan(M.parse('sta:tile=4,8,32,window=2,2,1'), (16, 32, 32))  # 16384 tokens, 16 tiles of 1024
+a = jax.ShapeDtypeStruct((1, plan.tokens, 8, 128), jnp.bfloat16, sharding=s)
+res = {}
+for name, sp in (('dense', None), ('sparse', plan)):
+    c = jax.jit(lambda q, k, v: attention(q, k, v, impl='splash', sparse=sp)).trace(a, a, a).lower().compile()
+    b = E.summarize(E.estimate(c.as_text(), chip))
+    res[name] = dict(ms=sum(v for k, v in b['pallas_kernels_ms'].items() if 'splash' in k),
+                     density=b.get('attention_density'))
+res['plan_density'] = plan.density()
+print(json.dumps(res))
+""")
+    d = out["plan_density"]
+    assert d == 0.25  # (2/4)^2 of the tile pairs: 4 x 4 x 1 tiles, a 2 x 2 x 1 window
+    assert out["sparse"]["density"] == {str(d): 1} and out["dense"]["density"] is None
+    np.testing.assert_allclose(out["sparse"]["ms"], d * out["dense"]["ms"], rtol=0.02)
