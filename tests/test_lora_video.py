@@ -190,4 +190,11 @@ def test_keys_that_do_not_fit_a_video_transformer_are_listed(name, tmp_path):
     for m in missing:
         assert f"{m}: no Linear of the model has this name" in message, message
     assert f"{narrow}: lora_A (2, 3) / lora_B (7, 2) do not fit its weight" in message, message
+    if name == "ltx2":  # diffusers' LTX2LoraLoaderMixin would load this one into the text connectors
+        good = load_file(str(LORA / "ltx2_a.safetensors"))
+        good["connectors.video_connector.proj_in.lora_A.weight"] = np.ones((2, 8), np.float32)
+        save_file(good, str(tmp_path / "connectors.safetensors"))
+        with pytest.raises(LoraError, match=r"unexpected key connectors\.video_connector\.proj_in\.lora_A\.weight "
+                                            r"\(not the transformer's"):
+            run.load_lora_weights(tmp_path / "connectors.safetensors")
     assert all(x is y for x, y in zip(jax.tree.leaves(run._state), before)) and not run._lora.loaded
