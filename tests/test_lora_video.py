@@ -69,11 +69,13 @@ def test_wan_i2v_with_a_lora_matches_diffusers(tp, mode):
     for module in ("blocks.0.attn2.add_k_proj", "blocks.1.attn2.add_v_proj", "condition_embedder.image_embedder.ff.net.0.proj"):
         assert f"transformer.{module}.lora_B.weight" in tensors
     pipe = pipeline("wan_i2v", tp, mode)
+    kw = call_kwargs("wan_i2v", "batch2")
+    base = np.load(PIPES / "wan_i2v" / "io.npz")["batch2.frames"]
+    close("wan_i2v base frames", pipe(**kw, output_type="np").frames, base, FRAMES_TOL)  # then a switch
     pipe.load_lora_weights(LORA / "wan_i2v_a.safetensors", adapter_name="a")
-    frames = pipe(**call_kwargs("wan_i2v", "batch2"), output_type="np").frames
+    frames = pipe(**kw, output_type="np").frames
     close(f"wan_i2v tp={tp} {mode} final latents", pipe.final_latents, io()["wan_i2v.final_latents"], LATENT_TOL)
     close(f"wan_i2v tp={tp} {mode} frames", frames, io()["wan_i2v.frames"], FRAMES_TOL)
-    base = np.load(PIPES / "wan_i2v" / "io.npz")["batch2.frames"]
     assert float(np.abs(io()["wan_i2v.frames"] - base).max()) > 0.05  # the adapter changes the video
 
 
@@ -122,8 +124,10 @@ def test_ltx2_with_a_lora_matches_diffusers(tp, mode):
         assert f"transformer.transformer_blocks.0.{module}.lora_B.weight" in tensors
     pipe = pipeline("ltx2", tp, mode)
     calls, z = json.loads((PIPES / "ltx2" / "calls.json").read_text()), np.load(PIPES / "ltx2" / "io.npz")
+    kw = dict(calls[1], latents=z["in.latents"], audio_latents=z["in.audio_latents"], output_type="np")
+    close("ltx2 base frames", pipe(**kw).frames, z["c1.out.frames"], FRAMES_TOL)  # then a switch
     pipe.load_lora_weights(LORA / "ltx2_a.safetensors")
-    out = pipe(**calls[1], latents=z["in.latents"], audio_latents=z["in.audio_latents"], output_type="np")
+    out = pipe(**kw)
     close(f"ltx2 tp={tp} {mode} frames", out.frames, io()["ltx2.frames"], FRAMES_TOL)
     close(f"ltx2 tp={tp} {mode} audio", out.audio, io()["ltx2.audio"], 1e-4)  # float32: 4e-7 measured
     for what in ("frames", "audio"):  # the adapter changes both
