@@ -232,9 +232,7 @@ def sparse_blocks(sparse, sq: int) -> SplashBlocks:
     blocks = SplashBlocks(kb, kb, c, _round_up(sq, kb), _round_up(sq, kb))
     if kb % LANE or kb * kb > MAX_BLOCK_PAIR:
         raise ValueError(f"{sparse.name}: kernel blocks of {kb} tokens are outside splash's envelope")
-    mask = sparse.kernel_mask(blocks.sq)
-    nq, widest = mask.shape[0], int(mask.sum(1).max())
-    metadata = nq * widest * (1 + (1 if mask.shape[1] <= 127 else 2))
+    metadata = sparse.smem_bytes(blocks.sq)
     if metadata > SMEM_METADATA_BUDGET:
         raise ValueError(f"{sparse.name}: {metadata} bytes of block-mask metadata in SMEM (budget "
                          f"{SMEM_METADATA_BUDGET}); use larger tiles")

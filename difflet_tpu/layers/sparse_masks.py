@@ -45,6 +45,7 @@ TILE_PAD_CAP = 1 / 8  # at most this share of the padded grid may be pad tokens
 DEFAULT_FULL_STEPS = {"sta": 0, "radial": 0}  # set per pipeline by the caller (issue 43: "first full_steps stay dense")
 STA_DEFAULT_DENSITY = 0.30  # `--attention sta` alone: the widest window whose density stays at or below this
 RADIAL_BLOCK = 128  # the reference's block (its kernels take 64 or 128)
+SMEM_METADATA_BUDGET = 256 * 1024  # = layers/sdpa.SMEM_METADATA_BUDGET (sdpa imports this module lazily)
 
 
 class SparsityError(ValueError):
@@ -453,6 +454,15 @@ class BlockSparsity:
         fine = self.block_mask[np.ix_(idx, idx)]
         return fine.reshape(n, r, n, r).any(axis=(1, 3))
 
+    def smem_bytes(self, length: int) -> int:
+        """Splash's block metadata in SMEM for a sequence padded to `length`: with its grid shrunk
+        to each query block's active key blocks, `[query blocks, widest row]` entries of
+        block_mask (int8), data_next (int16 here: more than 127 key blocks) and mask_next
+        (int8, present when a kernel block holds mask blocks of both kinds): 4 bytes each,
+        an upper bound."""
+        m = self.kernel_mask(length)
+        return m.shape[0] * int(m.sum(1).max()) * 4
+
     def density(self, length: int | None = None) -> float:
         """Share of kernel blocks computed (what `--compile-only` prices)."""
         length = length or -(-self.tokens // self.kernel_block) * self.kernel_block
@@ -462,9 +472,10 @@ class BlockSparsity:
 def plan(option: SparseAttention, grid: tuple[int, int, int], *, sink: bool = True) -> BlockSparsity | None:
     """The block sparsity of `option` over a frame-major latent grid `(t, h, w)` of tokens,
     or None for dense. STA reorders tokens tile by tile (`order`); radial keeps frame-major
-    tokens, masks at RADIAL_BLOCK and runs kernel blocks of 2 x RADIAL_BLOCK (128-token
-    kernel blocks would need more SMEM metadata than splash has at 720p). `sink`: the
-    first frame attended by every frame (the reference's rule for Wan; not for HunyuanVideo)."""
+    tokens and masks at RADIAL_BLOCK. `sink`: the
+    first frame attended by every frame (the reference's rule for Wan; not for HunyuanVideo).
+    Radial's kernel block is the smallest multiple of RADIAL_BLOCK from 2 x RADIAL_BLOCK whose
+    block metadata fits splash's SMEM budget (layers/sdpa.SMEM_METADATA_BUDGET)."""
     if option.dense:
         return None
     if option.kind == "sta":
@@ -476,8 +487,12 @@ def plan(option: SparseAttention, grid: tuple[int, int, int], *, sink: bool = Tr
         t, h, w = grid
         sink = sink and option.sink
         bm = radial_block_mask(t, h * w, decay=option.decay, block=RADIAL_BLOCK, sink=sink)
-        out = BlockSparsity(f"radial decay {option.decay} sink {int(sink)} over {grid}", bm, RADIAL_BLOCK,
-                            2 * RADIAL_BLOCK)
+        name = f"radial decay {option.decay} sink {int(sink)} over {grid}"
+        # the smallest kernel block (a multiple of the mask's) whose metadata fits splash's SMEM
+        for k in range(2, 9):
+            out = BlockSparsity(name, bm, RADIAL_BLOCK, k * RADIAL_BLOCK)
+            if out.smem_bytes(-(-out.tokens // out.kernel_block) * out.kernel_block) <= SMEM_METADATA_BUDGET:
+                break
     # a mask with every block active is dense attention: run the dense step (same order, same
     # program, bit-identical), not a kernel that masks nothing
     return None if out.kernel_mask(-(-out.tokens // out.kernel_block) * out.kernel_block).all() else out
