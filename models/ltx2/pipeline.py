@@ -127,6 +127,7 @@ class LTX2Pipeline(V.VideoPipeline):
     }
     default_height, default_width, default_num_frames, fps = 512, 768, 121, 24
     max_sequence_limit = 1024
+    makes_audio = True  # `.audio` / `.audio_sample_rate`: generate muxes it into the MP4
 
     @classmethod
     def load(cls, path, index, *, mesh, dtype, config, runner_options):
