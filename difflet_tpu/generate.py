@@ -1,4 +1,4 @@
-"""Prompt -> PNG or MP4 from a diffusers pipeline folder (FLUX.1-dev / -schnell, Qwen-Image; Wan 2.1 / 2.2, LTX-2).
+"""Prompt -> PNG or MP4 from a diffusers pipeline folder (FLUX.1, Qwen-Image; Wan 2.x, HunyuanVideo, LTX-2).
 
     python -m difflet_tpu.generate PATH --prompt "a cat holding a sign" --out cat.png \\
         [--negative-prompt ...] [--height 1024 --width 1024] [--steps N] [--guidance 3.5]
