@@ -6,7 +6,7 @@
         [--json timings.json] [--dtype bfloat16|float32] [--cpu-devices N]
     python -m difflet_tpu.generate WAN_PATH --prompt "a corgi on a beach" --frames 81 --out clip.mp4 \\
         [--image first.png [--last-image last.png]] [--guidance 5.0] [--guidance-2 ...] [--fps 16]
-    python -m difflet_tpu.generate LTX2_PATH --prompt "a dog barking" --frames 121 --out clip.mp4 \
+    python -m difflet_tpu.generate LTX2_PATH --prompt "a dog barking" --frames 121 --out clip.mp4 \\
         [--audio-out sound.wav] [--fps 24]
 
 A video pipeline's folder (WanPipeline, WanImageToVideoPipeline) writes an H.264 MP4 at the model's
@@ -301,9 +301,7 @@ def run(args) -> dict:
     targets = image_paths(args)
     devices = mesh.devices.flat if mesh is not None else jax.devices()[:1]
     if video:
-        from difflet_tpu.pipeline import mp4
-
-        from difflet_tpu.pipeline import audio
+        from difflet_tpu.pipeline import audio, mp4
 
         kwargs = call_kwargs(args, video=True)
         if makes_audio(type(pipe)) and args.fps is not None:

@@ -42,7 +42,7 @@ def corr(a, b) -> float:
 
 
 def signal_like(n, seed=0, channels=2):
-    """A tone plus band-limited noise per channel (speech-like energy below 4 kHz), peak ~0.8."""
+    """A tone per channel plus low-passed noise (a 16-tap Hann filter: mostly below 3 kHz), peak ~0.8."""
     rng = np.random.default_rng(seed)
     t = np.arange(n) / RATE
     noise = np.convolve(rng.standard_normal(n + 15), np.hanning(16) / 8, mode="valid")[:n]
