@@ -358,8 +358,9 @@ class AutoencoderKLHunyuanVideo(nnx.Module):
     def decode_video_latents(self, latents):
         return self(self.unscale(latents))
 
-    def decode_video(self, latents):
+    def decode_video(self, latents, *, uint8: bool = False):
         """HunyuanVideoPipeline's decode of denoised latents `[B, C, T, h, w]`: float32
-        `[B, 3, 1 + 4 (T - 1), 8h, 8w]` in about [-1, 1] (not clamped, as diffusers)."""
+        `[B, 3, 1 + 4 (T - 1), 8h, 8w]` in about [-1, 1] (not clamped, as diffusers); `uint8`:
+        `[B, F, H, W, 3]` uint8 frames (`loading.to_uint8`, as `output_type="pil"`), on the devices."""
         self.check_latents(latents)
-        return loading.call_jitted(self, "decode_video_latents", latents, self.mesh)
+        return loading.call_jitted(self, "decode_video_latents", latents, self.mesh, uint8=uint8)

@@ -322,8 +322,9 @@ class AutoencoderKLLTX2Video(nnx.Module):
     def decode_video_latents(self, latents):
         return self(self.denormalize(latents))
 
-    def decode_video(self, latents):
+    def decode_video(self, latents, *, uint8: bool = False):
         """`[B, C, T, h, w]` -> float32 `[B, 3, 1 + r_t (T - 1), r_s h, r_s w]` (not clamped; the
-        pipeline's postprocess clamps)."""
+        pipeline's postprocess clamps); `uint8`: `[B, F, H, W, 3]` uint8 frames (`loading.to_uint8`,
+        as diffusers' `output_type="pil"`), converted on the devices."""
         self.check_latents(latents)
-        return loading.call_jitted(self, "decode_video_latents", latents, self.mesh)
+        return loading.call_jitted(self, "decode_video_latents", latents, self.mesh, uint8=uint8)

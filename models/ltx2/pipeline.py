@@ -127,6 +127,7 @@ class LTX2Pipeline(V.VideoPipeline):
     }
     default_height, default_width, default_num_frames, fps = 512, 768, 121, 24
     max_sequence_limit = 1024
+    makes_audio = True  # `.audio` / `.audio_sample_rate`: generate muxes it into the MP4
 
     @classmethod
     def load(cls, path, index, *, mesh, dtype, config, runner_options):
@@ -153,6 +154,7 @@ class LTX2Pipeline(V.VideoPipeline):
         self.audio_vae = AutoencoderKLLTX2Audio.from_pretrained(path / "audio_vae", dtype=dtype, mesh=mesh)
         self.vocoder = LTX2Vocoder.from_pretrained(path / "vocoder", dtype=dtype, mesh=mesh)
         self.init_encoder_home([self.text_encoder, self.connectors], config)
+        self.text_trim = config.text_trim  # Gemma-3 on the real tokens only (models/ltx2/text.py)
         return self
 
     @classmethod
@@ -206,7 +208,8 @@ class LTX2Pipeline(V.VideoPipeline):
         tokens = T.ltx2_tokens(self.tokenizer, prompts, max_sequence_length, name, allow_empty=name != "prompt")
         self.timings.tokenize += time.perf_counter() - start
         start = time.perf_counter()
-        embeds = ltx2_text.gemma_prompt_embeds(self.text_encoder, tokens.input_ids, tokens.attention_mask)
+        embeds = ltx2_text.gemma_prompt_embeds(self.text_encoder, tokens.input_ids, tokens.attention_mask,
+                                               trim=self.text_trim)
         embeds = D.wait(jnp.repeat(embeds.astype(self.dtype), num_videos_per_prompt, axis=0))
         self.timings.encode += time.perf_counter() - start
         checks.check_finite(embeds, f"the {name} embeddings (the text encoder)")
