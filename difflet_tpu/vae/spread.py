@@ -158,22 +158,22 @@ def _pad_rows(window, s: Split, n: int, pad: int, mode: str, dim: int):
     def rows(start, count):  # rows start .. start + count - 1 of the window (start clipped into it)
         return jax.lax.dynamic_slice_in_dim(window, start, count, axis=dim)
 
-    def edge_or_reflect(last, before):
-        """`pad` rows continuing the image past row `last` (window position), away from `before`
-        (the side the image lies on: -1 above the top, +1 below the bottom)."""
+    def edge_or_reflect(last, image_after: bool):
+        """The `pad` rows of padding beside the image's edge row `last` (a window position): before
+        it when the image lies after it (the top edge), else after it (the bottom edge)."""
         if not flip:
             return jnp.concatenate([rows(last, 1)] * pad, axis=dim)
-        src = rows(last + 1, pad) if before > 0 else rows(last - pad, pad)
+        src = rows(last + 1, pad) if image_after else rows(last - pad, pad)
         return jnp.flip(src, axis=dim)
 
     top = jax.lax.slice_in_dim(window, 0, pad, axis=dim)
-    top = jnp.where(rank == 0, edge_or_reflect(pad, +1), top)  # image row 0 at window position pad
+    top = jnp.where(rank == 0, edge_or_reflect(pad, True), top)  # image row 0 at window position pad
     window = jax.lax.dynamic_update_slice_in_dim(window, top, 0, axis=dim)
     real = s.rows * (n // s.local)  # the real rows at this resolution
     end = real - rank * n + pad  # window position of row `real` (the first row past the image)
     start = jnp.clip(end, 0, n + pad)
     fix = (end > pad) & (end <= n + pad)  # this rank has real rows and its window reaches past them
-    bottom = jnp.where(fix, edge_or_reflect(jnp.clip(end - 1, 0, n + 2 * pad - 1), -1), rows(start, pad))
+    bottom = jnp.where(fix, edge_or_reflect(jnp.clip(end - 1, 0, n + 2 * pad - 1), False), rows(start, pad))
     return jax.lax.dynamic_update_slice_in_dim(window, bottom, start, axis=dim)
 
 
