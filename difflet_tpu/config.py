@@ -107,8 +107,8 @@ class Config:
         largest tile up to 512 columns that fits VMEM (`DIFFLET_TPU_KERNEL_TILES`).
         Checked when set (format, sites, tiles) and again against the mesh's
         device kind (a table measured on another chip is an error).
-    vae_spread: how the causal-3D VAE (Wan 2.x, Qwen-Image) decodes on a mesh of
-        several devices (`DIFFLET_TPU_VAE_SPREAD`): "auto" (default) shards the batch
+    vae_spread: how the video VAEs (the causal-3D family: Wan 2.x, Qwen-Image;
+        HunyuanVideo's; LTX-2's video VAE) decode on a mesh of several devices (`DIFFLET_TPU_VAE_SPREAD`): "auto" (default) shards the batch
         when the devices divide it and otherwise spreads each video's rows over
         every device (`vae/spread.py`: a spatial split with one-row halos, exact,
         not diffusers' blended tiling), so one long clip decodes on all chips;

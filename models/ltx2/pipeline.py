@@ -21,9 +21,11 @@ state), the text connectors (connectors.py), the LTX2VideoTransformer3DModel por
   `spatio_temporal_guidance_blocks` perturbed) and modality isolation (`(m - 1)(cond - isolated)`,
   no audio <-> video cross-attention), each with its own audio scale, `guidance_rescale`
   (diffusers' `rescale_noise_cfg`), back to velocity, Euler steps in float32;
-- the video decode and `postprocess_video`; the audio latents denormalised, unpacked, decoded to
-  a mel spectrogram and vocoded: `.audio` is the waveform `[B, channels, samples]` at
-  `audio_sample_rate` (the vocoder's output rate).
+- the video decode (on a mesh whose devices do not divide the batch, each video's rows spread over
+  them: difflet_tpu/vae/spread.py, as WanPipeline; uint8 frames off the devices for "pil") and
+  `postprocess_video`; the audio latents denormalised, unpacked, decoded to a mel spectrogram and
+  vocoded: `.audio` is the waveform `[B, channels, samples]` at `audio_sample_rate` (the vocoder's
+  output rate).
 
 Refused by name: torch `generator` (pass `seed` or the latents), precomputed embeddings, custom
 `timesteps`, prompt enhancement, `noise_scale` / `decode_noise_scale` (random noise diffusers draws
@@ -396,7 +398,15 @@ class LTX2Pipeline(V.VideoPipeline):
             audio = (audio_latents * std + mean).reshape(b, length, ac.latent_channels, -1).transpose(0, 2, 1, 3)
             frames = self.vae.denormalize(latents)
         else:
-            frames = self.decode_frames(latents, output_type)
+            frames = self.decode_frames(latents, output_type)  # spread over the mesh (vae/spread.py)
+            # The audio VAE and the vocoder stay one chip's worth of work (replicated, or the batch
+            # sharded when it divides): at 480x704x49 and 24 fps the audio is 51 latent frames, a
+            # 201 x 64 mel spectrogram; the audio decoder's widest map is 128 channels x 201 x 64
+            # (3.3 MB in bfloat16) and the vocoder's 256 channels x 6030 steps (3 MB); about 0.09
+            # TFLOP (audio decoder) + 0.27 TFLOP (vocoder), under 2 ms of a v5e chip at peak (an
+            # estimate), against the video decode's ~1 s (the reference PR's measured 1.08 s).
+            # Split over 4 chips, each of their dozens of small convolutions would wait on a halo
+            # exchange costing about what the convolution does.
             self._stage("decode audio")
             start = time.perf_counter()
             audio = np.asarray(self.vocoder.vocode(self.audio_vae.decode_audio(audio_latents)))
