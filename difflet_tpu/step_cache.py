@@ -32,7 +32,8 @@ How it is built (the choices, and why):
   single program runs the first and last blocks plus one add per carry leaf, so the two
   programs could not be faster. docs/caching.md has the estimate.
 - **The cache arrays stay on the devices**, as each rank's own values: a leaf is stored with a
-  leading axis over the mesh axes it varies over (`jax.typeof(x).manual_axis_type.varying` when `Config.check_vma`
+  leading axis over the mesh axes it varies over (`jax.typeof(x).manual_axis_type.varying` when
+  `Config.check_vma`
   is on, every axis otherwise), so nothing is gathered or moved between steps. Their shapes come
   from one abstract trace (`jax.eval_shape`) of the step before the first compile.
 - **CFG.** A pipeline that runs its conditional and unconditional rows in one batch (Wan,

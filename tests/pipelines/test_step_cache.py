@@ -1,0 +1,178 @@
+"""Step caching (difflet_tpu.step_cache, `cache=` on the pipeline calls) on the tiny pipeline folders.
+
+- threshold 0 never reuses the cache: the output is bit-identical to the uncached call (FLUX on
+  one device and under SP, Wan T2V's CFG rows under TP, on 4 CPU devices);
+- a huge threshold caches every call after the warmup, and the output stays finite;
+- a forced pattern gives exactly its transformer calls, and the output equals the uncached loop
+  run with the reuse rule written plainly here (`Reuse`: each later stack's `out - in` kept at a
+  full call and added at a cached one), independent of the compiled `lax.cond` program;
+- the options are checked before any work; a `first` that leaves no middle block is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from difflet_tpu.arguments import ArgumentError
+from difflet_tpu.config import Config, ConfigError, StepCacheOptions, parse_step_cache
+from difflet_tpu.layers import nn
+from difflet_tpu.parallel.mesh import make_mesh
+from difflet_tpu.pipeline.diffusion import DiffusionPipeline
+from difflet_tpu.step_cache import StepCacheError
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "pipelines"
+FAST = {"xla_backend_optimization_level": 0}
+CASES = {"flux": ("flux_dev", "batch2"), "wan": ("wan_t2v", "cfg")}  # Wan's call: CFG rows in one batch
+
+
+@functools.lru_cache(maxsize=None)
+def pipeline(name, tp=None, mode=None):
+    mesh = None if tp is None else make_mesh(tp)
+    options = dict(compiler_options=FAST, **({"mode": mode} if mode else {}))
+    return DiffusionPipeline.from_pretrained(FIXTURES / name, mesh=mesh, dtype=jnp.float32,
+                                             config=Config(check_vma=True), runner_options=options)
+
+
+def call_kwargs(name, call):
+    calls = json.loads((FIXTURES / name / "calls.json").read_text())["calls"]
+    z = np.load(FIXTURES / name / "io.npz")
+    return dict(calls[call]["kwargs"], latents=z[f"{call}.latents"], output_type="np")
+
+
+def pixels(out):
+    return np.asarray(out.images if hasattr(out, "images") else out.frames)
+
+
+@pytest.mark.parametrize("case,tp,mode", [("flux", None, None), ("flux", 4, "sp"), ("wan", 4, "tp")])
+def test_threshold_zero_is_bit_identical_and_huge_threshold_caches(case, tp, mode):
+    name, call = CASES[case]
+    pipe, kw = pipeline(name, tp, mode), call_kwargs(name, call)
+    plain = pipe(**kw)
+    steps = kw["num_inference_steps"]
+    assert plain.stats["transformer_calls"] == steps and plain.stats["cache"] is None
+    zero = pipe(**kw, cache="first-block:threshold=0,warmup=1")
+    np.testing.assert_array_equal(pixels(zero), pixels(plain))
+    assert zero.stats["transformer_calls"] == steps and zero.stats["cached_calls"] == 0
+    assert [d["skipped"] for d in zero.stats["decisions"]] == [False] * steps
+    assert all(d["change"] > 0 for d in zero.stats["decisions"][1:])  # measured, not skipped
+    huge = pipe(**kw, cache="first-block:threshold=1e9,warmup=1,max_skips=100")
+    assert huge.stats["transformer_calls"] == 1 and huge.stats["cached_calls"] == steps - 1
+    assert np.isfinite(pixels(huge)).all()
+    assert np.abs(pixels(huge) - pixels(plain)).max() > 1e-3  # the cache changed the trajectory
+
+
+class Reuse:
+    """The first-block reuse rule written plainly, traced afresh for every transformer call of
+    the uncached loop: block 0 of the first stack always runs; a full call ("F" in `pattern`)
+    sends each remaining segment's `out - in` to the host (`jax.debug.callback`), a cached call
+    ("S") adds it as a constant (then `derive`)."""
+
+    def __init__(self, pattern: str, stacks: int):
+        self.pattern, self.stacks, self.call, self.stack, self.residual = pattern, stacks, -1, 0, {}
+
+    def keep(self, stack):
+        def store(residual):
+            self.residual[stack] = jax.tree.map(np.asarray, residual)
+        return store
+
+    def scan(self, blocks, carry, fn, xs, derive):
+        n, start = nn.num_blocks(blocks), 0
+        if self.stack == 0:
+            self.call += 1
+            carry, start = nn.scan_range(blocks, carry, fn, xs, 0, 1), 1
+        if start < n:
+            if self.pattern[self.call] == "F":
+                out = nn.scan_range(blocks, carry, fn, xs, start, n)
+                jax.debug.callback(self.keep(self.stack), jax.tree.map(lambda o, i: o - i, out, carry))
+            else:
+                out = jax.tree.map(lambda i, r: i + r, carry, self.residual[self.stack])
+                out = out if derive is None else derive(out)
+            carry = out
+        self.stack = (self.stack + 1) % self.stacks
+        return carry
+
+
+@pytest.mark.parametrize("case,stacks,pattern", [("flux", 2, "FSS"), ("wan", 1, "FSF")])
+def test_forced_pattern_matches_the_reuse_rule(case, stacks, pattern, monkeypatch):
+    name, call = CASES[case]
+    pipe, kw = pipeline(name), call_kwargs(name, call)
+    assert len(pattern) == kw["num_inference_steps"]
+    out = pipe(**kw, cache=f"first-block:force={pattern}")
+    assert out.stats["transformer_calls"] == pattern.count("F")
+    assert out.stats["cached_calls"] == pattern.count("S")
+    assert [d["skipped"] for d in out.stats["decisions"]] == [c == "S" for c in pattern]
+    compiled = pipe.run_transformer
+
+    def retraced(runner, slot="cond", **kwargs):  # every call traced again: `Reuse` decides per call
+        runner._steps.clear()
+        out = compiled(runner, slot, **kwargs)
+        jax.effects_barrier()
+        return out
+
+    monkeypatch.setattr(pipe, "run_transformer", retraced)
+    token = nn.BLOCK_CHAIN.set(Reuse(pattern, stacks))
+    try:
+        want = pipe(**kw, cache="off")
+    finally:
+        nn.BLOCK_CHAIN.reset(token)
+        for runner in pipe.experts if hasattr(pipe, "experts") else [pipe.transformer]:
+            runner._steps.clear()  # no step traced with `Reuse` stays
+    monkeypatch.undo()
+    plain = pipe(**kw, cache="off")
+    err = np.abs(pixels(out) - pixels(want)).max()
+    assert err <= 1e-5, f"cached loop vs the plain reuse rule: max abs {err:.2e}"
+    assert np.abs(pixels(plain) - pixels(want)).max() > 100 * max(err, 1e-6)  # the comparison can fail
+
+
+@pytest.mark.parametrize("text,match", [
+    ("second-block", "unknown caching method"),
+    ("first-block:threshold=-1", "threshold=-1.0 must be"),
+    ("first-block:threshold=abc", "is not a number"),
+    ("first-block:warmup=0", "warmup=0 must be >= 1"),
+    ("first-block:max_skips=1.5", "is not an integer"),
+    ("first-block:speed=2", "'speed=2' is not KEY=VALUE"),
+    ("first-block:warmup=1,warmup=2", "warmup is given twice"),
+    ("first-block:force=FXS", "must be letters F"),
+])
+def test_bad_options_are_refused_by_name(text, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_step_cache(text)
+    with pytest.raises(ConfigError, match=match):
+        Config.from_env({"DIFFLET_TPU_STEP_CACHE": text})
+
+
+def test_options_parse_and_round_trip():
+    o = parse_step_cache("first-block:threshold=0.08,warmup=2,max_skips=3")
+    assert o == StepCacheOptions(threshold=0.08, warmup=2, max_skips=3)
+    assert parse_step_cache(o.spec()) == o and parse_step_cache("off") is None and parse_step_cache(None) is None
+    assert parse_step_cache("first-block") == StepCacheOptions()
+    assert Config(step_cache="first-block:last=1").step_cache == StepCacheOptions(last=1).spec()
+
+
+def test_call_refuses_bad_options_before_any_work(monkeypatch):
+    pipe = pipeline("flux_dev")
+    kw = call_kwargs("flux_dev", "batch2")
+    monkeypatch.setattr(type(pipe), "encode_prompt", lambda *a, **k: pytest.fail("encoded before the refusal"))
+    with pytest.raises(ArgumentError, match="unknown caching method"):
+        pipe(**kw, cache="teacache")
+    with pytest.raises(ArgumentError, match="give `cache=` too"):
+        pipe(**kw, quality_gate=30)
+    with pytest.raises(ArgumentError, match="output_type='latent' has none"):
+        pipe(**dict(kw, output_type="latent"), cache="first-block", quality_gate=30)
+
+
+def test_options_that_leave_no_middle_block_are_refused():
+    pipe, kw = pipeline("flux_dev"), call_kwargs("flux_dev", "batch2")  # 1 double + 2 single blocks
+    with pytest.raises(StepCacheError, match="first block stack has 1 blocks"):
+        pipe(**kw, cache="first-block:first=2")
+    with pytest.raises(StepCacheError, match="leaves no middle block"):
+        pipe(**kw, cache="first-block:last=2")
+    with pytest.raises(StepCacheError, match="nothing is cached yet"):
+        pipe(**kw, cache="first-block:force=SFF")
