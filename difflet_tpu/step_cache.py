@@ -33,9 +33,9 @@ How it is built (the choices, and why):
   programs could not be faster. docs/caching.md has the estimate.
 - **The cache arrays stay on the devices**, as each rank's own values: a leaf is stored with a
   leading axis over the mesh axes it varies over (`jax.typeof(x).manual_axis_type.varying` when
-  `Config.check_vma`
-  is on, every axis otherwise), so nothing is gathered or moved between steps. Their shapes come
-  from one abstract trace (`jax.eval_shape`) of the step before the first compile.
+  `Config.check_vma` is on, every axis otherwise), so nothing is gathered or moved between
+  steps. Their shapes come from one abstract trace (`jax.eval_shape`) of the step before the
+  first compile.
 - **CFG.** A pipeline that runs its conditional and unconditional rows in one batch (Wan,
   HunyuanVideo, LTX-2) gets one decision for the batch from the sums over all its rows, as
   ParaAttention's First-Block Cache does for a batched CFG call; a pipeline that runs them as
@@ -219,7 +219,8 @@ def _global_shape(leaf: _Leaf, mesh) -> tuple:
 def _compiled(runner, prep, options):
     """(step, meta): the cached step for `prep`'s geometry, and its cache arrays' layout."""
     steps = runner.__dict__.setdefault("_cached_steps", {})
-    sig = (prep.key, tuple(sorted(prep.specs.items())), options.first, options.last)
+    shapes = tuple(sorted((k, np.shape(v), str(jnp.result_type(v))) for k, v in prep.inputs.items()))
+    sig = (prep.key, tuple(sorted(prep.specs.items())), shapes, options.first, options.last)
     if sig in steps:
         return steps[sig]
     mesh = runner.mesh

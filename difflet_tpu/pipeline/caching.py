@@ -152,18 +152,24 @@ class CachedLoop:
             return runner(**kwargs)
         return self.step_cache(runner, self.step_index, slot, kwargs)
 
+    def start_step_cache(self) -> None:
+        """The loop's `StepCache` when the call has `cache=` (a port's own loop calls this before
+        its steps and sets `step_index` in each)."""
+        from difflet_tpu.step_cache import StepCache
+
+        if self.cache_options is not None and self.step_cache is None:
+            self.step_cache = StepCache(self.cache_options)
+
     def denoise(self, latents, sampler, predict: Callable):
         """The loop: `predict(latents, i, t)` -> the model's output at step i (timestep `t` as the
         scheduler gives it), then the sampler's step (difflet_tpu.pipeline.samplers; a
         `schedules.Schedule` steps by Euler). With `cache=` the transformer calls `predict` makes
         through `run_transformer` go through one `StepCache` for the loop."""
         from difflet_tpu.pipeline import samplers
-        from difflet_tpu.step_cache import StepCache
 
         sampler = samplers.as_sampler(sampler)
         self.timings.steps = []
-        if self.cache_options is not None and self.step_cache is None:
-            self.step_cache = StepCache(self.cache_options)
+        self.start_step_cache()
         for i, t in enumerate(sampler.timesteps):
             start = time.perf_counter()
             self.step_index = i

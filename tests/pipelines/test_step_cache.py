@@ -6,6 +6,9 @@
 - a forced pattern gives exactly its transformer calls, and the output equals the uncached loop
   run with the reuse rule written plainly here (`Reuse`: each later stack's `out - in` kept at a
   full call and added at a cached one), independent of the compiled `lax.cond` program;
+- Qwen-Image (true CFG: a cache per call), Wan 2.2 A14B (the cache starts over at the expert
+  switch), HunyuanVideo under SP, LTX-2 under TP (both streams; CFG, STG and modality calls):
+  threshold 0 bit-identical, a huge threshold caches;
 - the options are checked before any work; a `first` that leaves no middle block is refused.
 """
 
@@ -41,9 +44,11 @@ def pipeline(name, tp=None, mode=None):
 
 
 def call_kwargs(name, call):
-    calls = json.loads((FIXTURES / name / "calls.json").read_text())["calls"]
+    calls = json.loads((FIXTURES / name / "calls.json").read_text())
     z = np.load(FIXTURES / name / "io.npz")
-    return dict(calls[call]["kwargs"], latents=z[f"{call}.latents"], output_type="np")
+    if name == "ltx2":  # a list of calls from the same latents
+        return dict(calls[int(call)], latents=z["in.latents"], audio_latents=z["in.audio_latents"], output_type="np")
+    return dict(calls["calls"][call]["kwargs"], latents=z[f"{call}.latents"], output_type="np")
 
 
 def pixels(out):
@@ -66,6 +71,30 @@ def test_threshold_zero_is_bit_identical_and_huge_threshold_caches(case, tp, mod
     assert huge.stats["transformer_calls"] == 1 and huge.stats["cached_calls"] == steps - 1
     assert np.isfinite(pixels(huge)).all()
     assert np.abs(pixels(huge) - pixels(plain)).max() > 1e-3  # the cache changed the trajectory
+
+
+# the other ports: (folder, call, tp, mode, the slots of a step, full passes with a huge threshold)
+OTHERS = [("qwen_image", "true_cfg", None, None, ["cond", "uncond"], 2),  # true CFG: two calls, two caches
+          ("wan22_a14b", "two_experts", None, None, ["rows"], 2),  # starts over at the expert switch
+          ("hunyuan_video", "true_cfg", 4, "sp", ["rows"], 1),
+          ("ltx2", "0", 4, "tp", ["rows", "stg", "modality"], 3)]  # CFG rows, STG and modality calls
+
+
+@pytest.mark.parametrize("name,call,tp,mode,slots,full", OTHERS)
+def test_other_ports(name, call, tp, mode, slots, full):
+    pipe, kw = pipeline(name, tp, mode), call_kwargs(name, call)
+    plain = pipe(**kw)
+    zero = pipe(**kw, cache="first-block:threshold=0,warmup=1")
+    np.testing.assert_array_equal(pixels(zero), pixels(plain))
+    if name == "ltx2":  # its second stream
+        np.testing.assert_array_equal(np.asarray(zero.audio), np.asarray(plain.audio))
+    assert zero.stats["transformer_calls"] == plain.stats["transformer_calls"] == len(slots) * kw["num_inference_steps"]
+    huge = pipe(**kw, cache="first-block:threshold=1e9,warmup=1,max_skips=100")
+    assert huge.stats["transformer_calls"] == full and np.isfinite(pixels(huge)).all()
+    assert [d["slot"] for d in huge.stats["decisions"][:len(slots)]] == slots
+    if name == "wan22_a14b":  # expert 0 at steps 0-1, expert 1 at steps 2-3: warmup again at the switch
+        assert [(d["skipped"], d.get("reset", False)) for d in huge.stats["decisions"]] == \
+            [(False, False), (True, False), (False, True), (True, False)]
 
 
 class Reuse:
