@@ -250,16 +250,17 @@ def _compiled(runner, prep, options):
 
 
 def _zeros(runner, record):
-    """The empty cache of a slot (its first call is a full pass, so the values are never read)."""
-    mesh = runner.mesh
-    shapes = [(_global_shape(x, mesh), x.dtype) for x in record["leaves"]]
-    if mesh is None:
-        device = runner._input_sharding()
-        arrays = [jax.device_put(jnp.zeros(s, d), device) for s, d in shapes]
-    else:
-        shardings = [NamedSharding(mesh, _leaf_spec(x)) for x in record["leaves"]]
-        arrays = jax.jit(lambda: [jnp.zeros(s, d) for s, d in shapes], out_shardings=shardings)()
-    return jax.tree.unflatten(record["treedef"], arrays)
+    """The empty cache of a slot (its first call is a full pass, so the values are never read):
+    made by one program per geometry, compiled once (`record["zeros"]`)."""
+    if "zeros" not in record:
+        mesh = runner.mesh
+        shapes = [(_global_shape(x, mesh), x.dtype) for x in record["leaves"]]
+        one = runner._input_sharding() if mesh is None else None
+        one = one if one is None or isinstance(one, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(one)
+        shardings = ([one] * len(shapes) if mesh is None else
+                     [NamedSharding(mesh, _leaf_spec(x)) for x in record["leaves"]])
+        record["zeros"] = jax.jit(lambda: [jnp.zeros(s, d) for s, d in shapes], out_shardings=shardings)
+    return jax.tree.unflatten(record["treedef"], record["zeros"]())
 
 
 def cached_call(runner, kwargs: dict, options: StepCacheOptions, state, mode: int):
