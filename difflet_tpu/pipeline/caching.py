@@ -186,6 +186,7 @@ def plot_changes(stats: dict, path) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         raise ArgumentError("the cache plot needs matplotlib (pip install matplotlib)") from None
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -197,7 +198,9 @@ def plot_changes(stats: dict, path) -> None:
                    edgecolors="red", label=f"{slot}: cached", zorder=3)
     ax.axhline(stats["threshold"], color="gray", linestyle="--", label=f"threshold {stats['threshold']}")
     ax.set_xlabel("denoise step")
-    ax.set_ylabel("relative L1 change of the first blocks' residual")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_ylabel("relative L1 change")
+    ax.set_title("first blocks' residual against the last full pass", fontsize=9)
     ax.set_yscale("log")
     ax.legend(fontsize=7)
     fig.tight_layout()
