@@ -205,3 +205,75 @@ def test_options_that_leave_no_middle_block_are_refused():
         pipe(**kw, cache="first-block:last=2")
     with pytest.raises(StepCacheError, match="nothing is cached yet"):
         pipe(**kw, cache="first-block:force=SFF")
+
+
+# --------------------------------------------------------------------------
+# The quality gate
+# --------------------------------------------------------------------------
+
+def _brute_ssim(x, y):
+    """SSIM of two [H, W] float64 images by its definition, pixel by pixel: Gaussian weights
+    (sigma 1.5, radius 5) over the half-sample-symmetric padded neighbourhood, then the mean
+    over the pixels at least 5 from the border."""
+    r, s = 5, 1.5
+    g = np.exp(-np.arange(-r, r + 1) ** 2 / (2 * s * s))
+    w = np.outer(g, g) / np.outer(g, g).sum()
+    xp, yp = np.pad(x, r, mode="symmetric"), np.pad(y, r, mode="symmetric")
+    c1, c2 = 0.01 ** 2, 0.03 ** 2
+    h, wd = x.shape
+    out = np.zeros_like(x)
+    for i in range(h):
+        for j in range(wd):
+            a, b = xp[i:i + 2 * r + 1, j:j + 2 * r + 1], yp[i:i + 2 * r + 1, j:j + 2 * r + 1]
+            ma, mb = (w * a).sum(), (w * b).sum()
+            va, vb, cab = (w * a * a).sum() - ma ** 2, (w * b * b).sum() - mb ** 2, (w * a * b).sum() - ma * mb
+            out[i, j] = (2 * ma * mb + c1) * (2 * cab + c2) / ((ma ** 2 + mb ** 2 + c1) * (va + vb + c2))
+    return out[r:h - r, r:wd - r].mean()
+
+
+def test_psnr_and_ssim_by_their_definitions():
+    from difflet_tpu.pipeline import quality
+
+    rng = np.random.default_rng(0)
+    x = rng.random((2, 16, 20, 3))
+    y = np.clip(x + rng.normal(0, 0.05, x.shape), 0, 1)
+    assert quality.psnr(x, y) == pytest.approx(10 * np.log10(1 / np.mean((x - y) ** 2)), rel=1e-12)
+    assert quality.psnr(x, x) == float("inf") and quality.ssim(x, x) == pytest.approx(1.0, abs=1e-12)
+    want = np.mean([_brute_ssim(x[n, ..., c], y[n, ..., c]) for n in range(2) for c in range(3)])
+    assert quality.ssim(x, y) == pytest.approx(want, abs=1e-12)
+    assert quality.ssim(x, y) < 0.99
+
+
+def test_quality_gate_passes_and_fails():
+    from difflet_tpu.pipeline import quality
+
+    pipe, kw = pipeline("flux_dev"), call_kwargs("flux_dev", "batch2")
+    same = pipe(**kw, cache="first-block:threshold=0,warmup=1", quality_gate=100.0)
+    gate = same.stats["quality_gate"]
+    assert gate["identical"] and gate["passed"] and gate["ssim"] == pytest.approx(1.0) and gate["calls_saved"] == 0
+    cached = pipe(**kw, cache="first-block:force=FSS", quality_gate=200.0)
+    gate = cached.stats["quality_gate"]
+    plain = pipe(**kw)
+    want = quality.psnr(pixels(cached), pixels(plain))  # the two runs, apart from the gate
+    assert gate["psnr_db"] == pytest.approx(want) and not gate["passed"]
+    assert gate["transformer_calls"] == 1 and gate["uncached_transformer_calls"] == 3 and gate["calls_saved"] == 2
+    assert gate["ssim"] == pytest.approx(quality.ssim(pixels(cached), pixels(plain)))
+    assert pipe(**kw, cache="first-block:force=FSS", quality_gate=want - 1).stats["quality_gate"]["passed"]
+
+
+def test_generate_gate_exit_status_json_and_plot(tmp_path, capsys):
+    from difflet_tpu import generate
+
+    out, report, plot = tmp_path / "a.png", tmp_path / "a.json", tmp_path / "plot.png"
+    argv = [str(FIXTURES / "flux_schnell"), "--prompt", "a cat", "--height", "32", "--width", "32", "--steps", "3",
+            "--out", str(out), "--json", str(report), "--cache", "first-block:threshold=1e9,warmup=1",
+            "--quality-gate", "300", "--cache-plot", str(plot)]
+    assert generate.main(argv) == generate.EXIT_GATE_FAILED
+    assert "the quality gate failed" in capsys.readouterr().err
+    stats = json.loads(report.read_text())["stats"]
+    assert stats["transformer_calls"] == 1 and [d["skipped"] for d in stats["decisions"]] == [False, True, True]
+    assert all(d["change"] > 0 for d in stats["decisions"][1:])
+    assert stats["quality_gate"]["calls_saved"] == 2 and not stats["quality_gate"]["passed"]
+    assert out.read_bytes()[:8] == plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert generate.main(argv[:3] + ["--out", str(tmp_path / "b.png"), "--quality-gate", "30"]) == 1
+    assert "--quality-gate needs --cache" in capsys.readouterr().err
