@@ -304,34 +304,41 @@ class StepCacheOptions:
         return f"{self.method}:" + ",".join(f"{k}={getattr(self, k)}" for k in keys if getattr(self, k) is not None)
 
 
+CACHE_USAGE = ("off, or first-block[:KEY=VALUE,...] with KEY in threshold (>= 0), warmup (>= 1), max_skips (>= 1), "
+               "first (>= 1), last (>= 0), force (letters F, S, A), e.g. first-block:threshold=0.08,warmup=2,max_skips=3")
+
+
 def parse_step_cache(value, name: str = "cache") -> StepCacheOptions | None:
     """`cache=` / `--cache` / DIFFLET_TPU_STEP_CACHE: None, "" or "off" -> None (no cache); a
     `StepCacheOptions` as it is (checked); "first-block[:KEY=VALUE,...]" with the keys of
     `StepCacheOptions`. Anything else is a ConfigError naming the part that is wrong."""
     if value is None or isinstance(value, StepCacheOptions):
         return value if value is None else parse_step_cache(value.spec(), name)
+
+    def bad(why: str):
+        return ConfigError(f"{name}={value!r}: {why}; use one of: {CACHE_USAGE}")
+
     if not isinstance(value, str):
-        raise ConfigError(f"{name}={value!r}: expected a string like 'first-block:threshold=0.08,warmup=2,max_skips=3'")
+        raise bad("not an option string")
     text = value.strip()
     if text.lower() in ("", "off", "none"):
         return None
-    method, _, rest = text.partition(":")
-    if method.strip() not in CACHE_METHODS:
-        raise ConfigError(f"{name}={value!r}: unknown caching method {method.strip()!r}; use one of "
-                          f"{', '.join(CACHE_METHODS)} (e.g. 'first-block:threshold=0.08,warmup=2,max_skips=3') or off")
+    method, _, rest = (p.strip() for p in text.partition(":"))
+    if method not in CACHE_METHODS:
+        raise bad(f"unknown caching method {method!r}")
     kinds = {"threshold": float, "warmup": int, "max_skips": int, "first": int, "last": int, "force": str}
     values = {}
     for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, raw = (s.strip() for s in item.partition("="))
+        key, eq, raw = (p.strip() for p in item.partition("="))
         if key not in kinds or not eq or not raw:
-            raise ConfigError(f"{name}={value!r}: {item!r} is not KEY=VALUE with KEY one of {', '.join(kinds)}")
+            raise bad(f"{item!r} is not KEY=VALUE with a known KEY")
         if key in values:
-            raise ConfigError(f"{name}={value!r}: {key} is given twice")
+            raise bad(f"{key} is given twice")
         try:
             values[key] = kinds[key](raw)
         except ValueError:
-            raise ConfigError(f"{name}={value!r}: {key}={raw!r} is not {'a number' if kinds[key] is float else 'an integer'}") from None
-    o = StepCacheOptions(method=method.strip(), **values)
+            raise bad(f"{key}={raw!r} is not {'a number' if kinds[key] is float else 'an integer'}") from None
+    o = StepCacheOptions(method=method, **values)
     problems = []
     if not (o.threshold >= 0 and o.threshold != float("inf")):
         problems.append(f"threshold={o.threshold} must be a finite number >= 0")
@@ -343,10 +350,10 @@ def parse_step_cache(value, name: str = "cache") -> StepCacheOptions | None:
         problems.append(f"first={o.first} must be >= 1 (the first blocks' residual decides)")
     if o.last < 0:
         problems.append(f"last={o.last} must be >= 0")
-    if o.force is not None and (not o.force or set(o.force.upper()) - set("FSA")):
+    if o.force is not None and set(o.force.upper()) - set("FSA"):
         problems.append(f"force={o.force!r} must be letters F (full), S (cached), A (by the threshold)")
     if problems:
-        raise ConfigError(f"{name}={value!r}: " + "; ".join(problems))
+        raise bad("; ".join(problems))
     return o if o.force is None else dataclasses.replace(o, force=o.force.upper())
 
 
