@@ -216,11 +216,12 @@ def _global_shape(leaf: _Leaf, mesh) -> tuple:
     return (ways, *leaf.shape)
 
 
-def _compiled(runner, prep, options):
-    """(step, meta): the cached step for `prep`'s geometry, and its cache arrays' layout."""
+def _compiled(runner, prep, options, fixed_mode: int | None = None):
+    """(step, meta): the cached step for `prep`'s geometry, and its cache arrays' layout.
+    `fixed_mode` (estimates only): the mode compiled in as a constant, so XLA keeps one branch."""
     steps = runner.__dict__.setdefault("_cached_steps", {})
     shapes = tuple(sorted((k, np.shape(v), str(jnp.result_type(v))) for k, v in prep.inputs.items()))
-    sig = (prep.key, tuple(sorted(prep.specs.items())), shapes, options.first, options.last)
+    sig = (prep.key, tuple(sorted(prep.specs.items())), shapes, options.first, options.last, fixed_mode)
     if sig in steps:
         return steps[sig]
     mesh = runner.mesh
@@ -242,6 +243,10 @@ def _compiled(runner, prep, options):
     leaves = record["leaves"]
     state_specs = jax.tree.unflatten(record["treedef"], [_leaf_spec(x) for x in leaves])
     fn = _inner(runner, prep.key, options, record["layout"])
+    if fixed_mode is not None:
+        inner_fn = fn
+        fn = lambda params, inputs, state, controls: inner_fn(
+            params, inputs, state, {"mode": jnp.int32(fixed_mode), "threshold": controls["threshold"]})
     if mesh is not None:
         fn = jax.shard_map(fn, mesh=mesh, in_specs=(runner._param_specs, in_specs, state_specs, control_specs),
                            out_specs=(out_specs, state_specs, diag_specs), check_vma=runner.config.check_vma)
@@ -261,6 +266,31 @@ def _zeros(runner, record):
                      [NamedSharding(mesh, _leaf_spec(x)) for x in record["leaves"]])
         record["zeros"] = jax.jit(lambda: [jnp.zeros(s, d) for s, d in shapes], out_shardings=shardings)
     return jax.tree.unflatten(record["treedef"], record["zeros"]())
+
+
+def trace_cached(runner, options: StepCacheOptions, fixed_mode: int | None = None, **kwargs):
+    """`jax.stages.Traced` of the cached step for these kwargs (ShapeDtypeStructs stand for
+    arrays, as `Runner.trace` takes them): for deviceless compiles. `fixed_mode`: FULL or CACHED
+    compiled in (one branch's cost), None: the decision at run time (the program `cached_call` runs)."""
+    concrete = {k: (np.ones(v.shape, v.dtype) if isinstance(v, jax.ShapeDtypeStruct) else v) for k, v in kwargs.items()}
+    prep = runner.prepare(concrete)
+    step, record = _compiled(runner, prep, options, fixed_mode)
+    mesh = runner.mesh
+    state = jax.tree.unflatten(record["treedef"], [
+        jax.ShapeDtypeStruct(_global_shape(x, mesh), x.dtype,
+                             sharding=None if mesh is None else NamedSharding(mesh, _leaf_spec(x)))
+        for x in record["leaves"]])
+    replicated = None if mesh is None else NamedSharding(mesh, P())
+    controls = {"mode": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+                "threshold": jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)}
+    return step.trace(runner._state, runner._abstract_inputs(prep.inputs, prep.specs), state, controls)
+
+
+def cache_bytes(runner, options: StepCacheOptions, **kwargs) -> int:
+    """Bytes per device of one cache slot's arrays for these kwargs (after `trace_cached`)."""
+    trace_cached(runner, options, **kwargs)
+    record = next(r for (_, r) in runner._cached_steps.values())
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in record["leaves"])
 
 
 def cached_call(runner, kwargs: dict, options: StepCacheOptions, state, mode: int):
