@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         ms = expected_ms(E.summarize(E.estimate(text, chip)), calibration)
         mem = deviceless.memory_report(compiled)
         row = dict(program=name, estimate_ms=round(ms, 2), compile_s=round(time.perf_counter() - t0, 1),
-                   hbm_total_bytes=mem["total"], temp_bytes=mem.get("temp"))
+                   hbm_total_bytes=mem["total"], temporaries_bytes=mem["temporaries"])
         print(json.dumps(row), file=sys.stderr, flush=True)
         return row
 
