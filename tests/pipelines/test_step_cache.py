@@ -7,7 +7,7 @@
   run with the reuse rule written plainly here (`Reuse`: each later stack's `out - in` kept at a
   full call and added at a cached one), independent of the compiled `lax.cond` program;
 - Qwen-Image (true CFG: a cache per call), Wan 2.2 A14B (the cache starts over at the expert
-  switch), HunyuanVideo under SP, LTX-2 under TP (both streams; CFG, STG and modality calls):
+  switch), HunyuanVideo, LTX-2 under TP (both streams; CFG, STG and modality calls):
   threshold 0 bit-identical, a huge threshold caches;
 - the options are checked before any work; a `first` that leaves no middle block is refused.
 """
@@ -76,7 +76,7 @@ def test_threshold_zero_is_bit_identical_and_huge_threshold_caches(case, tp, mod
 # the other ports: (folder, call, tp, mode, the slots of a step, full passes with a huge threshold)
 OTHERS = [("qwen_image", "true_cfg", None, None, ["cond", "uncond"], 2),  # true CFG: two calls, two caches
           ("wan22_a14b", "two_experts", None, None, ["rows"], 2),  # starts over at the expert switch
-          ("hunyuan_video", "true_cfg", 4, "sp", ["rows"], 1),
+          ("hunyuan_video", "true_cfg", None, None, ["rows"], 1),
           ("ltx2", "0", 4, "tp", ["rows", "stg", "modality"], 3)]  # CFG rows, STG and modality calls
 
 
