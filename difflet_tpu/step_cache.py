@@ -103,7 +103,11 @@ class BlockChain:
         total = None if self.layout is None else sum(self.layout)
         a = min(n, max(0, self.first - offset))  # this stack's first blocks: [0, a)
         b = n if total is None else min(n, max(a, total - self.last - offset))  # its last blocks: [b, n)
-        run = lambda c, start, stop: nn.scan_range(blocks, c, fn, xs, start, stop) if stop > start else c
+        # each segment between barriers, as the whole stack's scan is a loop of its own in the plain
+        # step: XLA inlines a one-block scan, and its ops fused with the split's would round
+        # differently (threshold 0 would then not be the plain step bit for bit)
+        barrier = jax.lax.optimization_barrier
+        run = lambda c, start, stop: barrier(nn.scan_range(blocks, barrier(c), fn, xs, start, stop)) if stop > start else c
         entry = carry
         carry = run(carry, 0, a)
         if k == 0:

@@ -277,3 +277,37 @@ def test_generate_gate_exit_status_json_and_plot(tmp_path, capsys):
     assert out.read_bytes()[:8] == plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert generate.main(argv[:3] + ["--out", str(tmp_path / "b.png"), "--quality-gate", "30"]) == 1
     assert "--quality-gate needs --cache" in capsys.readouterr().err
+
+
+def test_the_bench_loop_caches():
+    """`Denoiser(cache=)` (the bench's loop) on the tiny Wan transformer with CFG rows: threshold 0
+    is the uncached loop bit for bit; a huge threshold runs one full pass and stays finite."""
+    from difflet_tpu import loading
+    from difflet_tpu.models import wan
+    from difflet_tpu.pipeline import denoise as PL
+    from difflet_tpu.runner import Runner
+    from difflet_tpu.testing import read_fixture_io
+
+    case = Path(__file__).resolve().parents[1] / "fixtures" / "wan_t2v_batch2"
+    kw, _ = read_fixture_io(case)
+    runner = Runner(loading.load_transformer(case / "transformer", dtype=jnp.float32, config=Config()), None,
+                    Config(), compiler_options=FAST)
+    inputs = {"hidden_states": kw["hidden_states"][:1], "timestep": kw["timestep"][:1],
+              "encoder_hidden_states": kw["encoder_hidden_states"][1:]}
+    cfg_inputs = dict(inputs, hidden_states=kw["hidden_states"][[0, 0]],
+                      encoder_hidden_states=kw["encoder_hidden_states"], timestep=kw["timestep"])
+    spec = wan.SPEC.pipeline
+
+    def run(cache):
+        den = PL.Denoiser(spec, [runner], inputs, spec.schedule(3, inputs, "tiny"), guidance=5.0,
+                          cfg_inputs=cfg_inputs, dtype=jnp.float32, cache=cache)
+        final, _ = den.run()
+        return final["hidden_states"], den.step_cache
+
+    plain, none = run(None)
+    zero, stats = run("first-block:threshold=0,warmup=1")
+    assert none is None and stats.full_calls == 3
+    np.testing.assert_array_equal(zero, plain)
+    huge, stats = run("first-block:threshold=1e9,warmup=1")
+    assert stats.stats()["transformer_calls"] == 1 and stats.cached_calls == 2 and np.isfinite(huge).all()
+    assert np.abs(huge - plain).max() > 1e-3
