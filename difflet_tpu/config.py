@@ -139,6 +139,7 @@ class Config:
     kernel_tiles: str | None = None
     vae_spread: str = "auto"
     text_trim: bool = False
+    step_cache: str | None = None
 
     def __post_init__(self):
         for name in ("sp", "sp_single", "sp_cross_local", "sp_pad", "check_vma", "split_rope", "text_trim"):
@@ -162,6 +163,9 @@ class Config:
             object.__setattr__(self, "mesh", _normal_mesh("Config.mesh", self.mesh))
         if self.kernel_tiles is not None:
             _check_tile_table("Config.kernel_tiles", self.kernel_tiles)
+        if self.step_cache is not None:
+            options = parse_step_cache(self.step_cache, "Config.step_cache")
+            object.__setattr__(self, "step_cache", None if options is None else options.spec())
 
     def mesh_axes(self) -> dict | None:
         """{"cfg": 2, "tp": 4} from `mesh`, or None when unset."""
@@ -267,6 +271,104 @@ def _parse_path(var: str, value: str) -> str:
     return value.strip()
 
 
+# --------------------------------------------------------------------------
+# Step caching (difflet_tpu.step_cache): the option string, parsed and checked here only
+# --------------------------------------------------------------------------
+
+CACHE_METHODS = ("first-block",)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCacheOptions:
+    """First-block residual caching (cache-dit's DBCache; ParaAttention's First-Block Cache
+    when `last` is 0): each transformer call runs its `first` blocks; when the relative L1
+    change of their output residual since the call's last full pass is below `threshold`,
+    the middle blocks are skipped and their residual from that full pass is added instead;
+    the `last` blocks always run.
+
+    threshold: the relative L1 change below which a step reuses the cache (0: never).
+    warmup: the first `warmup` calls (of each CFG branch, and again after an expert switch)
+        always run every block (at least 1: the first call fills the cache).
+    max_skips: at most this many cached calls in a row, then a full pass.
+    first / last: the blocks that always run at the start / end of the model's block chain
+        (cache-dit's Fn / Bn).
+    force: a fixed pattern per step instead of the threshold (tests, experiments): "F" a
+        full pass, "S" a cached one, "A" the threshold's decision; warmup and max_skips do
+        not apply to F / S, and a step past the pattern's end decides by the threshold.
+    """
+
+    method: str = "first-block"
+    threshold: float = 0.08
+    warmup: int = 2
+    max_skips: int = 3
+    first: int = 1
+    last: int = 0
+    force: str | None = None
+
+    def spec(self) -> str:
+        """The option string that parses back to these options."""
+        keys = ("threshold", "warmup", "max_skips", "first", "last", "force")
+        return f"{self.method}:" + ",".join(f"{k}={getattr(self, k)}" for k in keys if getattr(self, k) is not None)
+
+
+CACHE_USAGE = ("off, or first-block[:KEY=VALUE,...] with KEY in threshold (>= 0), warmup (>= 1), max_skips (>= 1), "
+               "first (>= 1), last (>= 0), force (letters F, S, A), e.g. first-block:threshold=0.08,warmup=2,max_skips=3")
+
+
+def parse_step_cache(value, name: str = "cache") -> StepCacheOptions | None:
+    """`cache=` / `--cache` / DIFFLET_TPU_STEP_CACHE: None, "" or "off" -> None (no cache); a
+    `StepCacheOptions` as it is (checked); "first-block[:KEY=VALUE,...]" with the keys of
+    `StepCacheOptions`. Anything else is a ConfigError naming the part that is wrong."""
+    if value is None or isinstance(value, StepCacheOptions):
+        return value if value is None else parse_step_cache(value.spec(), name)
+
+    def bad(why: str):
+        return ConfigError(f"{name}={value!r}: {why}; use one of: {CACHE_USAGE}")
+
+    if not isinstance(value, str):
+        raise bad("not an option string")
+    text = value.strip()
+    if text.lower() in ("", "off", "none"):
+        return None
+    method, _, rest = (p.strip() for p in text.partition(":"))
+    if method not in CACHE_METHODS:
+        raise bad(f"unknown caching method {method!r}")
+    kinds = {"threshold": float, "warmup": int, "max_skips": int, "first": int, "last": int, "force": str}
+    values = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, raw = (p.strip() for p in item.partition("="))
+        if key not in kinds or not eq or not raw:
+            raise bad(f"{item!r} is not KEY=VALUE with a known KEY")
+        if key in values:
+            raise bad(f"{key} is given twice")
+        try:
+            values[key] = kinds[key](raw)
+        except ValueError:
+            raise bad(f"{key}={raw!r} is not {'a number' if kinds[key] is float else 'an integer'}") from None
+    o = StepCacheOptions(method=method, **values)
+    problems = []
+    if not (o.threshold >= 0 and o.threshold != float("inf")):
+        problems.append(f"threshold={o.threshold} must be a finite number >= 0")
+    if o.warmup < 1:
+        problems.append(f"warmup={o.warmup} must be >= 1 (the first call fills the cache)")
+    if o.max_skips < 1:
+        problems.append(f"max_skips={o.max_skips} must be >= 1")
+    if o.first < 1:
+        problems.append(f"first={o.first} must be >= 1 (the first blocks' residual decides)")
+    if o.last < 0:
+        problems.append(f"last={o.last} must be >= 0")
+    if o.force is not None and set(o.force.upper()) - set("FSA"):
+        problems.append(f"force={o.force!r} must be letters F (full), S (cached), A (by the threshold)")
+    if problems:
+        raise bad("; ".join(problems))
+    return o if o.force is None else dataclasses.replace(o, force=o.force.upper())
+
+
+def _parse_step_cache(var: str, value: str) -> str | None:
+    options = parse_step_cache(value, var)
+    return None if options is None else options.spec()
+
+
 # Variable -> (Config field, parser). The one list of toggles.
 ENV_VARS = {
     "DIFFLET_TPU_SP": ("sp", _parse_bool),
@@ -285,4 +387,5 @@ ENV_VARS = {
     "DIFFLET_TPU_KERNEL_TILES": ("kernel_tiles", _parse_tile_table),
     "DIFFLET_TPU_VAE_SPREAD": ("vae_spread", _parse_choice(SPREAD_VALUES)),
     "DIFFLET_TPU_TEXT_TRIM": ("text_trim", _parse_bool),
+    "DIFFLET_TPU_STEP_CACHE": ("step_cache", _parse_step_cache),
 }

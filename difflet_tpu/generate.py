@@ -31,9 +31,16 @@ negative prompt); `--seed` defaults to 0 (latents from `jax.random`).
 
 On a TPU VM the transformer runs on every chip (TP, or SP with DIFFLET_TPU_SP=1). Without a TPU
 it runs on one CPU device unless `--cpu-devices N` asks for N virtual ones (then TP/SP over them).
+Step caching (docs/caching.md): `--cache first-block:threshold=0.08,warmup=2,max_skips=3` skips the
+middle transformer blocks on steps whose first blocks barely changed; `--quality-gate PSNR_DB` also
+runs the uncached trajectory from the same seed and reports PSNR and SSIM of the final pixels and
+the transformer calls saved (in `--json`, with every step's decision and relative L1 change);
+`--cache-plot PNG` plots that change per step against the threshold (needs matplotlib).
+
 Exit status 0 on success; 1 on an error, a refusal of a value before loading included (the message
 on stderr; no output file is left); 2 for a command line argparse cannot parse (an unknown flag, a
-number that is not one).
+number that is not one); 3 when the quality gate's PSNR is below its floor (the outputs and the
+report are written).
 """
 
 from __future__ import annotations
@@ -79,7 +86,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", help="write the timings here")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on TPU, float32 on CPU")
     ap.add_argument("--cpu-devices", type=int, help="virtual CPU devices when there is no TPU (default 1)")
+    ap.add_argument("--cache", metavar="OPTIONS", help="step caching, e.g. first-block:threshold=0.08,warmup=2,"
+                    "max_skips=3 (default: DIFFLET_TPU_STEP_CACHE, else off; docs/caching.md)")
+    ap.add_argument("--quality-gate", type=float, metavar="PSNR_DB",
+                    help="with --cache: also run uncached, report PSNR / SSIM of the cached output against it and "
+                         "the transformer calls saved; exit status 3 when PSNR is below PSNR_DB")
+    ap.add_argument("--cache-plot", metavar="PNG", help="with --cache: a plot of each step's relative L1 change "
+                    "against the threshold (matplotlib)")
     return ap
+
+
+EXIT_GATE_FAILED = 3
 
 
 def has_tpu() -> bool:
@@ -176,6 +193,7 @@ def check_arguments(args) -> None:
             images.open_image(value, flag)  # readable as an image, before anything loads
     if args.last_image is not None and args.image is None:
         raise ValueError("--last-image needs --image (the first frame)")
+    check_cache_arguments(args)
     path = Path(args.path)
     index = D.read_model_index(path)
     cls = pipeline_for(path, index, args.image is not None)
@@ -201,7 +219,8 @@ def check_arguments(args) -> None:
         audio.check_wav_writable(t)
     inputs = {"PATH": args.path, "--image": args.image, "--last-image": args.last_image}
     checks.check_outputs([("--out", t) for t in targets] + [("--audio-out", t) for t in sounds] +
-                         [("--json", args.json)], {k: v for k, v in inputs.items() if v is not None})
+                         [("--json", args.json), ("--cache-plot", args.cache_plot)],
+                         {k: v for k, v in inputs.items() if v is not None})
     D.check_folder(path, index, cls.folder_components(index))
     D.check_configs(path, index, cls)
     if args.max_sequence_length is not None:
@@ -211,6 +230,31 @@ def check_arguments(args) -> None:
         v = getattr(args, name)
         if v is not None:
             A.size(f"--{name}", v, 2 * factor, limit=name)
+
+
+def check_cache_arguments(args) -> None:
+    """--cache parsed (config.parse_step_cache), --quality-gate and --cache-plot only with it."""
+    import math
+
+    from difflet_tpu.config import ConfigError, parse_step_cache
+
+    try:
+        args.cache_options = parse_step_cache(args.cache if args.cache is not None else
+                                              os.environ.get("DIFFLET_TPU_STEP_CACHE"), "--cache")
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    for flag, value in (("--quality-gate", args.quality_gate), ("--cache-plot", args.cache_plot)):
+        if value is not None and args.cache_options is None:
+            raise ValueError(f"{flag} needs --cache (e.g. --cache first-block:threshold=0.08)")
+    if args.quality_gate is not None and not math.isfinite(args.quality_gate):
+        raise ValueError(f"--quality-gate {args.quality_gate}: a PSNR floor in dB (a finite number)")
+    if args.cache_plot is not None:
+        if Path(args.cache_plot).suffix.lower() != ".png":
+            raise ValueError(f"--cache-plot {args.cache_plot}: the plot is a .png file")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--cache-plot needs matplotlib (pip install 'difflet-tpu[plot]')") from None
 
 
 def peak_device_memory(devices) -> int | None:
@@ -257,7 +301,17 @@ def load(args):
 
 
 def call_kwargs(args, video: bool = False) -> dict:
-    """The pipeline call's arguments from the command line (diffusers' names)."""
+    """The pipeline call's arguments from the command line (diffusers' names; `cache` and
+    `quality_gate`: difflet_tpu.pipeline.caching)."""
+    kwargs = _call_kwargs(args, video)
+    if getattr(args, "cache_options", None) is not None:
+        kwargs["cache"] = args.cache_options
+        if args.quality_gate is not None:
+            kwargs["quality_gate"] = args.quality_gate
+    return kwargs
+
+
+def _call_kwargs(args, video: bool) -> dict:
     if video:  # frames for a file leave the devices as uint8 ("pil")
         kwargs = dict(prompt=args.prompt, num_videos_per_prompt=args.batch, seed=args.seed, output_type="pil")
         optional = dict(negative_prompt=args.negative_prompt, height=args.height, width=args.width,
@@ -326,7 +380,18 @@ def run(args) -> dict:
     report = dict(path=str(args.path), pipeline=type(pipe).__name__, devices=n, mode=mode,
                   dtype=jnp.dtype(dtype).name, loras=[[p, s] for p, s in getattr(args, "loras", [])],
                   **extra, load_s=load_s, **pipe.timings.as_dict(),
-                  peak_device_memory_bytes=peak_device_memory(list(devices)))
+                  peak_device_memory_bytes=peak_device_memory(list(devices)), stats=pipe.stats)
+    gate = pipe.stats.get("quality_gate")
+    if gate is not None:
+        psnr = "inf (identical)" if gate["identical"] else f"{gate['psnr_db']:.2f} dB"
+        log(f"quality gate: PSNR {psnr}, "
+            f"SSIM {gate['ssim']:.4f}, floor {gate['floor_db']} dB: {'passed' if gate['passed'] else 'FAILED'}; "
+            f"transformer calls {gate['transformer_calls']} of {gate['uncached_transformer_calls']} "
+            f"({gate['calls_saved']} saved)")
+    if getattr(args, "cache_plot", None) is not None:
+        from difflet_tpu.pipeline.caching import plot_changes
+
+        outputs.append((args.cache_plot, lambda f: plot_changes(pipe.stats, f), "--cache-plot"))
     if args.json is not None:
         outputs.append((args.json, json.dumps(report, indent=2) + "\n", "--json"))
     checks.write_all_atomic(outputs)
@@ -342,10 +407,15 @@ def main(argv=None) -> int:
     quiet_start()
     try:
         check_arguments(args)
-        run(args)
+        report = run(args)
     except (ValueError, TypeError, FileNotFoundError, FloatingPointError, OSError, checks.WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    gate = report["stats"].get("quality_gate")
+    if gate is not None and not gate["passed"]:
+        print(f"error: the quality gate failed: PSNR {gate['psnr_db']:.2f} dB < {gate['floor_db']} dB",
+              file=sys.stderr)
+        return EXIT_GATE_FAILED
     return 0
 
 

@@ -10,7 +10,7 @@ Each process has 2 virtual CPU devices and joins the run with
   wan_t2v_batch2 on a cfg=2 x tp=2 mesh (each cfg group on one process), each
   loaded with every `Checkpoint.read` counted; two CFG denoise steps on the
   cfg mesh; the tiny WanPipeline (tests/fixtures/pipelines/wan_t2v, its CFG call) under SP on
-  the tp=4 ring. Writes DIR/reads_<I>.json and, on process 0, DIR/outputs.npz.
+  the tp=4 ring, uncached and with the step cache (each process's decisions written). Writes DIR/reads_<I>.json and, on process 0, DIR/outputs.npz.
 * bench: `python -m difflet_tpu.bench` in this process (wan:tiny, cfg=2,tp=2, SP,
   2 steps); its stdout to DIR/bench_<I>.txt.
 * die: process 1 exits abruptly after one step; process 0 keeps stepping and
@@ -143,6 +143,11 @@ def parity(out, pid):
     frames = pipe(**call, latents=np.load(folder / "io.npz")["cfg.latents"], output_type="np").frames
     res["pipeline_sha256_all"] = distributed.gather_strings(sha256({"frames": frames}))
     outputs["pipeline_frames"] = frames
+    # the step cache: each process reads its decisions from its own devices (psums over the mesh)
+    cached = pipe(**call, latents=np.load(folder / "io.npz")["cfg.latents"], output_type="np",
+                  cache="first-block:threshold=0.53,warmup=1,max_skips=100")
+    res["cache_decisions"] = cached.stats["decisions"]
+    res["cache_sha256_all"] = distributed.gather_strings(sha256({"frames": cached.frames}))
     (out / f"reads_{pid}.json").write_text(json.dumps(res))
     if pid == 0:
         np.savez(out / "outputs.npz", **outputs)

@@ -25,6 +25,10 @@ GOOD = {
     "DIFFLET_TPU_KERNEL_TILES": [(TILES, TILES), (f" {TILES} ", TILES)],
     "DIFFLET_TPU_VAE_SPREAD": [("auto", "auto"), ("on", "on"), ("off", "off"), ("On", "on")],
     "DIFFLET_TPU_TEXT_TRIM": [("0", False), ("1", True)],
+    "DIFFLET_TPU_STEP_CACHE": [("off", None), ("", None), ("first-block", "first-block:threshold=0.08,warmup=2,"
+                                                            "max_skips=3,first=1,last=0"),
+                               (" first-block: threshold=0.1, last=1 ", "first-block:threshold=0.1,warmup=2,"
+                                                                         "max_skips=3,first=1,last=1")],
 }
 BAD = {
     "DIFFLET_TPU_SP": ["2", "yes", "true", ""],
@@ -43,6 +47,7 @@ BAD = {
     "DIFFLET_TPU_KERNEL_TILES": ["", "/nonexistent/tiles.json", os.path.dirname(TILES)],
     "DIFFLET_TPU_VAE_SPREAD": ["1", "", "height"],
     "DIFFLET_TPU_TEXT_TRIM": ["on", "", "true"],
+    "DIFFLET_TPU_STEP_CACHE": ["teacache", "first-block:threshold=x", "first-block:warmup=0", "first-block:speed=1"],
 }
 
 

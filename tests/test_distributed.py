@@ -6,7 +6,8 @@ SP on a tp=4 ring across the processes and CFG-parallel (cfg=2 x tp=2, one cfg
 group per process) against the one-process result and diffusers' fixture;
 that each process read only the slices of its own devices; two CFG denoise
 steps equal on every process and to one process; a whole WanPipeline call (SP across the
-processes) equal on both and to diffusers' frames; the bench reporting once;
+processes) equal on both and to diffusers' frames, and with the step cache the same decisions on
+both; the bench reporting once;
 then process 1 dies and process 0 must stop with a clear error, fast. Two
 one-process runs check that a coordinator that never answers and a peer that
 never joins end in bounded time. Every subprocess has a timeout; ports are
@@ -157,6 +158,18 @@ def test_a_whole_video_pipeline_across_processes_equals_diffusers(two_processes)
     want = np.load(FIXTURES / "pipelines" / "wan_t2v" / "io.npz")["cfg.frames"]
     got = np.load(out / "outputs.npz")["pipeline_frames"]
     assert got.shape == want.shape and np.abs(got - want).max() <= 1e-3 and rel_l2(got, want) <= 1e-4
+
+
+def test_step_cache_decisions_agree_across_processes(two_processes):
+    """The tiny WanPipeline under SP across the two processes with the step cache: every decision
+    and relative change the same on both processes (one value from psums over the mesh), a
+    threshold between the steps' changes (0.58, 0.49 on one process's 4-device SP) so the pattern
+    has a full pass and a cached call, and the same frames."""
+    out, res = two_processes
+    r0, r1 = _reads(out, 0), _reads(out, 1)
+    assert r0["cache_decisions"] == r1["cache_decisions"], _show(res)
+    assert [d["skipped"] for d in r0["cache_decisions"]] == [False, False, True]
+    assert r0["cache_sha256_all"][0] == r0["cache_sha256_all"][1]
 
 
 def test_each_process_reads_only_its_own_slices(two_processes):

@@ -197,6 +197,14 @@ assert rel_l2(audio, expected["audio_sample"]) < 0.02, rel_l2(audio, expected["a
 assert video.shape == (5, 16, 16, 3) and 0.0 <= video.min() and video.max() <= 1.0
 assert (TMP / "cat.mp4").stat().st_size > 0
 """),
+    ("docs/caching.md", 0): Snippet(
+        subs=(('"FLUX.1-dev"', '"{fixtures}/pipelines/flux_dev"'),
+              ("num_inference_steps=28", "num_inference_steps=3, height=32, width=32, max_sequence_length=16"),
+              ("threshold=0.08,warmup=2", "threshold=1e9,warmup=1"), ("quality_gate=30.0", "quality_gate=10.0")),
+        check="""
+assert out.stats["transformer_calls"] == 1 and out.stats["cached_calls"] == 2
+assert gate["uncached_transformer_calls"] == 3 and gate["calls_saved"] == 2 and 0 < gate["ssim"] <= 1
+"""),
     ("docs/video.md", 0): Snippet(
         subs=(('"Wan2.1-T2V-14B-Diffusers"', '"{fixtures}/pipelines/wan_t2v"'),
               ("height=480, width=832, num_frames=81, num_inference_steps=50",

@@ -107,6 +107,9 @@ def parser():
                          "(default), sta (a window of tiles; sta:window=T,H,W,tile=T,H,W) or radial "
                          "(radial:decay=F,sink=0|1); Wan only for now; priced by its active blocks")
     ap.add_argument("--batch", type=int, default=1, help="prompts per call (CFG doubles the rows; default 1)")
+    ap.add_argument("--cache", metavar="OPTIONS",
+                    help="step caching of the timed loop, e.g. first-block:threshold=0.08,warmup=2,max_skips=3 "
+                    "(default: DIFFLET_TPU_STEP_CACHE, else off; docs/caching.md); the row reports its decisions")
     ap.add_argument("--expert-offload", choices=("auto", "on", "off"),
                     help="where a two-expert model (Wan2.2 A14B) keeps its idle expert: host memory (on), the "
                     "devices (off), or auto: host memory only when both experts do not fit the device memory "
@@ -218,8 +221,14 @@ def validate(args, ap):
             ap.error(str(e))
     try:
         args.offload = args.expert_offload or Config.from_env().expert_offload
+        from difflet_tpu.config import parse_step_cache
+
+        args.cache = parse_step_cache(args.cache if args.cache is not None else Config.from_env().step_cache,
+                                      "--cache")
     except ConfigError as e:
         ap.error(str(e))
+    if args.cache is not None and (args.compile_only or args.end_to_end):
+        ap.error("--cache applies to the timed denoise loop (not --compile-only / --end-to-end)")
     explicit = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
     if any(explicit) and not all(explicit):
         ap.error("--coordinator, --num-processes and --process-id go together")

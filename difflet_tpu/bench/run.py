@@ -211,7 +211,8 @@ def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
         row["load_s"] = time.perf_counter() - t0
         den = PL.Denoiser(pipe, runners, inputs, plan["schedule"], guidance=guidance, boundary=plan["boundary"],
                           cfg_inputs=cfg_inputs, dtype=dtype, offload=args.offload,
-                          latent_guidance=pipe.latent_guidance if args.guidance is None else None)
+                          latent_guidance=pipe.latent_guidance if args.guidance is None else None,
+                          cache=getattr(args, "cache", None))
         c0 = PL.CompileCounter.count()
         w = den.warmup(args.warmup)
         c1 = PL.CompileCounter.count()
@@ -227,6 +228,8 @@ def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
         row["peak_memory_bytes"] = peak_memory(mesh)
         if plan["n_experts"] > 1:
             row["expert_offload"] = offload_row(den)
+        if den.step_cache is not None:  # the timed run's transformer passes and per-step decisions
+            row["step_cache"] = den.step_cache.stats()
         row["profile"] = prof
         # every XLA compile of this row (cache loads included) and the compile cache's answers
         row["xla_compile"] = runtime.stats_since(stats0)

@@ -10,6 +10,7 @@ diffusers key maps to a parameter path by renaming the leaf only.
 
 from __future__ import annotations
 
+import contextvars
 import math
 
 import jax
@@ -138,10 +139,26 @@ def stacked(make_block, num: int, rngs: nnx.Rngs):
     return build(rngs)
 
 
-def scan_blocks(blocks, carry, fn, xs=None):
+# The step cache's trace-time chain (difflet_tpu.step_cache.BlockChain) while a cached step is
+# traced; None otherwise, so a step without a cache traces exactly as before.
+BLOCK_CHAIN = contextvars.ContextVar("difflet_block_chain", default=None)
+
+
+def num_blocks(blocks) -> int:
+    """How many blocks a `stacked` module holds (the leading axis of its parameters)."""
+    return int(jax.tree_util.tree_leaves(nnx.state(blocks))[0].shape[0])
+
+
+def scan_blocks(blocks, carry, fn, xs=None, *, chain: bool = False, derive=None):
     """Runs `fn(block, carry) -> carry` over stacked `blocks` with `lax.scan`,
     so compile time does not grow with depth. With `xs` (stacked like the
     blocks, e.g. each block's text K/V): `fn(block, carry, x)`.
+
+    `chain`: these blocks are part of the model's main block chain (its stacks in
+    the order they run), which a step cache (difflet_tpu.step_cache) splits into
+    first / middle / last blocks; ignored when no cached step is traced. `derive`:
+    recomputes the parts of the carry that are functions of its others (Wan's row
+    moments, LTX-2's sum of squares) after the cache added a residual to them.
 
     The scan runs over the layer index and every parameter but the `Linear`
     kernels and biases: a block's kernel (and bias) is a `LayerWeight` (the
@@ -151,16 +168,26 @@ def scan_blocks(blocks, carry, fn, xs=None):
     epilogue); every other use slices the layer out (`kernel[...]`,
     `bias[...]`), the same slice `lax.scan` takes of its inputs.
     """
+    active = BLOCK_CHAIN.get() if chain else None
+    if active is not None:
+        return active.scan(blocks, carry, fn, xs, derive)
+    return scan_range(blocks, carry, fn, xs)
+
+
+def scan_range(blocks, carry, fn, xs=None, start: int = 0, stop: int | None = None):
+    """`scan_blocks` over the blocks `[start, stop)` of the stack only."""
     linears = {path for path, node in nnx.iter_graph(blocks) if isinstance(node, Linear)}
     is_kernel = lambda path, _: path[-1] in ("kernel", "bias") and tuple(path[:-1]) in linears
     graphdef, kernels, rest = nnx.split(blocks, is_kernel, ...)
+    if start != 0 or stop is not None:  # the layers' slices (the kernels stay whole: LayerWeight indexes them)
+        rest, xs = jax.tree.map(lambda a: a[start:stop], (rest, xs))
 
     def body(c_i, s_x):  # the layer index is carried (a slice of an arange would feed the kernels)
         (c, i), (s, x) = c_i, s_x
         block = nnx.merge(graphdef, jax.tree.map(lambda k: LayerWeight(k, i), kernels), s)
         return ((fn(block, c) if xs is None else fn(block, c, x)), i + 1), None
 
-    (carry, _), _ = jax.lax.scan(body, (carry, jnp.int32(0)), (rest, xs))
+    (carry, _), _ = jax.lax.scan(body, (carry, jnp.int32(start)), (rest, xs))
     return carry
 
 

@@ -333,12 +333,17 @@ class Denoiser:
     memory to be freed the runners must hold the only references to their
     parameters (build the models, hand them to the Runners, drop them).
     With one runner it is a no-op.
+    cache: step caching (`config.StepCacheOptions` or its option string; None: off): each
+    `run` / `warmup` goes through a fresh `step_cache.StepCache` (`step_cache`; its `stats()`
+    after the run), the step's rows one cache slot that starts over at an expert switch.
     """
 
     def __init__(self, pipeline, runners: list, inputs: dict, schedule, *,
                  guidance: float, boundary: float | None = None, cfg_inputs: dict | None = None,
-                 latent_guidance: dict | None = None, dtype=None, offload: str | None = None):
+                 latent_guidance: dict | None = None, dtype=None, offload: str | None = None, cache=None):
         import jax.numpy as jnp
+
+        from difflet_tpu.config import parse_step_cache
 
         self.pipeline = pipeline
         self.runners = list(runners)
@@ -368,6 +373,8 @@ class Denoiser:
         self.home = ExpertHome(self.runners, offload)
         self.offload_setting = offload
         self.last_swap_s = 0.0
+        self.cache = parse_step_cache(cache)
+        self.step_cache = None
 
     # the expert placement's state, read by the bench's report and the tests
     offload = property(lambda self: self.home.offload)
@@ -407,7 +414,10 @@ class Denoiser:
         e = self.expert(t)
         kw = self.kwargs(latents, t)
         self.last_swap_s = self.activate(e, kw, i) if len(self.runners) > 1 else 0.0
-        outs = self.runners[e](**kw, return_dict=False)
+        if self.step_cache is not None:
+            outs = self.step_cache(self.runners[e], i, "rows", dict(kw, return_dict=False))
+        else:
+            outs = self.runners[e](**kw, return_dict=False)
         mode = 0 if not self.cfg else 2 if self.pipeline.cfg_rescale else 1
         new = {}
         if isinstance(self.schedule, S.Schedule):  # Euler: the guidance and the update in one program
@@ -420,6 +430,12 @@ class Denoiser:
         for (k, x), o in zip(latents.items(), outs):
             new[k] = self.sampler(k).step(i, guide(o, np.float32(self.latent_guidance[k])), x)
         return new
+
+    def start_cache(self) -> None:
+        """A fresh step cache for a run (None without `cache`)."""
+        from difflet_tpu.step_cache import StepCache
+
+        self.step_cache = None if self.cache is None else StepCache(self.cache)
 
     def sampler(self, key: str):
         """The sampler of latent `key` (one per latent: a multistep sampler keeps its own history),
@@ -449,6 +465,7 @@ class Denoiser:
         import jax
 
         times, first = [], 0.0
+        self.start_cache()
         experts = sorted({self.expert(float(t)) for t in self.schedule.timesteps})
         for e in experts:
             i = next(j for j, t in enumerate(self.schedule.timesteps) if self.expert(float(t)) == e)
@@ -476,6 +493,7 @@ class Denoiser:
         lat = self.initial()
         times = []
         self.home.swaps = []
+        self.start_cache()
         with contextlib.ExitStack() as stack:
             if profile_dir:  # traced into a temporary directory, renamed to profile_dir only on success
                 tmp = stack.enter_context(checks.atomic_dir(profile_dir, "--profile"))

@@ -42,6 +42,7 @@ from difflet_tpu.arguments import ArgumentError as PipelineError  # one type for
 from difflet_tpu.pipeline import samplers
 from difflet_tpu.pipeline import folder_checks
 from difflet_tpu.pipeline import schedules as S
+from difflet_tpu.pipeline.caching import CachedLoop
 from difflet_tpu.pipeline.lora import LoraLoaderMixin
 
 logger = logging.getLogger(__name__)
@@ -61,9 +62,11 @@ PIPELINES = {
 class PipelineOutput:
     """diffusers' `FluxPipelineOutput` / `QwenImagePipelineOutput`: `images` is a list of PIL
     images (`output_type="pil"`), a float32 [B, H, W, 3] array in [0, 1] (`"np"`), or the packed
-    latents [B, N, 4 C] (`"latent"`)."""
+    latents [B, N, 4 C] (`"latent"`). `stats`: what the call did (transformer passes, step cache:
+    difflet_tpu.pipeline.caching)."""
 
     images: Any
+    stats: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -285,7 +288,7 @@ class Call:
     max_sequence_length: int
 
 
-class DiffusionPipeline(LoraLoaderMixin):
+class DiffusionPipeline(CachedLoop, LoraLoaderMixin):
     """Base of the text-to-image pipelines; `from_pretrained` picks the subclass."""
 
     # set by subclasses: {component: (kind, accepted classes, tokenizer family or None)}
@@ -339,8 +342,10 @@ class DiffusionPipeline(LoraLoaderMixin):
 
             config = Config.from_env()
         check_configs(path, index, pipeline_cls, mesh=mesh, dtype=dtype, config=config)
-        return pipeline_cls.load(path, index, mesh=mesh, dtype=dtype, config=config,
+        pipe = pipeline_cls.load(path, index, mesh=mesh, dtype=dtype, config=config,
                                  runner_options=dict(runner_options or {}))
+        pipe.default_cache = config.step_cache  # the calls' `cache=` default (difflet_tpu.pipeline.caching)
+        return pipe
 
     @classmethod
     def folder_components(cls, index: dict) -> dict:
@@ -517,19 +522,6 @@ class DiffusionPipeline(LoraLoaderMixin):
         seed = int(np.random.SeedSequence().generate_state(1)[0]) if seed is None else A.seed(seed)
         noise = jax.random.normal(jax.random.key(seed), (batch, channels, h, w), jnp.float32)
         return pack_latents(noise).astype(dtype)
-
-    def denoise(self, latents, sampler, predict: Callable):
-        """The loop: `predict(latents, i, t)` -> the model's output at step i (timestep `t` as the
-        scheduler gives it), then the sampler's step (difflet_tpu.pipeline.samplers; a
-        `schedules.Schedule` steps by Euler)."""
-        sampler = samplers.as_sampler(sampler)
-        self.timings.steps = []
-        for i, t in enumerate(sampler.timesteps):
-            start = time.perf_counter()
-            latents = jax.block_until_ready(sampler.step(i, predict(latents, i, t), latents))
-            self.timings.steps.append(time.perf_counter() - start)
-            self._stage("step", index=i, total=len(sampler), seconds=self.timings.steps[-1])
-        return latents
 
     @staticmethod
     def postprocess(image, output_type: str):

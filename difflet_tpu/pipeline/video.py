@@ -44,9 +44,11 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class VideoPipelineOutput:
     """diffusers' `WanPipelineOutput`: `frames` is float32 `[B, F, H, W, 3]` in [0, 1] (`"np"`), a
-    list of lists of PIL images (`"pil"`), or the latents `[B, C, T, h, w]` (`"latent"`)."""
+    list of lists of PIL images (`"pil"`), or the latents `[B, C, T, h, w]` (`"latent"`). `stats`:
+    what the call did (transformer passes, step cache: difflet_tpu.pipeline.caching)."""
 
     frames: Any
+    stats: dict = dataclasses.field(default_factory=dict)
 
 
 @jax.jit

@@ -211,7 +211,7 @@ class FluxTransformer2DModel(nnx.Module):
             double_rope = stream_rope(rope, encoder_hidden_states.shape[1] * par.size)
         hidden_states, encoder_hidden_states = nn.scan_blocks(
             self.transformer_blocks, (hidden_states, encoder_hidden_states),
-            lambda block, carry: block(par, *carry, temb, double_rope, kv_mask))
+            lambda block, carry: block(par, *carry, temb, double_rope, kv_mask), chain=True)
 
         # Single blocks on [txt | img] (under SP this rank's [txt_r | img_r], tables and mask
         # in the gathered order: layers.mmdit.single_stream_rows)
@@ -220,7 +220,7 @@ class FluxTransformer2DModel(nnx.Module):
             par, encoder_hidden_states, hidden_states, (freqs_cos, freqs_sin), (kv_mask,))
         rope = (cos, sin, c.split_rope)
         hidden_states = nn.scan_blocks(self.single_transformer_blocks, hidden_states,
-                                       lambda block, h: block(par, h, temb, rope, kv_mask))
+                                       lambda block, h: block(par, h, temb, rope, kv_mask), chain=True)
         hidden_states = hidden_states[:, n_txt_local:]
 
         return self.proj_out(self.norm_out(par, hidden_states, temb))

@@ -173,11 +173,11 @@ class FluxPipeline(D.DiffusionPipeline):
 
         def predict(latents, timestep):
             kw = dict(hidden_states=latents, timestep=timestep, guidance=guidance, img_ids=img_ids)
-            v = self.transformer(**kw, pooled_projections=pooled, encoder_hidden_states=prompt_embeds,
-                                 txt_ids=text_ids).sample
+            v = self.run_transformer(self.transformer, "cond", **kw, pooled_projections=pooled,
+                                     encoder_hidden_states=prompt_embeds, txt_ids=text_ids).sample
             if do_true_cfg:
-                neg = self.transformer(**kw, pooled_projections=neg_pooled, encoder_hidden_states=neg_embeds,
-                                       txt_ids=neg_text_ids).sample
+                neg = self.run_transformer(self.transformer, "uncond", **kw, pooled_projections=neg_pooled,
+                                           encoder_hidden_states=neg_embeds, txt_ids=neg_text_ids).sample
                 v = D.true_cfg(v, neg, float(true_cfg_scale))
             return v
 

@@ -316,7 +316,7 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
         # 4. Transformer blocks
         hidden_states, encoder_hidden_states = nn.scan_blocks(
             self.transformer_blocks, (hidden_states, encoder_hidden_states),
-            lambda blk, carry: blk(par, *carry, temb, rope, key_mask, tr_img))
+            lambda blk, carry: blk(par, *carry, temb, rope, key_mask, tr_img), chain=True)
 
         # Single blocks on [image | text]: under SP this rank's [img_r | txt_r] with the
         # tables and mask in the gathered order (layers.mmdit.single_stream_rows); with
@@ -336,7 +336,7 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
             flags = jnp.concatenate([first_img, jnp.zeros((x.shape[1] - n_img_rows,), bool)])
             tr_joint = (flags, token_replace_emb)
         x = nn.scan_blocks(self.single_transformer_blocks, x,
-                           lambda blk, h: blk(par_single, h, temb, rope_s, mask_s, tr_joint))
+                           lambda blk, h: blk(par_single, h, temb, rope_s, mask_s, tr_joint), chain=True)
         x = x[:, :n_img_rows]
         if sp and not single_sp:
             x = par.shard_rows(x)

@@ -292,7 +292,8 @@ class HunyuanVideoPipeline(V.VideoPipeline):
 
     def denoise_video(self, call: HunyuanCall, conds: dict):
         def predict(latents, i, t):
-            out = self.transformer(**self.step_kwargs(call, latents, t, conds), return_dict=False)[0]
+            out = self.run_transformer(self.transformer, "rows", **self.step_kwargs(call, latents, t, conds),
+                                       return_dict=False)[0]
             if call.do_true_cfg:
                 neg, pos = jnp.split(out, 2)
                 out = D.true_cfg(pos, neg, jnp.float32(call.true_cfg_scale).astype(out.dtype))

@@ -475,7 +475,7 @@ class LTX2VideoTransformer3DModel(nnx.Module):
 
         hidden_states, audio_hidden_states, _, _ = nn.scan_blocks(
             self.transformer_blocks, (hidden_states, audio_hidden_states, row_sum_squares(hidden_states), jnp.int32(0)),
-            body)
+            body, chain=True, derive=lambda c: (c[0], c[1], row_sum_squares(c[0]), c[3]))
 
         # 6. Output layers (embedded_timestep, not temb; [0] = shift, [1] = scale)
         scale_shift_values = self.scale_shift_table[...][None, None] + embedded_timestep[:, :, None]

@@ -64,6 +64,7 @@ class LTX2PipelineOutput:
     frames: Any
     audio: Any
     audio_sample_rate: int
+    stats: dict = dataclasses.field(default_factory=dict)  # what the call did (difflet_tpu.pipeline.caching)
 
 
 def pack_latents(latents, p: int, pt: int):
@@ -340,26 +341,29 @@ class LTX2Pipeline(V.VideoPipeline):
         if not do_mod:
             video_scales, audio_scales = video_scales.at[2].set(1.0), audio_scales.at[2].set(1.0)
 
-        def run(xv, xa, t, kw, **extra):
+        def run(slot, xv, xa, t, kw, **extra):  # slot: the step's call, each with its own step cache
             b = xv.shape[0]
             ts = np.full((b,), t, np.float32)
-            out = self.transformer(hidden_states=xv.astype(self.dtype), audio_hidden_states=xa.astype(self.dtype),
-                                   timestep=ts, sigma=ts, **kw, **grid, **extra).to_tuple()
+            out = self.run_transformer(self.transformer, slot, hidden_states=xv.astype(self.dtype),
+                                       audio_hidden_states=xa.astype(self.dtype), timestep=ts, sigma=ts, **kw, **grid,
+                                       **extra).to_tuple()
             return out[0].astype(jnp.float32), out[1].astype(jnp.float32)
 
         self._stage("denoise", steps=len(schedule))
         self.timings.steps = []
+        self.start_step_cache()
         for i, t in enumerate(schedule.timesteps):
             start = time.perf_counter()
+            self.step_index = i
             sigma = jnp.float32(schedule.sigmas[i])
             if do_cfg:
-                v, va = run(jnp.concatenate([x, x]), jnp.concatenate([a, a]), t, text)
+                v, va = run("rows", jnp.concatenate([x, x]), jnp.concatenate([a, a]), t, text)
                 (uv, v), (ua, va) = jnp.split(v, 2), jnp.split(va, 2)
             else:
-                v, va = run(x, a, t, text)
+                v, va = run("rows", x, a, t, text)
                 uv, ua = v, va
-            sv, sa = run(x, a, t, positive, spatio_temporal_guidance_blocks=stg_blocks) if do_stg else (v, va)
-            mv, ma = run(x, a, t, positive, isolate_modalities=True) if do_mod else (v, va)
+            sv, sa = run("stg", x, a, t, positive, spatio_temporal_guidance_blocks=stg_blocks) if do_stg else (v, va)
+            mv, ma = run("modality", x, a, t, positive, isolate_modalities=True) if do_mod else (v, va)
             v = guide(x, sigma, v, uv, sv, mv, video_scales)
             va = guide(a, sigma, va, ua, sa, ma, audio_scales)
             dt = jnp.float32(schedule.dt(i))

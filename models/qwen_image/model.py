@@ -216,7 +216,7 @@ class QwenImageTransformer2DModel(nnx.Module):
             rope = stream_rope(rope, encoder_hidden_states.shape[1] * par.size)
         hidden_states, encoder_hidden_states = nn.scan_blocks(
             self.transformer_blocks, (hidden_states, encoder_hidden_states),
-            lambda block, carry: block(par, *carry, temb, rope, kv_mask, token_replace))
+            lambda block, carry: block(par, *carry, temb, rope, kv_mask, token_replace), chain=True)
 
         return self.proj_out(self.norm_out(par, hidden_states, temb))
 

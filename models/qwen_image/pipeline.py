@@ -143,11 +143,13 @@ class QwenImagePipeline(D.DiffusionPipeline):
                                img_shapes=img_shapes))
 
         def predict(latents, timestep):
-            v = self.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=prompt_embeds,
-                                 encoder_hidden_states_mask=prompt_mask, img_shapes=img_shapes).sample
+            v = self.run_transformer(self.transformer, "cond", hidden_states=latents, timestep=timestep,
+                                     encoder_hidden_states=prompt_embeds, encoder_hidden_states_mask=prompt_mask,
+                                     img_shapes=img_shapes).sample
             if do_true_cfg:
-                neg = self.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=neg_embeds,
-                                       encoder_hidden_states_mask=neg_mask, img_shapes=img_shapes).sample
+                neg = self.run_transformer(self.transformer, "uncond", hidden_states=latents, timestep=timestep,
+                                           encoder_hidden_states=neg_embeds, encoder_hidden_states_mask=neg_mask,
+                                           img_shapes=img_shapes).sample
                 v = D.true_cfg_rescaled(v, neg, float(true_cfg_scale))
             return v
 

@@ -271,7 +271,8 @@ class WanTransformer3DModel(nnx.Module):
             h = blk(par, h, kv, timestep_proj, cos, sin, kv_mask, split, moments, sparse)
             return h, row_moments(h)
 
-        x, moments = nn.scan_blocks(self.blocks, (x, row_moments(x)), body, xs=text_kv)
+        x, moments = nn.scan_blocks(self.blocks, (x, row_moments(x)), body, xs=text_kv, chain=True,
+                                    derive=lambda c: (c[0], row_moments(c[0])))
 
         # 5. Output norm, projection (uses temb, not timestep_proj)
         table = self.scale_shift_table[...]

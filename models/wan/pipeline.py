@@ -291,7 +291,7 @@ class WanPipeline(V.VideoPipeline):
             else:
                 kw.pop("encoder_hidden_states")
                 kw.pop("encoder_hidden_states_image", None)
-            out = runner(**kw, text_kv=text_kv[e], return_dict=False)[0]
+            out = self.run_transformer(runner, "rows", **kw, text_kv=text_kv[e], return_dict=False)[0]
             if call.do_cfg:
                 scale = call.guidance_scale if e == 0 else call.guidance_scale_2
                 out = cfg_combine(out, jnp.float32(scale))
