@@ -93,6 +93,9 @@ def parser() -> argparse.ArgumentParser:
                          "the transformer calls saved; exit status 3 when PSNR is below PSNR_DB")
     ap.add_argument("--cache-plot", metavar="PNG", help="with --cache: a plot of each step's relative L1 change "
                     "against the threshold (matplotlib)")
+    ap.add_argument("--attention", metavar="SPEC", help="block-sparse video attention (Wan): dense (default), sta, "
+                    "sta:window=T,H,W,full_steps=N, radial:decay=F,full_steps=N (docs/sparse-attention.md); "
+                    "--quality-gate then compares with the dense run")
     return ap
 
 
@@ -243,9 +246,17 @@ def check_cache_arguments(args) -> None:
                                               os.environ.get("DIFFLET_TPU_STEP_CACHE"), "--cache")
     except ConfigError as e:
         raise ValueError(str(e)) from None
-    for flag, value in (("--quality-gate", args.quality_gate), ("--cache-plot", args.cache_plot)):
-        if value is not None and args.cache_options is None:
-            raise ValueError(f"{flag} needs --cache (e.g. --cache first-block:threshold=0.08)")
+    from difflet_tpu.layers import sparse_masks
+
+    try:
+        args.attention_option = sparse_masks.parse(getattr(args, "attention", None))
+    except sparse_masks.SparsityError as e:
+        raise ValueError(f"--attention: {e}") from None
+    sparse = not args.attention_option.dense
+    if args.quality_gate is not None and args.cache_options is None and not sparse:
+        raise ValueError("--quality-gate needs --cache (e.g. --cache first-block:threshold=0.08) or --attention")
+    if args.cache_plot is not None and args.cache_options is None:
+        raise ValueError("--cache-plot needs --cache (e.g. --cache first-block:threshold=0.08)")
     if args.quality_gate is not None and not math.isfinite(args.quality_gate):
         raise ValueError(f"--quality-gate {args.quality_gate}: a PSNR floor in dB (a finite number)")
     if args.cache_plot is not None:
@@ -304,10 +315,14 @@ def call_kwargs(args, video: bool = False) -> dict:
     """The pipeline call's arguments from the command line (diffusers' names; `cache` and
     `quality_gate`: difflet_tpu.pipeline.caching)."""
     kwargs = _call_kwargs(args, video)
+    sparse = getattr(args, "attention_option", None)
+    sparse = sparse if sparse is not None and not sparse.dense else None
+    if sparse is not None:
+        kwargs["attention"] = sparse.spec()
     if getattr(args, "cache_options", None) is not None:
         kwargs["cache"] = args.cache_options
-        if args.quality_gate is not None:
-            kwargs["quality_gate"] = args.quality_gate
+    if (kwargs.get("cache") is not None or sparse is not None) and getattr(args, "quality_gate", None) is not None:
+        kwargs["quality_gate"] = args.quality_gate
     return kwargs
 
 

@@ -67,6 +67,16 @@ class SparseAttention:
     def dense(self) -> bool:
         return self.kind == "dense"
 
+    def spec(self) -> str:
+        """The option as `parse` reads it back (for reports)."""
+        if self.dense:
+            return "dense"
+        parts = [f"{k}={','.join(map(str, v))}" for k, v in (("window", self.window), ("tile", self.tile)) if v]
+        if self.kind == "radial":
+            parts += [f"decay={self.decay}", f"sink={int(self.sink)}"]
+        parts.append(f"full_steps={self.full_steps}")
+        return f"{self.kind}:{','.join(parts)}"
+
     def dense_at(self, step: int) -> bool:
         """Whether denoise step `step` (0-based) runs dense attention."""
         return self.dense or step < self.full_steps

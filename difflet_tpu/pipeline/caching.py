@@ -13,6 +13,12 @@ Every pipeline call takes two arguments beyond diffusers' (added to each pipelin
   `out.stats["quality_gate"]` (`passed` false below the floor; `difflet_tpu.generate` then exits
   nonzero). It returns the cached run's output.
 
+- `attention`: block-sparse video self-attention ("dense" by default; "sta:...", "radial:...":
+  `difflet_tpu.layers.sparse_masks`, docs/sparse-attention.md) for the pipelines whose
+  transformer takes it (Wan); its first `full_steps` steps run dense. A sparse step's cache
+  slot is its own (the tokens' order differs), so the cache starts over where the mask begins.
+  With `quality_gate`, the reference run is dense and uncached.
+
 `out.stats` (and `pipeline.stats`, also with `return_dict=False`): `transformer_calls` (full
 transformer passes; a cached call, which ran only its first and last blocks, is not one),
 `cached_calls`, `steps`, and per call the decision (`decisions`: step, slot, why, the relative L1
@@ -47,14 +53,30 @@ def check_cache(cache):
         raise ArgumentError(str(e)) from None
 
 
-def check_gate(quality_gate, options, output_type) -> float | None:
+def check_attention(pipe, attention):
+    """The call's `attention=` parsed (`sparse_masks.SparseAttention`); a bad option, or a sparse
+    one for a transformer that does not take it, is an ArgumentError before any work."""
+    from difflet_tpu.layers import sparse_masks
+
+    try:
+        option = sparse_masks.parse(attention)
+    except sparse_masks.SparsityError as e:
+        raise ArgumentError(str(e)) from None
+    spec = getattr(getattr(pipe, "transformer", None), "spec", None)
+    if not option.dense and (spec is None or "attention" not in spec.extra_kwargs):
+        raise ArgumentError(f"attention={attention!r}: block-sparse attention is not available for "
+                            f"{type(pipe).__name__}'s transformer yet (Wan's has it); use attention='dense'")
+    return option
+
+
+def check_gate(quality_gate, options, output_type, attention=None) -> float | None:
     if quality_gate is None:
         return None
     if isinstance(quality_gate, bool) or not isinstance(quality_gate, (int, float)) or not np.isfinite(quality_gate):
         raise ArgumentError(f"`quality_gate` must be a PSNR floor in dB (a finite number), got {quality_gate!r}")
-    if options is None:
-        raise ArgumentError("`quality_gate` compares a cached run with the uncached one: give `cache=` too "
-                            "(e.g. cache='first-block:threshold=0.08')")
+    if options is None and (attention is None or attention.dense):
+        raise ArgumentError("`quality_gate` compares a cached (or sparse-attention) run with the plain one: give "
+                            "`cache=` (e.g. cache='first-block:threshold=0.08') or `attention=` too")
     if output_type == "latent":
         raise ArgumentError("`quality_gate` measures the final pixels: output_type='latent' has none")
     return float(quality_gate)
@@ -66,16 +88,17 @@ def with_cache(call: Callable) -> Callable:
     output_default = None if output_default is None else output_default.default
 
     @functools.wraps(call)
-    def wrapped(self, *args, cache=_UNSET, quality_gate=None, **kwargs):
+    def wrapped(self, *args, cache=_UNSET, quality_gate=None, attention=None, **kwargs):
         if getattr(self, "_calling", False):  # a subclass's __call__ calling its parent's: set up already
-            if cache is not _UNSET or quality_gate is not None:
-                raise TypeError("cache= / quality_gate= go to the outermost pipeline call")
+            if cache is not _UNSET or quality_gate is not None or attention is not None:
+                raise TypeError("cache= / quality_gate= / attention= go to the outermost pipeline call")
             return call(self, *args, **kwargs)
         options = check_cache(getattr(self, "default_cache", None) if cache is _UNSET else cache)
-        floor = check_gate(quality_gate, options, kwargs.get("output_type", output_default))
+        sparse = check_attention(self, attention)
+        floor = check_gate(quality_gate, options, kwargs.get("output_type", output_default), sparse)
         if floor is None:
-            return self.run_call(call, args, kwargs, options)
-        return quality_gate_call(self, call, args, kwargs, options, floor)
+            return self.run_call(call, args, kwargs, options, sparse)
+        return quality_gate_call(self, call, args, kwargs, options, floor, sparse)
 
     wrapped.cached_loop = True
     return wrapped
@@ -85,8 +108,9 @@ def images_of(out):
     return out.images if hasattr(out, "images") else out.frames
 
 
-def quality_gate_call(pipe, call, args, kwargs, options, floor: float):
-    """The uncached run, then the cached one from the same latents; PSNR / SSIM of their pixels."""
+def quality_gate_call(pipe, call, args, kwargs, options, floor: float, sparse=None):
+    """The uncached (and dense) run, then the cached (and sparse) one from the same latents; PSNR /
+    SSIM of their pixels."""
     from difflet_tpu.pipeline import quality
 
     kwargs = dict(kwargs)
@@ -95,7 +119,7 @@ def quality_gate_call(pipe, call, args, kwargs, options, floor: float):
         kwargs["seed"] = int(np.random.SeedSequence().generate_state(1)[0])
     reference = pipe.run_call(call, args, kwargs, None)
     uncached_calls = pipe.stats["transformer_calls"]
-    out = pipe.run_call(call, args, kwargs, options)
+    out = pipe.run_call(call, args, kwargs, options, sparse)
     want, got = quality.as_pixels(images_of(reference)), quality.as_pixels(images_of(out))
     p = quality.psnr(got, want)
     report = {"psnr_db": None if p == float("inf") else p, "identical": p == float("inf"),
@@ -112,11 +136,14 @@ def quality_gate_call(pipe, call, args, kwargs, options, floor: float):
 
 class CachedLoop:
     """The shared denoise loop (`denoise`), the transformer calls through the step cache
-    (`run_transformer`) and the `cache=` / `quality_gate=` arguments of every pipeline call."""
+    (`run_transformer`) and the `cache=` / `quality_gate=` / `attention=` arguments of every
+    pipeline call."""
 
     default_cache = None  # Config.step_cache, set at load
     step_cache = None     # the call's difflet_tpu.step_cache.StepCache while its loop runs
     cache_options = None
+    attention = None      # the call's sparse_masks.SparseAttention (None: dense)
+    sparse_calls = 0
     step_index = 0
     transformer_calls = 0
     stats: dict = {}
@@ -127,10 +154,13 @@ class CachedLoop:
         if call is not None and not getattr(call, "cached_loop", False):
             cls.__call__ = with_cache(call)
 
-    def run_call(self, call, args, kwargs, options):
-        """`call` with the cache `options` (None: off); `self.stats` and `out.stats` after it."""
+    def run_call(self, call, args, kwargs, options, attention=None):
+        """`call` with the cache `options` (None: off) and block-sparse `attention` (None: dense);
+        `self.stats` and `out.stats` after it."""
         self._calling = True
         self.cache_options, self.step_cache, self.transformer_calls = options, None, 0
+        self.attention = None if attention is None or attention.dense else attention
+        self.sparse_calls = 0
         try:
             out = call(self, *args, **kwargs)
         finally:
@@ -140,13 +170,20 @@ class CachedLoop:
         stats = cache.stats() if cache is not None else {"cache": None, "transformer_calls": self.transformer_calls,
                                                          "cached_calls": 0, "decisions": []}
         self.stats = {"steps": len(self.timings.steps), **stats}
+        if self.attention is not None:
+            self.stats.update(attention=self.attention.spec(), sparse_calls=self.sparse_calls)
         if hasattr(out, "stats"):
             out.stats = dict(self.stats)
         return out
 
     def run_transformer(self, runner, slot: str = "cond", **kwargs):
         """`runner(**kwargs)` in the denoise loop: through the call's step cache when it has one
-        (`slot`: which of the step's calls this is, each with its own cache)."""
+        (`slot`: which of the step's calls this is, each with its own cache), with the call's
+        block-sparse attention after its dense `full_steps`."""
+        if self.attention is not None and not self.attention.dense_at(self.step_index):
+            kwargs["attention"] = self.attention
+            slot = f"{slot}:sparse"  # its rows in another order: a cache of its own
+            self.sparse_calls += 1
         if self.step_cache is None:
             self.transformer_calls += 1
             return runner(**kwargs)
