@@ -108,7 +108,9 @@ def run(args) -> int:
             print("+", " ".join(cmd[1:]), file=sys.stderr, flush=True)
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if proc.returncode:
-                rows.append(dict(shape=shape, placement=placement, error=proc.stderr.strip().splitlines()[-1:]))
+                lines = proc.stderr.strip().splitlines()
+                errors = [line for line in lines if "Error" in line]  # e.g. the compile's HBM OOM
+                rows.append(dict(model=args.model, shape=shape, placement=placement, error=(errors or lines)[-1:]))
                 print(proc.stderr[-3000:], file=sys.stderr)
                 continue
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
