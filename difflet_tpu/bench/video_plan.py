@@ -119,6 +119,24 @@ def reused_decode(path: str, vae: dict, topology: str, height: int, width: int, 
     return None
 
 
+def reused_stages(path: str, model: str, topology: str, height: int, width: int, frames: int) -> dict:
+    """The stages that compiled (no `error`) in the earlier plan JSON `path`, by stage name, as
+    reusable rows (`source` names the file); BenchError when it plans another model, shape or
+    topology."""
+    import json
+
+    data = json.loads(open(path).read())
+    got = (data.get("pipeline"), data.get("model"), data.get("topology"), data.get("height"), data.get("width"),
+           data.get("frames"))
+    if got != ("wan", model, topology, height, width, frames):
+        raise BenchError(f"--reuse-stages {path}: it plans {got[1]} {got[3]}x{got[4]}x{got[5]} on {got[2]}, "
+                         f"not {model} {height}x{width}x{frames} on {topology}")
+    keep = ("stage", "calls_per_image", "chosen", "source")
+    return {r["stage"]: dict({k: v for k, v in r.items() if k not in keep},
+                             source=r.get("source") or path)
+            for r in data["stages"] if "error" not in r}
+
+
 def expert_plans(rows: dict, p: dict, transformer: dict, setting: str, chip) -> list[dict]:
     """Wan2.2 A14B's two placements of its experts (compile_one's row with `other_experts`
     resident): both resident, and the idle one staged through host memory (2 copies a video).
@@ -171,6 +189,8 @@ def run_video_plan(args) -> int:
              encoders=[("umt5-xxl", encoder, TEXT_TOKENS, True, 2)])
     mesh = make_mesh(len(devices), devices)
     stages, plans, failed = [], [], False
+    earlier = (reused_stages(args.reuse_stages, p["model"], args.topology, height, width, frames)
+               if args.reuse_stages else {})
 
     def report(done: bool) -> dict:
         r = dict(kind="pipeline-plan", pipeline="wan", model=f"wan:{preset}", topology=args.topology,
@@ -181,6 +201,7 @@ def run_video_plan(args) -> int:
 
     def stage(name, calls, fn, *fa, reused=None):
         nonlocal failed
+        reused = reused if reused is not None else earlier.get(name)
         if reused is not None:
             print(f"{name}: reused from {reused['source']}", file=sys.stderr, flush=True)
             r = dict(stage=name, calls_per_image=calls, **reused)
