@@ -221,3 +221,22 @@ def test_cli_plans_ltx2_tiny(tmp_path, guidance):
         assert t["calls"] == [dict(batch=2, per_step=1), dict(batch=1, per_step=1)]
         assert t["denoise_ms"] == pytest.approx(20 * (b2 + b1), abs=1e-2)
         assert s["gemma-3-12b (32 tokens) tp"]["calls_per_image"] == 2 and "ltx2 connectors (batch 2)" in s
+
+
+@pytest.mark.slow
+def test_cli_plans_wan_tiny_one_chip_decode_when_spread_is_off(tmp_path):
+    """DIFFLET_TPU_VAE_SPREAD=off: the pipeline decodes on one chip, so the plan compiles and
+    sums only that decode."""
+    import os
+
+    out = tmp_path / "plan.json"
+    cmd = [sys.executable, "-m", "difflet_tpu.bench", "--compile-only", "--pipeline", "wan", "--model", "wan:tiny",
+           "--topology", "v5e:2x2", "--mode", "tp", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, DIFFLET_TPU_VAE_SPREAD="off"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    decodes = [s for s in r["stages"] if s["stage"].startswith("vae")]
+    assert [s["stage"] for s in decodes] == ["vae decode_video, one chip"] and decodes[0]["chosen"]
+    [t] = r["plans"]
+    assert t["decode_ms"] == decodes[0]["estimate_ms"]

@@ -9,7 +9,8 @@ Stages of `WanPipeline.__call__` (models/wan/pipeline.py; batch 1, bf16, the rel
 * The transformer: 50 steps, ONE call a step on the [uncond; cond] batch of 2 (CFG).
 * The VAE's `decode_video` (uint8 frames out), on one chip and spread over every chip of the
   mesh (`vae/spread.py`); the spread one is the pipeline's default on a mesh (batch 1 does
-  not split) and is the one the plan sums.
+  not split) and is the one the plan sums. With `DIFFLET_TPU_VAE_SPREAD=off` the pipeline
+  decodes on one chip, and the plan compiles and sums only that.
 * Wan2.2 A14B: two experts with the same shapes. Both resident beside the other parts, or
   the idle one staged through host memory (`placement.ExpertHome`): then each video pays two
   host-to-device copies of one expert (the high-noise one back in at the start, the low-noise
@@ -250,7 +251,10 @@ def run_video_plan(args) -> int:
                      reused=reused or None)
 
     rows["vae"] = one = decode("vae decode_video, one chip", False)
-    if len(devices) > 1:
+    from difflet_tpu.config import Config
+
+    # DIFFLET_TPU_VAE_SPREAD=off: the pipeline decodes on one chip, so the plan compiles only that
+    if len(devices) > 1 and Config.from_env().vae_spread != "off":
         spread = decode(f"vae decode_video, spread over {len(devices)}", True)
         rows["vae"] = spread if "error" not in spread else one
     rows["vae"]["chosen"] = True
