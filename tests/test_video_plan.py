@@ -160,8 +160,8 @@ def test_combined_stages_sum_time_and_keep_the_largest_program():
 
 @pytest.mark.parametrize("argv,message", [
     (["--compile-only", "--topology", "v5e:2x2", "--pipeline", "wan", "--guidance", "1"], "--guidance cannot be"),
-    (["--compile-only", "--topology", "v5e:2x2", "--pipeline", "ltx2", "--reuse-stages", "x.json"],
-     "--reuse-stages only applies to --pipeline wan"),
+    (["--compile-only", "--topology", "v5e:2x2", "--pipeline", "flux", "--reuse-stages", "x.json"],
+     "--reuse-stages only applies to --pipeline wan | hunyuan_video | ltx2"),
     (["--compile-only", "--topology", "v5e:2x2", "--pipeline", "ltx2", "--mesh", "tp=2"], "--mesh cannot be"),
 ])
 def test_bad_av_plan_flags_are_clear_errors(argv, message, capsys):
@@ -240,3 +240,25 @@ def test_cli_plans_wan_tiny_one_chip_decode_when_spread_is_off(tmp_path):
     assert [s["stage"] for s in decodes] == ["vae decode_video, one chip"] and decodes[0]["chosen"]
     [t] = r["plans"]
     assert t["decode_ms"] == decodes[0]["estimate_ms"]
+
+
+def test_transformer_staged_during_the_encode():
+    """Gemma-3 + connectors do not fit beside the resident transformer: the staged plan drops
+    the transformer for the encode and pays one copy of it back a video."""
+    from difflet_tpu.bench import av_plan
+    from difflet_tpu.bench import pipeline_plan as PP
+
+    rows = {"gemma": _row(7 * GIB, 6 * GIB, 50.0), "connectors": _row(3 * GIB, 2 * GIB, 20.0),
+            "vae": _row(4 * GIB, GIB, 300.0)}
+    p = dict(steps=20, calls_per_step=1, encoders=[("gemma", None, 1024, True, 1), ("connectors", None, 0, False, 1)])
+    step = dict(_row(10 * GIB, 10 * GIB, 160.0), mode="sp-pallas")
+    plan = PP.plan_totals(rows, p, step, "auto", CHIP)
+    assert plan["encoder_offload"]["enabled"] and not plan["fits"]  # gemma 7 + 2 + 10 + 1 = 20 GiB
+    t = av_plan.staged_transformer(plan, rows, p, step, CHIP)
+    assert t["peaks"] == {"gemma": 7 * GIB + 2 * GIB + GIB, "connectors": 3 * GIB + 6 * GIB + GIB,
+                          "transformer": 10 * GIB + GIB, "vae": 4 * GIB + 10 * GIB}
+    assert t["fits"] and t["transformer_staged"]
+    move = 10 * GIB / 1.5e10 * 1e3  # runtime.H2D_BYTES_PER_S["v5e"]
+    assert t["transformer_move_ms"] == pytest.approx(move, abs=1e-3)
+    assert t["encode_ms"] == pytest.approx(plan["encode_ms"] + move, abs=1e-2)
+    assert t["total_ms"] == pytest.approx(t["encode_ms"] + 20 * 160.0 + 300.0, abs=1e-2)

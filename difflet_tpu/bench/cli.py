@@ -90,7 +90,8 @@ def parser():
                     help="--pipeline wan: take the VAE decode rows of this shape from a benchmark/vae_spread.py "
                          "result (the same program, compiled for the same topology) instead of compiling them")
     ap.add_argument("--reuse-stages", metavar="JSON",
-                    help="--pipeline wan: take every stage that compiled in this earlier plan JSON of the same model, "
+                    help="--pipeline wan | hunyuan_video | ltx2: take every stage that compiled in this earlier plan "
+                         "JSON of the same model, "
                          "shape and topology instead of compiling it again (each reused row names its source)")
     ap.add_argument("--end-to-end", metavar="PIPELINE_DIR",
                     help="time one prompt -> image call of a diffusers pipeline folder stage by stage (tokenize, "
@@ -317,10 +318,10 @@ def validate_pipeline_plan(args, ap):
         ap.error("--pipeline plans batch 1 (--batch must be 1)")
     if args.decode_rows and args.pipeline != "wan":
         ap.error("--decode-rows only applies to --pipeline wan")
-    if args.reuse_stages and args.pipeline != "wan":
-        ap.error("--reuse-stages only applies to --pipeline wan")
+    if args.reuse_stages and args.pipeline not in VIDEO_PLAN_TAKES:
+        ap.error("--reuse-stages only applies to --pipeline wan | hunyuan_video | ltx2")
     if args.reuse_stages and not pathlib.Path(args.reuse_stages).is_file():
-        ap.error(f"--reuse-stages {args.reuse_stages}: no such file (a --pipeline wan plan JSON)")
+        ap.error(f"--reuse-stages {args.reuse_stages}: no such file (an earlier plan JSON)")
     if args.decode_rows and not pathlib.Path(args.decode_rows).is_file():
         ap.error(f"--decode-rows {args.decode_rows}: no such file (a benchmark/vae_spread.py result)")
     if args.pipeline in VIDEO_PLAN_TAKES and args.model and len(args.model) > 1:

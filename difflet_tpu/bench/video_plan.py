@@ -120,7 +120,8 @@ def reused_decode(path: str, vae: dict, topology: str, height: int, width: int, 
     return None
 
 
-def reused_stages(path: str, model: str, topology: str, height: int, width: int, frames: int) -> dict:
+def reused_stages(path: str, model: str, topology: str, height: int, width: int, frames: int,
+                  pipeline: str = "wan") -> dict:
     """The stages that compiled (no `error`) in the earlier plan JSON `path`, by stage name, as
     reusable rows (`source` names the file); BenchError when it plans another model, shape or
     topology."""
@@ -129,7 +130,7 @@ def reused_stages(path: str, model: str, topology: str, height: int, width: int,
     data = json.loads(open(path).read())
     got = (data.get("pipeline"), data.get("model"), data.get("topology"), data.get("height"), data.get("width"),
            data.get("frames"))
-    if got != ("wan", model, topology, height, width, frames):
+    if got != (pipeline, model, topology, height, width, frames):
         raise BenchError(f"--reuse-stages {path}: it plans {got[1]} {got[3]}x{got[4]}x{got[5]} on {got[2]}, "
                          f"not {model} {height}x{width}x{frames} on {topology}")
     keep = ("stage", "calls_per_image", "chosen", "source")
