@@ -1,4 +1,4 @@
-"""Prompt -> PNG or MP4 from a diffusers pipeline folder (FLUX.1-dev / -schnell, Qwen-Image; Wan 2.1 / 2.2).
+"""Prompt -> PNG or MP4 from a diffusers pipeline folder (FLUX.1, Qwen-Image; Wan 2.x, HunyuanVideo, LTX-2).
 
     python -m difflet_tpu.generate PATH --prompt "a cat holding a sign" --out cat.png \\
         [--negative-prompt ...] [--height 1024 --width 1024] [--steps N] [--guidance 3.5]
@@ -6,11 +6,16 @@
         [--json timings.json] [--dtype bfloat16|float32] [--cpu-devices N]
     python -m difflet_tpu.generate WAN_PATH --prompt "a corgi on a beach" --frames 81 --out clip.mp4 \\
         [--image first.png [--last-image last.png]] [--guidance 5.0] [--guidance-2 ...] [--fps 16]
+    python -m difflet_tpu.generate LTX2_PATH --prompt "a dog barking" --frames 121 --out clip.mp4 \\
+        [--audio-out sound.wav] [--fps 24]
 
 A video pipeline's folder (WanPipeline, WanImageToVideoPipeline) writes an H.264 MP4 at the model's
 frame rate (or `--fps`); `--image` makes it image-to-video (an image-to-video folder needs it, a
 text-to-video one refuses it; Wan2.2 TI2V-5B's folder takes both). `--frames` that is not 1 + 4k
-is rounded down as diffusers does, with a warning that says the count made.
+is rounded down as diffusers does, with a warning that says the count made. A pipeline that
+makes sound (LTX2Pipeline) gets its waveform muxed into the MP4 as an AAC track (pipeline/audio.py);
+`--audio-out sound.wav` also writes it alone as a 16-bit PCM WAV (refused for a pipeline without
+sound); `--fps` is then the call's `frame_rate`, so the sound lasts as long as the video.
 
 PATH is the folder with model_index.json. Everything that can be checked is checked before
 anything is loaded: the arguments against the shared bounds (difflet_tpu.arguments: seed in
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import inspect
 import json
 import os
 import re
@@ -68,6 +74,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--guidance-2", type=float, help="guidance_scale_2 (Wan2.2 A14B's low-noise expert)")
     ap.add_argument("--fps", type=float, help="the MP4's frame rate (default: the model's)")
     ap.add_argument("--out", required=True, help="the PNG (image pipelines) or MP4 (video pipelines) to write")
+    ap.add_argument("--audio-out", help="the waveform alone as a 16-bit PCM WAV (pipelines with sound: LTX-2); "
+                                        "the MP4 has it as an AAC track either way")
     ap.add_argument("--json", help="write the timings here")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on TPU, float32 on CPU")
     ap.add_argument("--cpu-devices", type=int, help="virtual CPU devices when there is no TPU (default 1)")
@@ -90,6 +98,18 @@ def quiet_start() -> None:
     if not has_tpu():
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def audio_paths(args) -> list[Path]:
+    """`--audio-out`, or `stem-0.wav` ... beside it for `--batch N` (as the videos); [] without it."""
+    from difflet_tpu.pipeline import audio
+
+    return [] if args.audio_out is None else audio.wav_paths(args.audio_out, args.batch)
+
+
+def makes_audio(cls) -> bool:
+    """The pipeline's output has a waveform (`.audio`, `.audio_sample_rate`): LTX2Pipeline."""
+    return bool(getattr(cls, "makes_audio", False))
 
 
 def image_paths(args) -> list[Path]:
@@ -131,7 +151,7 @@ def check_arguments(args) -> None:
     folder and everything its configs say (diffusion.check_configs)."""
     from difflet_tpu import arguments as A
     from difflet_tpu.pipeline import diffusion as D
-    from difflet_tpu.pipeline import images, mp4
+    from difflet_tpu.pipeline import audio, images, mp4
 
     from difflet_tpu.pipeline.lora import parse_lora_arg
 
@@ -169,12 +189,19 @@ def check_arguments(args) -> None:
             raise ValueError(f"{flag}: {index['_class_name']} makes images, not videos")
     if args.true_cfg is not None and video:
         raise ValueError(f"--true-cfg: {index['_class_name']} guides with --guidance (classifier-free guidance)")
-    targets = image_paths(args)
+    if args.guidance_2 is not None and "guidance_scale_2" not in inspect.signature(cls.__call__).parameters:
+        raise ValueError(f"--guidance-2: {index['_class_name']} has no second guidance scale (Wan 2.2 A14B's)")
+    if args.audio_out is not None and not makes_audio(cls):
+        raise ValueError(f"--audio-out: {index['_class_name']} makes no sound (LTX2Pipeline does); leave "
+                         f"--audio-out out")
+    targets, sounds = image_paths(args), audio_paths(args)
     for t in targets:
         (mp4 if video else images).check_writable(t)
+    for t in sounds:
+        audio.check_wav_writable(t)
     inputs = {"PATH": args.path, "--image": args.image, "--last-image": args.last_image}
-    checks.check_outputs([("--out", t) for t in targets] + [("--json", args.json)],
-                         {k: v for k, v in inputs.items() if v is not None})
+    checks.check_outputs([("--out", t) for t in targets] + [("--audio-out", t) for t in sounds] +
+                         [("--json", args.json)], {k: v for k, v in inputs.items() if v is not None})
     D.check_folder(path, index, cls.folder_components(index))
     D.check_configs(path, index, cls)
     if args.max_sequence_length is not None:
@@ -250,6 +277,7 @@ def call_kwargs(args, video: bool = False) -> dict:
 def run(args) -> dict:
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from difflet_tpu.pipeline import images
 
@@ -273,13 +301,23 @@ def run(args) -> dict:
     targets = image_paths(args)
     devices = mesh.devices.flat if mesh is not None else jax.devices()[:1]
     if video:
-        from difflet_tpu.pipeline import mp4
+        from difflet_tpu.pipeline import audio, mp4
 
-        frames = pipe(**call_kwargs(args, video=True)).frames
-        fps = args.fps or pipe.fps
+        kwargs = call_kwargs(args, video=True)
+        if makes_audio(type(pipe)) and args.fps is not None:
+            kwargs["frame_rate"] = args.fps  # the sound's length follows the video's rate
+        out = pipe(**kwargs)
+        frames, fps = out.frames, args.fps or pipe.fps
         shape = [len(frames), len(frames[0]), frames[0][0].height, frames[0][0].width, 3]
-        outputs = [(t, mp4.mp4_writer(v, fps), "video") for t, v in zip(targets, frames)]
         extra = dict(videos=[str(p) for p in targets], video_shape=shape, fps=fps)
+        if makes_audio(type(pipe)):  # one waveform per video: an AAC track in its MP4 (and a WAV if asked)
+            sound, rate = np.asarray(out.audio), out.audio_sample_rate
+            outputs = [(t, mp4.mp4_writer(v, fps, a, rate), "video") for t, v, a in zip(targets, frames, sound)]
+            outputs += [(t, audio.wav_writer(a, rate), "--audio-out") for t, a in zip(audio_paths(args), sound)]
+            extra.update(audio=[str(p) for p in audio_paths(args)], audio_shape=list(sound.shape),
+                         audio_sample_rate=rate)
+        else:
+            outputs = [(t, mp4.mp4_writer(v, fps), "video") for t, v in zip(targets, frames)]
     else:
         image = pipe(**call_kwargs(args)).images
         # the images and the report all or none: no image is left without the report asked for
@@ -292,7 +330,7 @@ def run(args) -> dict:
     if args.json is not None:
         outputs.append((args.json, json.dumps(report, indent=2) + "\n", "--json"))
     checks.write_all_atomic(outputs)
-    for p in targets:
+    for p in targets + audio_paths(args):
         log(f"wrote {p}")
     if args.json is not None:
         log(f"timings in {args.json}")

@@ -24,6 +24,7 @@ GOOD = {
     "DIFFLET_TPU_ENCODER_OFFLOAD": [("auto", "auto"), ("on", "on"), ("off", "off"), ("Off", "off")],
     "DIFFLET_TPU_KERNEL_TILES": [(TILES, TILES), (f" {TILES} ", TILES)],
     "DIFFLET_TPU_VAE_SPREAD": [("auto", "auto"), ("on", "on"), ("off", "off"), ("On", "on")],
+    "DIFFLET_TPU_TEXT_TRIM": [("0", False), ("1", True)],
 }
 BAD = {
     "DIFFLET_TPU_SP": ["2", "yes", "true", ""],
@@ -41,6 +42,7 @@ BAD = {
     "DIFFLET_TPU_ENCODER_OFFLOAD": ["1", "", "host"],
     "DIFFLET_TPU_KERNEL_TILES": ["", "/nonexistent/tiles.json", os.path.dirname(TILES)],
     "DIFFLET_TPU_VAE_SPREAD": ["1", "", "height"],
+    "DIFFLET_TPU_TEXT_TRIM": ["on", "", "true"],
 }
 
 
@@ -53,6 +55,9 @@ def test_defaults():
     assert (c.sp, c.sp_kernel, c.sp_rs_kernel, c.sp_ag_assemble, c.sp_single, c.sp_pad, c.check_vma, c.split_rope) == (
         False, None, "auto", "concat", True, True, False, True)
     assert c.expert_offload == "auto" and c.sp_cross_local is True
+    assert c.text_trim is False  # diffusers' padded Gemma-3 encode unless asked
+    with pytest.raises(ConfigError, match="text_trim"):
+        Config(text_trim=1)
     with pytest.raises(ConfigError, match="expert_offload"):
         Config(expert_offload=True)
 

@@ -206,6 +206,17 @@ assert (TMP / "cat.mp4").stat().st_size > 0
 assert video.shape == (5, 32, 32, 3) and 0.0 <= video.min() and video.max() <= 1.0
 assert (TMP / "corgi.mp4").stat().st_size > 0
 """),
+    ("docs/video.md", 1): Snippet(
+        # the tiny LTX-2 transformer has 2 blocks: STG on block 1 (diffusers' default block is 28)
+        subs=(('"LTX-2"', '"{fixtures}/pipelines/ltx2"'),
+              ("num_frames=121,", "num_frames=5, height=32, width=64, num_inference_steps=2, max_sequence_length=16,"
+                                  " spatio_temporal_guidance_blocks=[1],"),
+              ('"dog.mp4"', '"{tmp}/dog.mp4"'), ('"dog.wav"', '"{tmp}/dog.wav"')),
+        check="""
+want = np.asarray(out.audio[0], np.float32)
+assert frames.shape == (5, 32, 64, 3) and fps == 24.0 and rate == pcm_rate == out.audio_sample_rate == 24000
+assert wave.shape == pcm.shape == want.shape and np.abs(pcm - want.clip(-1, 1)).max() <= 0.5 / 32767 + 1e-7
+"""),
     ("docs/models/qwen_image.md", 0): Snippet(
         subs=(("Qwen-Image/transformer", "{fixtures}/qwen_image/transformer"), ("(1, 64, 64)", "(1, 4, 6)")),
         preamble="""

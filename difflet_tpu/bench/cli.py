@@ -107,6 +107,10 @@ def parser():
                     help="--compile-only: apply the estimator's fitted factors (default yes; both are reported)")
     ap.add_argument("--mesh", help="device mesh AXIS=SIZE,... over cfg, data, tp, e.g. cfg=2,tp=4 (default: "
                     "DIFFLET_TPU_MESH, else one tp ring over every device when the heads divide it)")
+    ap.add_argument("--attention", metavar="SPEC",
+                    help="block-sparse video self-attention for --compile-only (docs/sparse-attention.md): dense "
+                         "(default), sta (a window of tiles; sta:window=T,H,W,tile=T,H,W) or radial "
+                         "(radial:decay=F,sink=0|1); Wan only for now; priced by its active blocks")
     ap.add_argument("--batch", type=int, default=1, help="prompts per call (CFG doubles the rows; default 1)")
     ap.add_argument("--expert-offload", choices=("auto", "on", "off"),
                     help="where a two-expert model (Wan2.2 A14B) keeps its idle expert: host memory (on), the "
@@ -249,6 +253,16 @@ def validate(args, ap):
         ap.error("--mode sp-pallas is a --compile-only variant; on a device set DIFFLET_TPU_SP_KERNEL=pallas")
     if args.pipeline or args.encoder_offload:
         validate_pipeline_plan(args, ap)
+    if args.attention is not None:
+        from difflet_tpu.layers import sparse_masks
+
+        try:
+            args.attention_option = sparse_masks.parse(args.attention)
+        except sparse_masks.SparsityError as e:
+            ap.error(f"--attention: {e}")
+        if not args.compile_only or args.pipeline:
+            ap.error("--attention is priced per transformer step with --compile-only (no --pipeline yet); "
+                     "pipeline calls take attention=")
     if args.lora and not args.end_to_end:
         ap.error("--lora only applies to --end-to-end (the pipeline's transformer takes the adapters)")
     if args.end_to_end or args.prompt is not None:

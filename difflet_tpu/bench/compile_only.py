@@ -76,6 +76,11 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
     P = mesh.devices.size
     inputs = spec.example_inputs(cfg, **shape, batch=batch, seed=0, dtype=jnp.bfloat16)
     analytic = float(spec.flops(cfg, inputs))
+    attention = getattr(args, "attention", None)
+    if attention is not None:
+        if "attention" not in spec.extra_kwargs:
+            raise BenchError(f"--attention: {fam} has no block-sparse attention yet (Wan has)")
+        inputs = dict(inputs, attention=attention)
     t0 = time.perf_counter()
     runner, traced = abstract_trace(spec, cfg, inputs, mesh, config, pmode, jnp.bfloat16)
     lowered = traced.lower()
@@ -106,6 +111,9 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
     hops = [ring_hops(g, coords) for g in tp_groups(mesh)]
     return dict(
         model=f"{fam}:{preset}", family=fam, preset=preset, mode=variant, parallel_mode=pmode,
+        attention=attention or "dense",
+        **({"attention_density": float(next(iter(breakdown["attention_density"])))}
+           if len(breakdown.get("attention_density", {})) == 1 else {}),
         ag_impl=sp_kernel, rs_impl=rs_kernel, shape=shape, batch=batch, chips=P, mesh=format_mesh(dict(mesh.shape)),
         tp_ring_max_hops=max(max(h) for h in hops), compile_s=round(compile_s, 2),
         hbm=dict(mem, capacity=chip.hbm_bytes, fits=mem["total"] <= chip.hbm_bytes),

@@ -57,8 +57,10 @@ def check_token_inputs(input_ids, attention_mask=None, *, vocab_size: int, max_l
 
 
 @nnx.jit(static_argnames="options")
-def _forward(model, input_ids, attention_mask, options=()):
-    return model(input_ids, attention_mask, **dict(options))
+def _forward(model, input_ids, attention_mask, position_ids=None, options=()):
+    if position_ids is None:  # encoders without position ids (T5, CLIP) are called without them
+        return model(input_ids, attention_mask, **dict(options))
+    return model(input_ids, attention_mask, position_ids, **dict(options))
 
 
 @nnx.jit(static_argnames="hidden_state")
@@ -73,17 +75,19 @@ def _finite(model, out):
     return out
 
 
-def encode(model, input_ids, attention_mask=None, **options):
+def encode(model, input_ids, attention_mask=None, position_ids=None, **options):
     """`model(input_ids, attention_mask, **options)` under `jax.jit` (`options`: static keyword
     arguments such as the decoder LM's `output_hidden_states=True` or `hidden_state=-3`,
-    transformers' `hidden_states[-3]`), inputs checked first, outputs checked finite. Returns what
-    the model returns (an array or a tuple of arrays)."""
+    transformers' `hidden_states[-3]`; `position_ids`, an array, only for models that take them:
+    the decoder LM), inputs checked first, outputs checked finite. Returns what the model returns
+    (an array or a tuple of arrays)."""
     model.check_inputs(input_ids, attention_mask)
     if options.get("hidden_state") is not None:
         model.layers_for(options["hidden_state"])  # a clear error before the compile
     options = {k: v for k, v in options.items() if v is not None}
     return _finite(model, _forward(model, jnp.asarray(input_ids),
                                    None if attention_mask is None else jnp.asarray(attention_mask),
+                                   None if position_ids is None else jnp.asarray(position_ids),
                                    tuple(sorted(options.items()))))
 
 

@@ -100,7 +100,7 @@ class AcrossHeadsAttention(nnx.Module):
         return {k: par.gather_columns(v) for k, v in kv.items()} if all_heads else kv
 
     def __call__(self, par, x, context=None, *, kvpar=None, kv=None, local: bool = False, rope=None,
-                 key_rope=None, local_rope=None, kv_mask=None, bias=None, perturbation=None):
+                 key_rope=None, local_rope=None, kv_mask=None, bias=None, perturbation=None, sparse=None):
         """Attention of x's rows (`par`) to themselves, to `context` (`kvpar`, default
         `par`), or to cached `kv` (`context_kv`'s, already normalised; no RoPE).
 
@@ -108,8 +108,11 @@ class AcrossHeadsAttention(nnx.Module):
         or `rope.GroupedRope`; local_rope: the queries' tables on this rank's rows with
         every channel, used where `local` holds. kv_mask: bool `[Skv]` / `[B, Skv]`,
         False for pad keys; bias: additive `(B, 1, Skv)`; perturbation: STG's lerp
-        weight `(B, 1, 1)` (1 = attention, 0 = values only).
+        weight `(B, 1, 1)` (1 = attention, 0 = values only); sparse: self-attention's block-sparse
+        mask (`layers.sparse_masks.BlockSparsity`) over the rows in the order given.
         """
+        if sparse is not None and (context is not None or kv is not None):
+            raise ValueError("a block-sparse mask applies to self-attention only")
         local = local and par.cross_local
         qpar = par.local() if local else par
         kvpar = par if kvpar is None else kvpar
@@ -156,7 +159,7 @@ class AcrossHeadsAttention(nnx.Module):
         img = None
         if kv is not None and "k_img" in kv:  # I2V: a separate attention over the image tokens, added before to_out
             img = merge_heads(attend(qpar, q, self._heads(kv["k_img"]), self._heads(kv["v_img"])))
-        out = merge_heads(attend(qpar, q, self._heads(k), self._heads(v), kv_mask, bias))
+        out = merge_heads(attend(qpar, q, self._heads(k), self._heads(v), kv_mask, bias, sparse=sparse))
         if out.dtype != q.dtype:
             out = out.astype(q.dtype)
         if img is not None:

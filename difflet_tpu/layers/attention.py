@@ -67,7 +67,7 @@ class HeadsOut:
         return jnp.swapaxes(t, -3, -2)
 
 
-def attend(par, q, k, v, kv_mask=None, bias=None, head_major=False, q_scaled=False):
+def attend(par, q, k, v, kv_mask=None, bias=None, head_major=False, q_scaled=False, sparse=None):
     """softmax(q k^T / sqrt(D)) v over `[B, S, H, D]` (this rank's heads).
 
     kv_mask: bool `[Skv]` or `[B, Skv]`, False for keys to drop (pad rows);
@@ -77,16 +77,20 @@ def attend(par, q, k, v, kv_mask=None, bias=None, head_major=False, q_scaled=Fal
     need every step in float64.
 
     head_major: q, k, v are `[B, H, S, D]` (`HeadsOut`; splash takes them as they
-    are); q_scaled: q is already multiplied by 1/sqrt(D) (`HeadsOut.scale_q`).
+    are); q_scaled: q is already multiplied by 1/sqrt(D) (`HeadsOut.scale_q`);
+    sparse: a block-sparse self-attention mask (`layers.sparse_masks.BlockSparsity`).
     The result is `[B, S, H, D]` either way.
     """
+    if sparse is not None and bias is not None:
+        raise ValueError("a block-sparse mask and an additive bias do not combine (LTX-2's text bias is "
+                         "for cross-attention)")
     if q.dtype == jnp.float64 or bias is not None:
         if head_major:
             q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
         scale = 1.0 if q_scaled else None
         if q.dtype == jnp.float64:
-            return reference_attention(q, k, v, kv_mask, bias, scale=scale)
+            return reference_attention(q, k, v, kv_mask, bias, scale=scale, sparse=sparse)
         return jax.nn.dot_product_attention(q, k, v, bias=bias[:, None].astype(q.dtype), scale=scale,
                                             implementation="xla")
     return attention(q, k, v, kv_mask, impl=par.attn_impl, interpret=par.interpret, head_major=head_major,
-                     q_scaled=q_scaled)
+                     q_scaled=q_scaled, sparse=sparse)

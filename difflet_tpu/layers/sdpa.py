@@ -16,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from difflet_tpu.kernels import cross_attention as cross_kernel
 
@@ -154,7 +155,8 @@ def splash_blocks(sq: int, skv: int) -> SplashBlocks:
     return blocks.validate()
 
 
-def attention(q, k, v, kv_mask=None, *, impl="xla", interpret=False, head_major=False, q_scaled=False):
+def attention(q, k, v, kv_mask=None, *, impl="xla", interpret=False, head_major=False, q_scaled=False,
+              sparse=None):
     """softmax(q k^T / sqrt(D)) v over keys where `kv_mask` is True.
 
     Args:
@@ -165,6 +167,8 @@ def attention(q, k, v, kv_mask=None, *, impl="xla", interpret=False, head_major=
       impl: "xla" (any platform) or "splash" (Pallas TPU kernel).
       interpret: run the splash kernel in interpret mode (tests off TPU).
       q_scaled: q is already multiplied by 1/sqrt(D) (rounded to its dtype).
+      sparse: a `sparse_masks.BlockSparsity` (self-attention over the video tokens): only
+        its active blocks are attended; splash skips the others, XLA masks them as -inf.
 
     Returns `[B, Sq, H, D]`.
     """
@@ -179,12 +183,60 @@ def attention(q, k, v, kv_mask=None, *, impl="xla", interpret=False, head_major=
     B, Skv = ks[0], ks[1]
     if kv_mask is not None:
         kv_mask = jnp.broadcast_to(jnp.asarray(kv_mask, bool), (B, Skv))
+    if sparse is not None:
+        check_sparse(sparse, qs[1], Skv)
     if impl == "splash":
+        if sparse is not None:
+            return _splash(q, k, v, kv_mask, interpret, blocks=sparse_blocks(sparse, qs[1]), head_major=head_major,
+                           q_scaled=q_scaled, sparse=sparse)
         return _splash(q, k, v, kv_mask, interpret, head_major=head_major, q_scaled=q_scaled)
     if head_major:
         q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
     mask = None if kv_mask is None else kv_mask[:, None, None, :]
+    if sparse is not None:
+        tokens = jnp.asarray(token_mask(sparse, qs[1]))[None, None]
+        mask = tokens if mask is None else mask & tokens
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0 if q_scaled else None, implementation="xla")
+
+
+# XLA's attention with a sparse mask materialises the token mask (as it does the scores):
+# for tests and small shapes; a TPU runs splash, which reads the block mask
+MAX_XLA_SPARSE_TOKENS = 16384
+
+
+def check_sparse(sparse, sq: int, skv: int) -> None:
+    """A block-sparse mask applies to self-attention over the tokens it was planned for
+    (plus the step's pad rows)."""
+    if sq != skv or sq < sparse.tokens - sparse.block + 1:
+        raise ValueError(f"a block-sparse mask ({sparse.name}: {sparse.tokens} tokens) applies to the "
+                         f"self-attention it was planned for, not {sq} queries over {skv} keys")
+
+
+def token_mask(sparse, length: int) -> np.ndarray:
+    """bool `[length, length]`: the kernel's block mask at token resolution (what splash computes)."""
+    if length > MAX_XLA_SPARSE_TOKENS:
+        raise ValueError(f"block-sparse attention over {length} tokens runs on the splash kernel (TPU, or "
+                         f"interpret mode); XLA's attention would need a {length}x{length} mask")
+    kb = sparse.kernel_block
+    padded = _round_up(length, kb)
+    m = np.repeat(np.repeat(sparse.kernel_mask(padded), kb, 0), kb, 1)
+    return m[:length, :length]
+
+
+def sparse_blocks(sparse, sq: int) -> SplashBlocks:
+    """Splash's blocks for a block-sparse self-attention: one kernel block of queries and of keys,
+    the largest kv-compute chunk (512/256/128) dividing it. SMEM holds the block metadata of the
+    shrunk grid only (each query block's active key blocks), so that is what is bounded."""
+    kb = sparse.kernel_block
+    c = max(x for x in (KV_COMPUTE, 256, LANE) if kb % x == 0)
+    blocks = SplashBlocks(kb, kb, c, _round_up(sq, kb), _round_up(sq, kb))
+    if kb % LANE or kb * kb > MAX_BLOCK_PAIR:
+        raise ValueError(f"{sparse.name}: kernel blocks of {kb} tokens are outside splash's envelope")
+    metadata = sparse.smem_bytes(blocks.sq)
+    if metadata > SMEM_METADATA_BUDGET:
+        raise ValueError(f"{sparse.name}: {metadata} bytes of block-mask metadata in SMEM (budget "
+                         f"{SMEM_METADATA_BUDGET}); use larger tiles")
+    return blocks
 
 
 def fuses_rms_cross(par, q_shape, k, dtype, head_dim: int) -> bool:
@@ -202,13 +254,17 @@ def rms_cross_attention(par, q, weight, k, v, *, head_dim: int, eps: float):
     return cross_kernel.rms_cross_attention(q, weight, k, v, head_dim=head_dim, eps=eps, interpret=par.interpret)
 
 
-def reference_attention(q, k, v, kv_mask=None, bias=None, scale=None):
+def reference_attention(q, k, v, kv_mask=None, bias=None, scale=None, sparse=None):
     """Plain einsum softmax attention in the input precision (tests, float64 runs);
-    `bias`: an additive key bias `(B, 1, Skv)`; `scale` of the logits (default 1/sqrt(D))."""
+    `bias`: an additive key bias `(B, 1, Skv)`; `scale` of the logits (default 1/sqrt(D));
+    `sparse`: a block-sparse mask (`attention`'s), as -inf."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if bias is not None:
         s = s + bias[:, None]
+    if sparse is not None:
+        check_sparse(sparse, q.shape[1], k.shape[1])
+        s = jnp.where(jnp.asarray(token_mask(sparse, q.shape[1]))[None, None], s, -jnp.inf)
     if kv_mask is not None:
         m = jnp.broadcast_to(jnp.asarray(kv_mask, bool), (k.shape[0], k.shape[1]))
         s = jnp.where(m[:, None, None, :], s, -jnp.inf)
@@ -217,17 +273,22 @@ def reference_attention(q, k, v, kv_mask=None, bias=None, scale=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _splash_kernel(heads, blocks: SplashBlocks, interpret):
+def _splash_kernel(heads, blocks: SplashBlocks, interpret, sparse=None):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    mask = sm.MultiHeadMask([sm.FullMask((blocks.sq, blocks.skv)) for _ in range(heads)])
-    return sk.make_splash_mha(mask, block_sizes=blocks.block_sizes(), head_shards=1, q_seq_shards=1,
-                              interpret=interpret)
+    from difflet_tpu.layers import sparse_masks
+
+    if sparse is None:
+        one = sm.FullMask((blocks.sq, blocks.skv))
+    else:
+        one = sparse_masks.splash_mask(sparse.kernel_mask(blocks.sq), sparse.kernel_block, (blocks.sq, blocks.skv))
+    return sk.make_splash_mha(sm.MultiHeadMask([one] * heads), block_sizes=blocks.block_sizes(), head_shards=1,
+                              q_seq_shards=1, interpret=interpret)
 
 
 def _splash(q, k, v, kv_mask, interpret, blocks: SplashBlocks | None = None, check: bool = True,
-            head_major=False, q_scaled=False):
+            head_major=False, q_scaled=False, sparse=None):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     if head_major:
@@ -241,7 +302,7 @@ def _splash(q, k, v, kv_mask, interpret, blocks: SplashBlocks | None = None, che
         blocks = splash_blocks(Sq, Skv)
     elif blocks.sq < Sq or blocks.skv < Skv:
         raise ValueError(f"{blocks} is shorter than the sequences ({Sq}, {Skv})")
-    if check:  # benchmark/attention_blocks.py compiles candidates outside the envelopes too
+    if check and sparse is None:  # benchmark/attention_blocks.py compiles candidates outside the envelopes too
         blocks.validate()
     sq, skv = blocks.sq, blocks.skv
     if kv_mask is None:
@@ -255,9 +316,14 @@ def _splash(q, k, v, kv_mask, interpret, blocks: SplashBlocks | None = None, che
     qh, kh, vh = pad(q, sq - Sq), pad(k, skv - Skv), pad(v, skv - Skv)
     if not head_major:
         qh, kh, vh = (jnp.swapaxes(t, 1, 2) for t in (qh, kh, vh))
-    kernel = _splash_kernel(H, blocks, bool(interpret))
-    out = _vma_untyped(jax.vmap(lambda a, b, c, qs, ks: kernel(a, b, c, segment_ids=sk.SegmentIds(q=qs, kv=ks))),
-                       qh, kh, vh, q_seg, kv_seg)
+    kernel = _splash_kernel(H, blocks, bool(interpret), sparse)
+    call = jax.vmap(lambda a, b, c, qs, ks: kernel(a, b, c, segment_ids=sk.SegmentIds(q=qs, kv=ks)))
+    if sparse is None:
+        out = _vma_untyped(call, qh, kh, vh, q_seg, kv_seg)
+    else:
+        # the compile-only estimator prices splash by its active blocks: it reads the density here
+        with jax.named_scope(f"splash_sparse_density_{sparse.density(sq):.6f}"):
+            out = _vma_untyped(call, qh, kh, vh, q_seg, kv_seg)
     return jnp.swapaxes(out, 1, 2)[:, :Sq]
 
 

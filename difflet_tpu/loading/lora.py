@@ -123,7 +123,7 @@ def parse_lora(tensors: dict, config: dict | None, where: str, kohya=None) -> di
         name = key
         if prefixed:
             if not name.startswith(PREFIX):
-                problems.append(f"unexpected key {key} (not the transformer's: text-encoder LoRAs are not loaded)")
+                problems.append(f"unexpected key {key} (not the transformer's: text-encoder and LTX-2 connectors LoRAs are not loaded)")
                 continue
             name = name[len(PREFIX):]
         name = name.removeprefix("base_model.model.")

@@ -1,5 +1,6 @@
 """diffusers' LoRA loader methods on every pipeline (`FluxLoraLoaderMixin`,
-`QwenImageLoraLoaderMixin`, `WanLoraLoaderMixin` in diffusers/loaders/lora_pipeline.py): the
+`QwenImageLoraLoaderMixin`, `WanLoraLoaderMixin`, `HunyuanVideoLoraLoaderMixin`,
+`LTX2LoraLoaderMixin` in diffusers/loaders/lora_pipeline.py; transformer adapters only): the
 adapters go into the transformer's Runner (difflet_tpu/loading/lora.py), fused into its
 parameters on the chips; the compiled step is reused. Two-expert pipelines (Wan 2.2 A14B):
 `load_into_transformer_2=True` loads the file into the second expert instead of the first, as

@@ -87,6 +87,8 @@ class CollectiveStat:
     def to_dict(self):
         return dataclasses.asdict(self)
 
+_SPARSE_DENSITY = re.compile(r"splash_sparse_density_([0-9.]+)")
+
 
 @dataclasses.dataclass
 class Estimate:
@@ -106,6 +108,9 @@ class Estimate:
     # collective-matmul kernel sites (kind and shapes) -> calls, hops, hops bound by ICI,
     # and seconds of compute, of transfer and of exposed transfer (in `exposed_transfer`)
     kernel_sites: dict = dataclasses.field(default_factory=dict)
+    # block-sparse splash calls (layers/sdpa.py names their scope with the share of blocks
+    # computed): density -> calls
+    attention_density: dict = dataclasses.field(default_factory=dict)
     warnings: list = dataclasses.field(default_factory=list)
 
     def to_dict(self):
@@ -184,7 +189,10 @@ class Simulator:
 
     def attention_cost(self, comp: str, o: Op) -> float | None:
         """jax's splash/flash attention kernels carry no CostEstimate: a roofline
-        of `4 * Sq * Skv * D` per head (QK^T and PV) and q, k, v, out read once."""
+        of `4 * Sq * Skv * D` per head (QK^T and PV) and q, k, v, out read once. A
+        block-sparse splash call (its scope `splash_sparse_density_<d>`, layers/sdpa.py)
+        computes only its active blocks, so its FLOPs are `d` times those; its bytes
+        are kept (every q, k and v block is still read at least once)."""
         refs = {}
         for n in o.operands:
             for key in ("q_ref", "k_ref", "v_ref"):
@@ -205,6 +213,11 @@ class Simulator:
             return None
         (qdt, q), (_, k) = refs["q_ref"], refs["k_ref"]
         flops = 4 * math.prod(q[:-1]) * k[-2] * q[-1]
+        sparse = _SPARSE_DENSITY.search(o.op_name or "")
+        if sparse:
+            d = float(sparse.group(1))
+            flops *= d
+            self.est.attention_density[d] = self.est.attention_density.get(d, 0) + 1
         nbytes = 2 * array_bytes(qdt, q) + sum(array_bytes(*refs[x]) for x in refs if x != "q_ref")
         return max(flops / self.chip.bf16_flops, nbytes / self.chip.hbm_bw)
 
@@ -566,5 +579,7 @@ def summarize(est: Estimate) -> dict:
         collectives={k: dict(count=v.count, bytes_per_chip=int(v.bytes), overlapped=v.overlapped,
                              sync=v.sync, transfer_ms=ms(v.seconds))
                      for k, v in sorted(est.collectives.items())},
+        **({"attention_density": {str(k): v for k, v in sorted(est.attention_density.items())}}
+           if est.attention_density else {}),
         warnings=list(est.warnings),
     )

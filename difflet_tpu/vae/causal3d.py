@@ -66,7 +66,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from difflet_tpu import config
 from difflet_tpu.vae import loading
 from difflet_tpu.vae import spread as vae_spread
 from difflet_tpu.vae.layers import Conv2d, RMSNorm, attention, conv2d, fp32, param, silu, upsample_nearest2x
@@ -526,13 +525,13 @@ class AutoencoderKLCausal3D(nnx.Module):
 
     def _decode(self, latents, spread_axis: str | None, uint8: bool = False):
         z = self.unscale(latents)
+        if not uint8:
+            return vae_spread.apply(self, z, spread_axis)
         if spread_axis is None:
-            return self.frames(z, True) if uint8 else self(z)
+            return self.frames(z, True)
         graphdef, state = nnx.split(self)
-        if uint8:
-            return vae_spread.decode(lambda s, z: nnx.merge(graphdef, s).frames(z, True), state, z, self.mesh,
-                                     spread_axis, frames_last=True)
-        return vae_spread.decode(lambda s, z: nnx.merge(graphdef, s)(z), state, z, self.mesh, spread_axis)
+        return vae_spread.decode(lambda s, z: nnx.merge(graphdef, s).frames(z, True), state, z, self.mesh,
+                                 spread_axis, frames_last=True)
 
     def decode_image(self, latents, spread_axis: str | None = None):
         # frame 0 of the output reads latent frame 0 only (causal), so decode that alone
@@ -544,19 +543,8 @@ class AutoencoderKLCausal3D(nnx.Module):
 
     def spread_axis(self, shape, spread: str | None = None, axis: str | None = None) -> str | None:
         """The axis ("height" / "width") a decode of latents of `shape` splits over the mesh's
-        devices (`vae/spread.py`), or None for the batch-sharded / one-device decode.
-        `spread` ("auto", "on", "off"; None: `Config.vae_spread`, `DIFFLET_TPU_VAE_SPREAD`):
-        "auto" spreads when the mesh has more than one device and they do not divide the
-        batch; "on" whenever the mesh has more than one device. `axis` None: the width
-        when its latent columns divide over the devices, else the height when it does,
-        else the width (padded)."""
-        spread = config.Config.from_env().vae_spread if spread is None else spread
-        if spread not in config.SPREAD_VALUES:
-            raise ValueError(f"spread: {spread!r} is not one of {config.SPREAD_VALUES}")
-        n = 1 if self.mesh is None else self.mesh.size
-        if spread == "off" or n == 1 or (spread == "auto" and shape[0] % n == 0):
-            return None
-        return vae_spread.plan(self.mesh, shape[3], shape[4], axis).axis
+        devices, or None for the batch-sharded / one-device decode (`vae_spread.choose`)."""
+        return vae_spread.choose(self.mesh, shape, spread, axis)
 
     def decode(self, latents, *, spread: str | None = None, axis: str | None = None, uint8: bool = False):
         """QwenImagePipeline's decode of denoised latents `[B, z_dim, T, h, w]` (T = 1 for an
@@ -576,6 +564,4 @@ class AutoencoderKLCausal3D(nnx.Module):
         return self._call("decode_video_latents", latents, spread, axis, uint8)
 
     def _call(self, method, latents, spread, axis, uint8):
-        split = self.spread_axis(latents.shape, spread, axis)
-        return loading.call_jitted(self, method, latents, self.mesh, options=(("spread_axis", split),), uint8=uint8,
-                                   batch_split=split is None)
+        return loading.call_decode(self, method, latents, spread=spread, axis=axis, uint8=uint8)

@@ -30,6 +30,11 @@ of each later tile blended linearly with the last 4 of the tile before, 12 frame
 tile (13 of the first), cut to 1 + 4 (T - 1). The full tiles share one compiled decoder
 (`lax.map`); at most two shorter tail tiles compile on their own.
 
+On a mesh of several devices that do not divide the batch, `decode_video` spreads each video's
+rows (or columns) over them (`spread.py`: one-row halos before every 3x3x3 conv, the edge rows
+copied as `replicate` pads them; GroupNorm sums added over the ranks; the mid-block's keys and
+values all-gathered; exact, every temporal tile split the same way).
+
 Layout: channels-last inside (`[B, T, H, W, C]`, `lax.conv_general_dilated`), NCTHW at the
 boundary.
 """
@@ -44,6 +49,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from difflet_tpu.vae import loading
+from difflet_tpu.vae import spread as vae_spread
 from difflet_tpu.vae.layers import GroupNorm, Linear, attention, fp32, param, silu
 
 # AutoencoderKLHunyuanVideo.__init__'s framewise-decoding defaults (sample frames)
@@ -141,7 +147,8 @@ class CausalConv3d(nnx.Module):
     def __call__(self, x):
         k = self.k
         if k > 1:
-            x = jnp.pad(x, ((0, 0), (k - 1, 0), (k // 2, k // 2), (k // 2, k // 2), (0, 0)), mode="edge")
+            x, (ph, pw) = vae_spread.halo(x, k // 2, "edge")  # in a spread decode: the neighbours' rows
+            x = jnp.pad(x, ((0, 0), (k - 1, 0), ph, pw, (0, 0)), mode="edge")
         return self.conv(x)
 
 
@@ -179,8 +186,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x):
         b, t, h, w, c = x.shape
-        n = self.group_norm(x).reshape(b, t * h * w, c)
-        o = attention(self.to_q(n), self.to_k(n), self.to_v(n), causal_block=h * w)
+        n = self.group_norm(x)
+        kv = vae_spread.gather(n).reshape(b, -1, c)  # a spread decode: local queries, every rank's keys and values
+        n = n.reshape(b, t * h * w, c)
+        o = attention(self.to_q(n), self.to_k(kv), self.to_v(kv), causal_block=(h * w, kv.shape[1] // t))
         return x + self.to_out[0](o).reshape(x.shape)
 
 
@@ -355,11 +364,18 @@ class AutoencoderKLHunyuanVideo(nnx.Module):
         """HunyuanVideoPipeline: `latents / scaling_factor`, float32."""
         return latents.astype(jnp.float32) / self.config.scaling_factor
 
-    def decode_video_latents(self, latents):
-        return self(self.unscale(latents))
+    def decode_video_latents(self, latents, spread_axis: str | None = None):
+        return vae_spread.apply(self, self.unscale(latents), spread_axis)
 
-    def decode_video(self, latents):
+    def spread_axis(self, shape, spread: str | None = None, axis: str | None = None) -> str | None:
+        """The axis a decode of latents of `shape` splits over the mesh (`vae_spread.choose`), or None."""
+        return vae_spread.choose(self.mesh, shape, spread, axis)
+
+    def decode_video(self, latents, *, spread: str | None = None, axis: str | None = None, uint8: bool = False):
         """HunyuanVideoPipeline's decode of denoised latents `[B, C, T, h, w]`: float32
-        `[B, 3, 1 + 4 (T - 1), 8h, 8w]` in about [-1, 1] (not clamped, as diffusers)."""
+        `[B, 3, 1 + 4 (T - 1), 8h, 8w]` in about [-1, 1] (not clamped, as diffusers); `uint8`:
+        `[B, 1 + 4 (T - 1), 8h, 8w, 3]` uint8 frames (`loading.to_uint8`), converted on the
+        devices. On a mesh of several devices that do not divide the batch, each video's rows
+        are spread over them (`spread` / `axis`: `vae_spread.choose`; exact, not tiled)."""
         self.check_latents(latents)
-        return loading.call_jitted(self, "decode_video_latents", latents, self.mesh)
+        return loading.call_decode(self, "decode_video_latents", latents, spread=spread, axis=axis, uint8=uint8)

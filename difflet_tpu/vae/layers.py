@@ -136,10 +136,15 @@ class GroupNorm(nnx.Module):
 
     def __call__(self, x):
         b, c = x.shape[0], x.shape[-1]
-        xf = x.astype(fp32(x.dtype)).reshape(b, -1, self.num_groups, c // self.num_groups)
-        mean = jnp.mean(xf, axis=(1, 3), keepdims=True)
-        var = jnp.mean(jnp.square(xf - mean), axis=(1, 3), keepdims=True)  # two-pass, as torch
-        y = ((xf - mean) * jax.lax.rsqrt(var + self.eps)).reshape(x.shape)
+        g = self.num_groups
+        # in a spread decode (vae/spread.py) each rank sums its real rows and psum adds the ranks'
+        xf = spread.mask(x.astype(fp32(x.dtype)))
+        count = spread.size(xf) // (b * g)
+        xg = xf.reshape(b, -1, g, c // g)
+        mean = spread.psum(jnp.sum(xg, axis=(1, 3), keepdims=True)) / count
+        centred = spread.mask((xg - mean).reshape(x.shape)).reshape(xg.shape)
+        var = spread.psum(jnp.sum(jnp.square(centred), axis=(1, 3), keepdims=True)) / count  # two-pass, as torch
+        y = ((xg - mean) * jax.lax.rsqrt(var + self.eps)).reshape(x.shape)
         y = y * self.scale[...].astype(y.dtype) + self.bias[...].astype(y.dtype)
         return y.astype(x.dtype)
 
@@ -172,7 +177,7 @@ class RMSNorm(nnx.Module):
 QUERY_CHUNK = 1024
 
 
-def attention(q, k, v, *, query_chunk: int | None = None, causal_block: int | None = None):
+def attention(q, k, v, *, query_chunk: int | None = None, causal_block: int | tuple[int, int] | None = None):
     """Single-head softmax attention `softmax(q k^T / sqrt(d)) v` over `[B, N, d]`, scores,
     softmax and the weighted sum in float32 (torch SDPA; diffusers' `upcast_softmax`).
 
@@ -184,18 +189,20 @@ def attention(q, k, v, *, query_chunk: int | None = None, causal_block: int | No
 
     `causal_block`: tokens come in blocks of this many (a video's frames); a query sees the
     keys of its own block and the blocks before (diffusers' HunyuanVideo
-    `prepare_causal_attention_mask`).
+    `prepare_causal_attention_mask`); a pair (query block, key block) when they differ (a
+    spread decode's local queries against every rank's keys).
     """
     query_chunk = query_chunk or QUERY_CHUNK
     b, n, d = q.shape
     scale = 1.0 / math.sqrt(d)
     acc = fp32(q.dtype)
-    key_block = None if causal_block is None else jnp.arange(k.shape[1]) // causal_block
+    q_block, k_block = causal_block if isinstance(causal_block, tuple) else (causal_block, causal_block)
+    key_block = None if causal_block is None else jnp.arange(k.shape[1]) // k_block
 
     def rows(qc, start):
         s = jnp.einsum("bqd,bkd->bqk", qc, k, preferred_element_type=acc) * scale
         if key_block is not None:
-            query_block = (start + jnp.arange(qc.shape[1])) // causal_block
+            query_block = (start + jnp.arange(qc.shape[1])) // q_block
             s = jnp.where(key_block[None, None, :] <= query_block[None, :, None], s, -jnp.inf)
         p = jax.nn.softmax(s, axis=-1)
         return jnp.einsum("bqk,bkd->bqd", p, v.astype(acc)).astype(q.dtype)

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from difflet_tpu.vae import spread as vae_spread
 from difflet_tpu.vae.layers import from_torch
 
 CONFIG_NAME = "config.json"
@@ -247,3 +248,14 @@ def call_jitted(model: nnx.Module, method: str, x, mesh: Mesh | None, *, options
     if not bool(finite):
         raise FloatingPointError(f"{type(model).__name__}.{method}: the output has non-finite values")
     return out
+
+
+def call_decode(model: nnx.Module, method: str, latents, *, spread: str | None = None, axis: str | None = None,
+                uint8: bool = False):
+    """A video VAE's jitted decode `model.<method>(latents, spread_axis=...)` (`call_jitted`): each
+    video's rows spread over `model.mesh` (`spread.choose`: `spread` "auto" / "on" / "off", None
+    for `Config.vae_spread`; `axis` "height" / "width", None to choose), else the batch sharded
+    when the devices divide it."""
+    split = vae_spread.choose(model.mesh, latents.shape, spread, axis)
+    return call_jitted(model, method, latents, model.mesh, options=(("spread_axis", split),), uint8=uint8,
+                       batch_split=split is None)

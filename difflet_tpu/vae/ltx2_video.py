@@ -17,7 +17,11 @@ Reads top to bottom like diffusers' `LTX2VideoDecoder3d`: `conv_in`, `mid_block`
 
 Not implemented (refused by name at load): `timestep_conditioning` (the decoder's timestep
 embedding, `decode_timestep`), `decoder_inject_noise`, and the encoder (the text-to-video pipeline
-never encodes). Parameters replicated on a mesh; the batch is sharded over it when it divides.
+never encodes). Parameters replicated on a mesh; the batch is sharded over it when it divides,
+else each video's rows (or columns) are spread over its devices (`spread.py`: one-row halos
+before every 3x3x3 conv, reflected at the image's edges as `reflect` pads; the norms, the
+depth-to-space upsamplers and the unpatchify act per pixel; exact). No attention, no norm over
+positions.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from difflet_tpu.vae import loading
+from difflet_tpu.vae import spread as vae_spread
 from difflet_tpu.vae.layers import fp32, param, silu
 
 
@@ -135,9 +140,9 @@ class LTX2VideoCausalConv3d(nnx.Module):
         else:
             x = jnp.concatenate([jnp.repeat(x[:, :1], (k - 1) // 2, axis=1), x,
                                  jnp.repeat(x[:, -1:], (k - 1) // 2, axis=1)], axis=1)
-        p = k // 2
-        mode = "reflect" if self.padding_mode == "reflect" else "constant"
-        x = jnp.pad(x, ((0, 0), (0, 0), (p, p), (p, p), (0, 0)), mode=mode)
+        mode = "reflect" if self.padding_mode == "reflect" else "zeros"
+        x, (ph, pw) = vae_spread.halo(x, k // 2, mode)  # in a spread decode: the neighbours' rows
+        x = jnp.pad(x, ((0, 0), (0, 0), ph, pw, (0, 0)), mode="constant" if mode == "zeros" else mode)
         return self.conv(x)
 
 
@@ -319,11 +324,18 @@ class AutoencoderKLLTX2Video(nnx.Module):
         std = self.latents_std[...].astype(jnp.float32).reshape(shape)
         return latents.astype(jnp.float32) * std / self.config.scaling_factor + mean
 
-    def decode_video_latents(self, latents):
-        return self(self.denormalize(latents))
+    def decode_video_latents(self, latents, spread_axis: str | None = None):
+        return vae_spread.apply(self, self.denormalize(latents), spread_axis)
 
-    def decode_video(self, latents):
+    def spread_axis(self, shape, spread: str | None = None, axis: str | None = None) -> str | None:
+        """The axis a decode of latents of `shape` splits over the mesh (`vae_spread.choose`), or None."""
+        return vae_spread.choose(self.mesh, shape, spread, axis)
+
+    def decode_video(self, latents, *, spread: str | None = None, axis: str | None = None, uint8: bool = False):
         """`[B, C, T, h, w]` -> float32 `[B, 3, 1 + r_t (T - 1), r_s h, r_s w]` (not clamped; the
-        pipeline's postprocess clamps)."""
+        pipeline's postprocess clamps); `uint8`: `[B, F, H, W, 3]` uint8 frames (`loading.to_uint8`,
+        clamped as the postprocess), converted on the devices. On a mesh of several devices that
+        do not divide the batch, each video's rows are spread over them (`spread` / `axis`:
+        `vae_spread.choose`; exact, not tiled)."""
         self.check_latents(latents)
-        return loading.call_jitted(self, "decode_video_latents", latents, self.mesh)
+        return loading.call_decode(self, "decode_video_latents", latents, spread=spread, axis=axis, uint8=uint8)

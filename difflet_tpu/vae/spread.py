@@ -1,4 +1,7 @@
-"""One video's causal-3D decode spread over the devices of a mesh: a spatial split, exact.
+"""One video's VAE decode spread over the devices of a mesh: a spatial split, exact.
+
+The video decoders (the causal-3D family: Wan 2.x, Qwen-Image; HunyuanVideo's; LTX-2's) all
+decode this way; what follows is said of the causal-3D decoder, then what the other two add.
 
 Why spatial: the decoder runs latent frame after latent frame, each chunk reading the
 causal cache (`causal3d.FeatCache`) the chunk before wrote, so temporal chunks cannot
@@ -25,9 +28,26 @@ the zero padding; the attention gathers only the real rows as keys; the padded o
 rows are cut. Rank-dependent values are runtime values (`lax.axis_index`), never
 Python constants per rank.
 
+HunyuanVideo's decoder (`hunyuan_video.py`) and LTX-2's (`ltx2_video.py`) add:
+
+- convolutions padded by repeating the edge row (HunyuanVideo's `replicate`) or by reflecting
+  about it (LTX-2's `reflect`): `halo(x, pad, mode)` exchanges the same rows, then the rows
+  outside the image (before row 0 on the first rank; from the last real row on, wherever the
+  real rows end) are set from the rows the one-device padding copies, all inside the rank's
+  window (its rows and the halos), by `dynamic_update_slice`;
+- GroupNorm statistics over every frame and position (HunyuanVideo): each rank sums its real
+  rows, `psum` adds the ranks' sums, `size` counts the real elements (two passes, as torch);
+- the mid-block attention over all T*H*W tokens with the frame-causal mask: local queries,
+  the normed input all-gathered for the keys and values (`gather`);
+- depth-to-space upsampling, nearest upsampling in time and space, unpatchify, per-pixel
+  norms (LTX-2's RMS and LayerNorm over channels), 1x1x1 convolutions and the time padding:
+  per pixel or along time, local.
+
 `Split` is the trace-time context (`active`); the layers call `halo` / `gather` /
-`mask`, which do nothing outside a spread decode. `decode` runs a decode function
-under `jax.shard_map` with the split active.
+`mask` / `psum` / `size`, which do nothing outside a spread decode. `decode` runs a decode
+function under `jax.shard_map` with the split active; `apply` does it for an `nnx` module
+(the VAE's `__call__`), and `choose` says whether and along which axis a decode of a batch
+of latents spreads (`Config.vae_spread`, `DIFFLET_TPU_VAE_SPREAD`).
 """
 
 from __future__ import annotations
@@ -38,9 +58,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from difflet_tpu import config
+
 AXES = ("height", "width")
+PAD_MODES = ("zeros", "edge", "reflect")  # a convolution's spatial padding: torch's zeros, replicate, reflect
 _DIM = {"height": -3, "width": -2}  # channels-last [..., H, W, C]
 
 
@@ -95,11 +119,14 @@ def mask(x):
     return jnp.where(row < s.real(x), x, jnp.zeros((), x.dtype))
 
 
-def halo(x, pad: int):
-    """Before a 'same' convolution of zero padding `pad` over H and W: `x` with `pad` rows of
-    each neighbour along the split axis (zeros at the first and last ranks), and the H, W
-    zero padding the convolution still needs (0 on the split axis). Outside a spread
+def halo(x, pad: int, mode: str = "zeros"):
+    """Before a 'same' convolution of padding `pad` over H and W (`mode`: zeros, edge copies
+    or reflection, `PAD_MODES`): `x` with `pad` rows of each neighbour along the split axis,
+    the rows outside the image as `mode` pads them, and the H, W padding the convolution
+    still needs (0 on the split axis; `jnp.pad` the rest in `mode`). Outside a spread
     decode: `x` and (`pad`, `pad`) on both."""
+    if mode not in PAD_MODES:
+        raise ValueError(f"spread decode: padding mode {mode!r} is not one of {PAD_MODES}")
     s = current()
     pads = [(pad, pad), (pad, pad)]
     if s is None or pad == 0:
@@ -112,8 +139,56 @@ def halo(x, pad: int):
     up = [(i + 1, i) for i in range(s.size - 1)]
     above = jax.lax.ppermute(jax.lax.slice_in_dim(x, n - pad, n, axis=dim), s.names, down)
     below = jax.lax.ppermute(jax.lax.slice_in_dim(x, 0, pad, axis=dim), s.names, up)
+    window = jnp.concatenate([above, x, below], axis=dim)  # global rows rank * n - pad ... rank * n + n + pad
+    if mode != "zeros":  # ppermute's zeros are the zero padding; the other modes copy rows
+        window = _pad_rows(window, s, n, pad, mode, dim)
     pads[s.dim + 3] = (0, 0)
-    return jnp.concatenate([above, x, below], axis=dim), pads
+    return window, pads
+
+
+def _pad_rows(window, s: Split, n: int, pad: int, mode: str, dim: int):
+    """The rows of `window` outside the image set as the one-device `mode` padding sets them:
+    rows -1 .. -pad (the first rank) from rows 0 (edge) or 1 .. pad (reflect); rows real ..
+    real + pad - 1 from row real - 1 (edge) or real - 2 .. real - 1 - pad (reflect), on the
+    rank whose window holds them with real rows of its own (elsewhere they are padding no
+    real output reads)."""
+    rank = jax.lax.axis_index(s.names)
+    flip = mode == "reflect"
+
+    def rows(start, count):  # rows start .. start + count - 1 of the window (start clipped into it)
+        return jax.lax.dynamic_slice_in_dim(window, start, count, axis=dim)
+
+    def edge_or_reflect(last, image_after: bool):
+        """The `pad` rows of padding beside the image's edge row `last` (a window position): before
+        it when the image lies after it (the top edge), else after it (the bottom edge)."""
+        if not flip:
+            return jnp.concatenate([rows(last, 1)] * pad, axis=dim)
+        src = rows(last + 1, pad) if image_after else rows(last - pad, pad)
+        return jnp.flip(src, axis=dim)
+
+    top = jax.lax.slice_in_dim(window, 0, pad, axis=dim)
+    top = jnp.where(rank == 0, edge_or_reflect(pad, True), top)  # image row 0 at window position pad
+    window = jax.lax.dynamic_update_slice_in_dim(window, top, 0, axis=dim)
+    real = s.rows * (n // s.local)  # the real rows at this resolution
+    end = real - rank * n + pad  # window position of row `real` (the first row past the image)
+    start = jnp.clip(end, 0, n + pad)
+    fix = (end > pad) & (end <= n + pad)  # this rank has real rows and its window reaches past them
+    bottom = jnp.where(fix, edge_or_reflect(jnp.clip(end - 1, 0, n + 2 * pad - 1), False), rows(start, pad))
+    return jax.lax.dynamic_update_slice_in_dim(window, bottom, start, axis=dim)
+
+
+def psum(x):
+    """`x` (a partial sum over this rank's rows) summed over the split's ranks; unchanged
+    outside a spread decode. The caller masks the padded rows out of its sum (`mask`)."""
+    s = current()
+    return x if s is None else jax.lax.psum(x, s.names)
+
+
+def size(x) -> int:
+    """The element count of the whole image (every rank's real rows) that `x` holds a band of;
+    `x.size` outside a spread decode."""
+    s = current()
+    return x.size if s is None else x.size // x.shape[s.dim] * s.real(x)
 
 
 def gather(x):
@@ -144,6 +219,30 @@ def plan(mesh: Mesh, height: int, width: int, axis: str | None = None) -> Split:
         raise ValueError(f"spread decode: axis {axis!r} is not one of {AXES}")
     rows = height if axis == "height" else width
     return Split(tuple(mesh.axis_names), mesh.size, axis, rows, -(-rows // mesh.size))
+
+
+def choose(mesh: Mesh | None, shape, spread: str | None = None, axis: str | None = None) -> str | None:
+    """The axis ("height" / "width") a decode of NCTHW latents of `shape` splits over the
+    devices of `mesh`, or None for the batch-sharded / one-device decode. `spread` ("auto",
+    "on", "off"; None: `Config.vae_spread`, `DIFFLET_TPU_VAE_SPREAD`): "auto" spreads when
+    the mesh has more than one device and they do not divide the batch; "on" whenever the
+    mesh has more than one device. `axis` None: `choose_axis`."""
+    spread = config.Config.from_env().vae_spread if spread is None else spread
+    if spread not in config.SPREAD_VALUES:
+        raise ValueError(f"spread: {spread!r} is not one of {config.SPREAD_VALUES}")
+    n = 1 if mesh is None else mesh.size
+    if spread == "off" or n == 1 or (spread == "auto" and shape[0] % n == 0):
+        return None
+    return plan(mesh, shape[3], shape[4], axis).axis
+
+
+def apply(module: nnx.Module, z, axis: str | None):
+    """`module(z)` (a VAE's decode of NCTHW latents), spread over `module.mesh` along `axis`
+    (`decode`), or on its own when `axis` is None. Call under `jax.jit`."""
+    if axis is None:
+        return module(z)
+    graphdef, state = nnx.split(module)
+    return decode(lambda state, z: nnx.merge(graphdef, state)(z), state, z, module.mesh, axis)
 
 
 def decode(fn, state, z, mesh: Mesh, axis: str | None = None, *, frames_last: bool = False):

@@ -19,7 +19,9 @@ FlowMatchEuler scheduler (shift 7.0).
 - every step: `guidance = guidance_scale * 1000` embedded (in the transformer's dtype), the
   timestep `t`; with `true_cfg_scale > 1` and a negative prompt the negative rows run in the same
   batch (`neg + s (cond - neg)`, what diffusers computes in two calls); the Euler step in float32;
-- `latents / scaling_factor`, the VAE's default decode (temporal tiles past 4 latent frames),
+- `latents / scaling_factor`, the VAE's default decode (temporal tiles past 4 latent frames; on a
+  mesh whose devices do not divide the batch each video's rows spread over them,
+  difflet_tpu/vae/spread.py, as WanPipeline; uint8 frames off the devices for "pil"),
   `postprocess_video`.
 """
 

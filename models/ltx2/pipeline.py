@@ -21,9 +21,11 @@ state), the text connectors (connectors.py), the LTX2VideoTransformer3DModel por
   `spatio_temporal_guidance_blocks` perturbed) and modality isolation (`(m - 1)(cond - isolated)`,
   no audio <-> video cross-attention), each with its own audio scale, `guidance_rescale`
   (diffusers' `rescale_noise_cfg`), back to velocity, Euler steps in float32;
-- the video decode and `postprocess_video`; the audio latents denormalised, unpacked, decoded to
-  a mel spectrogram and vocoded: `.audio` is the waveform `[B, channels, samples]` at
-  `audio_sample_rate` (the vocoder's output rate).
+- the video decode (on a mesh whose devices do not divide the batch, each video's rows spread over
+  them: difflet_tpu/vae/spread.py, as WanPipeline; uint8 frames off the devices for "pil") and
+  `postprocess_video`; the audio latents denormalised, unpacked, decoded to a mel spectrogram and
+  vocoded: `.audio` is the waveform `[B, channels, samples]` at `audio_sample_rate` (the vocoder's
+  output rate).
 
 Refused by name: torch `generator` (pass `seed` or the latents), precomputed embeddings, custom
 `timesteps`, prompt enhancement, `noise_scale` / `decode_noise_scale` (random noise diffusers draws
@@ -127,6 +129,7 @@ class LTX2Pipeline(V.VideoPipeline):
     }
     default_height, default_width, default_num_frames, fps = 512, 768, 121, 24
     max_sequence_limit = 1024
+    makes_audio = True  # `.audio` / `.audio_sample_rate`: generate muxes it into the MP4
 
     @classmethod
     def load(cls, path, index, *, mesh, dtype, config, runner_options):
@@ -153,6 +156,7 @@ class LTX2Pipeline(V.VideoPipeline):
         self.audio_vae = AutoencoderKLLTX2Audio.from_pretrained(path / "audio_vae", dtype=dtype, mesh=mesh)
         self.vocoder = LTX2Vocoder.from_pretrained(path / "vocoder", dtype=dtype, mesh=mesh)
         self.init_encoder_home([self.text_encoder, self.connectors], config)
+        self.text_trim = config.text_trim  # Gemma-3 on the real tokens only (models/ltx2/text.py)
         return self
 
     @classmethod
@@ -206,7 +210,8 @@ class LTX2Pipeline(V.VideoPipeline):
         tokens = T.ltx2_tokens(self.tokenizer, prompts, max_sequence_length, name, allow_empty=name != "prompt")
         self.timings.tokenize += time.perf_counter() - start
         start = time.perf_counter()
-        embeds = ltx2_text.gemma_prompt_embeds(self.text_encoder, tokens.input_ids, tokens.attention_mask)
+        embeds = ltx2_text.gemma_prompt_embeds(self.text_encoder, tokens.input_ids, tokens.attention_mask,
+                                               trim=self.text_trim)
         embeds = D.wait(jnp.repeat(embeds.astype(self.dtype), num_videos_per_prompt, axis=0))
         self.timings.encode += time.perf_counter() - start
         checks.check_finite(embeds, f"the {name} embeddings (the text encoder)")
@@ -393,7 +398,15 @@ class LTX2Pipeline(V.VideoPipeline):
             audio = (audio_latents * std + mean).reshape(b, length, ac.latent_channels, -1).transpose(0, 2, 1, 3)
             frames = self.vae.denormalize(latents)
         else:
-            frames = self.decode_frames(latents, output_type)
+            frames = self.decode_frames(latents, output_type)  # spread over the mesh (vae/spread.py)
+            # The audio VAE and the vocoder stay one chip's worth of work (replicated, or the batch
+            # sharded when it divides): at 480x704x49 and 24 fps the audio is 51 latent frames, a
+            # 201 x 64 mel spectrogram; the audio decoder's widest map is 128 channels x 201 x 64
+            # (3.3 MB in bfloat16) and the vocoder's 256 channels x 6030 steps (3 MB); about 0.09
+            # TFLOP (audio decoder) + 0.27 TFLOP (vocoder), under 2 ms of a v5e chip at peak (an
+            # estimate), against the video decode's ~1 s (the reference PR's measured 1.08 s).
+            # Split over 4 chips, each of their dozens of small convolutions would wait on a halo
+            # exchange costing about what the convolution does.
             self._stage("decode audio")
             start = time.perf_counter()
             audio = np.asarray(self.vocoder.vocode(self.audio_vae.decode_audio(audio_latents)))

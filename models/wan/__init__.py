@@ -34,7 +34,9 @@ SPEC = port_spec(
     # cache_text: reuse the text K/V while the calls pass the very same
     # encoder_hidden_states (and image) objects (a denoise loop).
     options=dict(cache_text=False),
-    extra_kwargs=("text_kv",),  # encode_text's cache instead of encoder_hidden_states
+    # text_kv: encode_text's cache instead of encoder_hidden_states; attention: block-sparse
+    # self-attention ("sta:...", "radial:...", layers/sparse_masks.py)
+    extra_kwargs=("text_kv", "attention"),
     methods=dict(encode_text=encode_text, text_kv_shapes=text_kv_shapes),
     # Config.sp_cross_local: attn2's q / out projections replicated under SP
     sp_local_plan=model.SP_LOCAL_PLAN,

@@ -190,9 +190,10 @@ class WanTransformerBlock(nnx.Module):
         self.scale_shift_table = nnx.Param(
             jax.random.normal(rngs.params(), (1, 6, dim), nn.fp32(dtype)) / dim ** 0.5)
 
-    def __call__(self, par, x, kv, temb, cos, sin, kv_mask, split_rope: bool, moments=None):
+    def __call__(self, par, x, kv, temb, cos, sin, kv_mask, split_rope: bool, moments=None, sparse=None):
         """x (B, n, D); kv: this block's attn2 K/V; temb: timestep_proj (B, 6, D) or (B, n, 6, D);
-        moments: `row_moments(x)` if the caller has them (the scan carries them), for norm1."""
+        moments: `row_moments(x)` if the caller has them (the scan carries them), for norm1;
+        sparse: the self-attention's block-sparse mask (layers/sparse_masks.py) or None."""
         f = nn.fp32(x.dtype)
         table = self.scale_shift_table[...]
         if temb.ndim == 4:
@@ -202,7 +203,7 @@ class WanTransformerBlock(nnx.Module):
 
         # 1. Self-attention
         h = modulate(x.astype(f), shift_msa, scale_msa, self.eps, moments).astype(x.dtype)
-        attn = self.attn1(par, h, rope=HeadRope(cos, sin, split_rope), kv_mask=kv_mask)
+        attn = self.attn1(par, h, rope=HeadRope(cos, sin, split_rope), kv_mask=kv_mask, sparse=sparse)
         x = (x.astype(f) + attn * gate_msa).astype(x.dtype)
 
         # 2. Cross-attention (no modulation, no gate)
@@ -246,13 +247,14 @@ class WanTransformer3DModel(nnx.Module):
                                                 self.dtype)
         return nn.map_blocks(self.blocks, lambda blk: blk.attn2.context_kv(par, ctx, img, all_heads))
 
-    def __call__(self, par, patches, timestep, text_kv, cos, sin, kv_mask=None):
+    def __call__(self, par, patches, timestep, text_kv, cos, sin, kv_mask=None, sparse=None):
         """The denoiser on patch rows.
 
         patches: (B, n, C*pt*ph*pw), this rank's rows under SP (padded eagerly).
         timestep: (B,), or (B, n) per token (rows as the patches).
         text_kv: `encode_text`'s output. cos/sin: RoPE tables (S, head_dim) for
-        every row (pad rows: identity). kv_mask: (S,) valid keys, or None.
+        every row (pad rows: identity). kv_mask: (S,) valid keys, or None. sparse: block-sparse
+        self-attention (`layers.sparse_masks.BlockSparsity`; rows in its order) or None.
         Returns (B, n, C_out*pt*ph*pw), features (pt, ph, pw, c).
         """
         dtype = self.dtype
@@ -266,7 +268,7 @@ class WanTransformer3DModel(nnx.Module):
         # last residual add (the first block's before the scan), not in a pass of their own
         def body(blk, carry, kv):
             h, moments = carry
-            h = blk(par, h, kv, timestep_proj, cos, sin, kv_mask, split, moments)
+            h = blk(par, h, kv, timestep_proj, cos, sin, kv_mask, split, moments, sparse)
             return h, row_moments(h)
 
         x, moments = nn.scan_blocks(self.blocks, (x, row_moments(x)), body, xs=text_kv)

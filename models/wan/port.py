@@ -27,6 +27,7 @@ the pipeline's `boundary_ratio` (diffusers' `WanPipeline`).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pathlib
@@ -184,17 +185,29 @@ def prepare(run, kw: dict) -> Prepared:
     N = math.prod(grid)
     row_spec = run.row_spec()
 
-    patches, rows = run.pad_stream(patchify(kw["hidden_states"], c.patch_size), "patch tokens")
+    sparse = sparse_plan(kw.get("attention"), grid)
+    order = None if sparse is None else sparse.order  # STA: tokens tile by tile (pad positions -1)
+    patches = patchify(kw["hidden_states"], c.patch_size)
     t = kw["timestep"]
     t = _xp(t).asarray(t).astype(jnp.promote_types(run.dtype, jnp.float32))
+    if order is not None:
+        patches = _reorder(patches, order)
+        if per_token:
+            t = _reorder(t, order)
+    n = N if order is None else len(order)
+    patches, rows = run.pad_stream(patches, "patch tokens")
     if per_token:
         t = padding.pad_to(t, rows)
     inputs = dict(patches=patches, timestep=t)
     specs = dict(patches=row_spec, timestep=run.row_spec(2, 1) if per_token else run.batch_spec())
-    inputs["freqs_cos"], inputs["freqs_sin"] = run.constant(("rope", grid, rows),
-                                                            lambda: rope_tables(c, grid, rows))
+    inputs["freqs_cos"], inputs["freqs_sin"] = run.constant(("rope", grid, rows) + ((sparse,) if sparse else ()),
+                                                            lambda: _tables(c, grid, rows, order))
     specs["freqs_cos"] = specs["freqs_sin"] = P()
-    kv_mask = run.pad_key_mask((N, rows))
+    if order is None:
+        kv_mask = run.pad_key_mask((N, rows))
+    else:  # the tiles' pad positions and the step's pad rows
+        kv_mask = run.constant(("sparse keys", rows, sparse),
+                               lambda: np.concatenate([order >= 0, np.zeros(rows - n, bool)]))
     if kv_mask is not None:
         inputs["kv_mask"] = kv_mask
         specs["kv_mask"] = P()
@@ -214,14 +227,65 @@ def prepare(run, kw: dict) -> Prepared:
             inputs["encoder_hidden_states_image"], specs["encoder_hidden_states_image"] = img, run.batch_spec()
 
     def finish(out):
-        return returned(kw.get("return_dict", True), unpatchify(padding.unpad(out, N, axis=1), grid, c.patch_size))
+        out = padding.unpad(out, n, axis=1)
+        if order is not None:
+            out = out[:, run.constant(("sparse inverse", sparse), lambda: _inverse(order))]
+        return returned(kw.get("return_dict", True), unpatchify(out, grid, c.patch_size))
 
-    return Prepared(key=key, inputs=inputs, specs=specs, out_specs=row_spec, finish=finish)
+    return Prepared(key=key if sparse is None else (key, sparse), inputs=inputs, specs=specs, out_specs=row_spec,
+                    finish=finish)
+
+
+def sparse_plan(option, grid):
+    """`attention=` (a string, a `sparse_masks.SparseAttention` or None) -> the block sparsity of
+    the video self-attention at this latent grid, or None for dense; the plan is cached per
+    (option, grid) since building the radial mask walks every frame pair."""
+    from difflet_tpu.layers import sparse_masks
+
+    option = option if isinstance(option, sparse_masks.SparseAttention) else sparse_masks.parse(option)
+    return None if option.dense else _sparse_plan(option, tuple(grid))
+
+
+@functools.lru_cache(maxsize=16)
+def _sparse_plan(option, grid):
+    from difflet_tpu.layers import sparse_masks
+
+    return sparse_masks.plan(option, grid, sink=True)  # the reference's Wan rule: frame 0 a sink
+
+
+def _reorder(x, order):
+    """Rows (axis 1) in `order`'s positions; pad positions (-1) are zeros."""
+    xp = _xp(x)
+    take = xp.take(x, np.maximum(order, 0), axis=1)
+    keep = (order >= 0).reshape((1, -1) + (1,) * (x.ndim - 2))
+    return xp.where(keep, take, xp.zeros((), x.dtype))
+
+
+def _inverse(order):
+    inv = np.empty(int((order >= 0).sum()), np.int64)
+    pos = np.nonzero(order >= 0)[0]
+    inv[order[pos]] = pos
+    return inv
+
+
+def _tables(c, grid, rows, order):
+    """RoPE tables for the rows as the step sees them: frame-major, or reordered tile by tile
+    (pad positions and pad rows: the identity rotation, cos 1 and sin 0)."""
+    if order is None:
+        return rope_tables(c, grid, rows)
+    N = math.prod(grid)
+    cos, sin = (np.asarray(x) for x in rope_tables(c, grid, N))
+    pick = lambda x, fill: np.concatenate(
+        [np.where((order >= 0)[:, None], x[np.maximum(order, 0)], fill),
+         np.full((rows - len(order), x.shape[1]), fill, x.dtype)])
+    return jnp.asarray(pick(cos, 1)), jnp.asarray(pick(sin, 0))
 
 
 def forward(model, par, inputs: dict, key):
     """The step by key: "encode" -> every block's text K/V (`model.encode_text`);
-    "full" -> the denoiser with K/V computed in the step; "cached" -> with K/V given."""
+    "full" -> the denoiser with K/V computed in the step; "cached" -> with K/V given;
+    (key, sparsity) -> the same with block-sparse self-attention."""
+    key, sparse = key if isinstance(key, tuple) else (key, None)
     if key != "cached":
         # the cache of `par.cross_local` holds every head; a "full" step gathers each
         # layer's K/V heads in its block instead (overlapped there)
@@ -232,7 +296,7 @@ def forward(model, par, inputs: dict, key):
     else:
         kv = {k: inputs[k] for k in KV_NAMES if k in inputs}
     return model(par, inputs["patches"], inputs["timestep"], kv, inputs["freqs_cos"], inputs["freqs_sin"],
-                 inputs.get("kv_mask"))
+                 inputs.get("kv_mask"), sparse=sparse)
 
 
 # --------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""`python -m difflet_tpu.generate` on the tiny Wan pipeline folders: an H.264 MP4 that reads back
-(PyAV) with the frame count, size and rate asked for and the pipeline's frames (within H.264's
-loss), image-to-video with `--image`, the timings file; bad input refused before any loading with a
-nonzero exit and no file."""
+"""`python -m difflet_tpu.generate` on the tiny Wan pipeline folders (and HunyuanVideo's, LTX-2's): an
+H.264 MP4 that reads back (PyAV) with the frame count, size and rate asked for and the pipeline's
+frames (within H.264's loss), image-to-video with `--image`, the timings file; bad input refused
+before any loading with a nonzero exit and no file."""
 
 from __future__ import annotations
 
@@ -71,6 +71,29 @@ def test_ti2v_folder_takes_an_image(tmp_path):
                           "--width", "64", "--steps", "1", "--out", str(out)]) == 0
     frames, fps = mp4.read_mp4(out)
     assert frames.shape == (5, 64, 64, 3) and fps == 24.0
+
+
+@pytest.mark.parametrize("name", ["hunyuan_video", "ltx2"])
+def test_other_video_folders_write_pil_frames(tmp_path, name, monkeypatch):
+    """generate asks for "pil" frames (uint8 off the devices): every video VAE's decode_video takes
+    `uint8` (HunyuanVideo's and LTX-2's did not: generate failed at the decode). The frames are the
+    in-process "np" call's, up to H.264's loss (luma)."""
+    if name == "ltx2":  # the tiny transformer has 2 blocks; diffusers' default STG block is 28
+        call_kwargs = generate.call_kwargs
+        monkeypatch.setattr(generate, "call_kwargs", lambda args, video=False: {
+            **call_kwargs(args, video), "spatio_temporal_guidance_blocks": [1]})
+    out, folder = tmp_path / "v.mp4", str(FIXTURES / name)
+    size = dict(hunyuan_video=(16, 16), ltx2=(32, 64))[name]
+    assert generate.main([folder, "--prompt", "a cat", "--frames", "5", "--height", str(size[0]), "--width",
+                          str(size[1]), "--steps", "2", "--max-sequence-length", "16", "--out", str(out)]) == 0
+    frames, fps = mp4.read_mp4(out)
+    pipe = DiffusionPipeline.from_pretrained(folder, dtype=jnp.float32)
+    want = pipe(**generate.call_kwargs(generate.parser().parse_args(
+        [folder, "--prompt", "a cat", "--frames", "5", "--height", str(size[0]), "--width", str(size[1]), "--steps",
+         "2", "--max-sequence-length", "16", "--out", str(out)]), video=True) | dict(output_type="np")).frames[0]
+    assert frames.shape == (5, *size, 3) and fps == 24.0
+    luma = np.array([0.299, 0.587, 0.114])
+    assert np.abs(frames.astype(np.float64) @ luma - (np.asarray(want) * 255) @ luma).mean() < 6.0
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -74,8 +74,22 @@ def test_one_device(call):
 @pytest.mark.parametrize("call,mode", [("true_cfg", "tp"), ("embedded", "sp")])
 def test_sharded(call, mode):
     """4 CPU devices: true CFG (two prompts, the VAE's temporal tiles) under TP; embedded
-    guidance under SP."""
+    guidance under SP. The decode is spread over the 4 devices (the default, vae/spread.py)."""
+    _, z = reference()
+    assert pipeline(4, mode).vae.spread_axis(z[f"{call}.latents"].shape) is not None
     check_frames(call, 4, mode)
+
+
+def test_pil_frames_from_the_spread_decode():
+    """output_type="pil" under SP: the spread decode's uint8 frames (converted on the devices) are
+    diffusers' frames as its `numpy_to_pil` rounds them (within one level: the float frames agree
+    to 1e-3)."""
+    _, z = reference()
+    frames = pipeline(4, "sp")(**call_kwargs("embedded"), output_type="pil").frames
+    got = np.stack([np.stack([np.asarray(f) for f in video]) for video in frames])
+    want = np.round(z["embedded.frames"] * 255).astype(np.uint8)
+    assert got.dtype == np.uint8 and got.shape == want.shape
+    assert np.abs(got.astype(int) - want).max() <= 1
 
 
 def start(pipe, call):

@@ -35,10 +35,10 @@ def reference():
 
 
 @functools.lru_cache(maxsize=None)
-def pipeline(tp=None, mode=None):
+def pipeline(tp=None, mode=None, text_trim=False):
     mesh = None if tp is None else make_mesh(tp)
     options = dict(compiler_options=FAST, **({"mode": mode} if mode else {}))
-    return DiffusionPipeline.from_pretrained(FOLDER, mesh=mesh, dtype=jnp.float32, config=Config(),
+    return DiffusionPipeline.from_pretrained(FOLDER, mesh=mesh, dtype=jnp.float32, config=Config(text_trim=text_trim),
                                              runner_options=options)
 
 
@@ -52,6 +52,8 @@ def kwargs(i, **extra):
 @pytest.mark.parametrize("call", [0, 1])
 def test_frames_and_audio_match_diffusers(call, tp, mode):
     pipe = pipeline(tp, mode)
+    if tp:  # the video decode is spread over the 4 devices (the default, vae/spread.py)
+        assert pipe.vae.spread_axis(reference()[1]["in.latents"].shape) is not None
     out = pipe(**kwargs(call))
     _, z = reference()
     frames, audio = np.asarray(out.frames), np.asarray(out.audio)
@@ -60,6 +62,21 @@ def test_frames_and_audio_match_diffusers(call, tp, mode):
     assert out.audio_sample_rate == 24000  # the vocoder's output_sampling_rate
     for what, got, want in (("frames", frames, want_frames), ("audio", audio, want_audio)):
         err = float(np.abs(got - want).max())
+        assert err <= MAX_ABS and rel_l2(got, want) <= REL_L2, f"{what}: max abs {err:.2e}, rel L2 " \
+                                                                f"{rel_l2(got, want):.2e}"
+
+
+@pytest.mark.parametrize("call", [0, 1])
+def test_text_trim_matches_diffusers(call):
+    """Config(text_trim=True): Gemma-3 on the real tokens only (8 of 16 columns here), the same
+    outputs within the same bounds (models/ltx2/text.py; tests/models/test_ltx2_text_trim.py)."""
+    pipe = pipeline(text_trim=True)
+    assert pipe.text_trim and not pipeline().text_trim
+    out = pipe(**kwargs(call))
+    _, z = reference()
+    for what, got, want in (("frames", out.frames, z[f"c{call}.out.frames"]),
+                            ("audio", out.audio, z[f"c{call}.out.audio"])):
+        err = float(np.abs(np.asarray(got) - want).max())
         assert err <= MAX_ABS and rel_l2(got, want) <= REL_L2, f"{what}: max abs {err:.2e}, rel L2 " \
                                                                 f"{rel_l2(got, want):.2e}"
 
