@@ -185,14 +185,17 @@ def _plan(tmp_path, *flags):
 @pytest.mark.slow
 def test_cli_plans_hunyuan_video_tiny(tmp_path):
     """hunyuan_video:tiny deviceless for v5e:2x2: the Llama and CLIP encoders once each, one
-    batch-1 transformer call a step (embedded guidance), the one-chip decode."""
+    batch-1 transformer call a step (embedded guidance), the decode on one chip and spread over 4
+    (the one summed)."""
     r, s = _plan(tmp_path, "--pipeline", "hunyuan_video", "--model", "hunyuan_video:tiny")
     assert {"llama-3-8b (24 tokens) tp", "clip-l (77 tokens) tp", "vae decode_video, one chip"} <= set(s)
+    spread = s["vae decode_video, spread over 4"]
+    assert spread["chips"] == 4 and spread["chosen"] and not s["vae decode_video, one chip"].get("chosen")
     step = s["transformer tp batch 1 (tp=4)"]
     [t] = r["plans"]
     assert t["calls"] == [dict(batch=1, per_step=1)]
     assert t["denoise_ms"] == pytest.approx(50 * step["estimate_ms"], abs=1e-2)
-    assert t["decode_ms"] == s["vae decode_video, one chip"]["estimate_ms"]
+    assert t["decode_ms"] == spread["estimate_ms"]
     assert t["encode_ms"] == pytest.approx(s["llama-3-8b (24 tokens) tp"]["estimate_ms"]
                                            + s["clip-l (77 tokens) tp"]["estimate_ms"]
                                            + t["encoder_offload"]["host_to_device_ms"], abs=1e-2)
@@ -208,7 +211,7 @@ def test_cli_plans_ltx2_tiny(tmp_path, guidance):
     flags = ["--pipeline", "ltx2", "--model", "ltx2:tiny", "--steps", "20"]
     r, s = _plan(tmp_path, *flags, *(["--guidance", str(guidance)] if guidance else []))
     [t] = r["plans"]
-    decodes = ("vae decode_video, one chip", "audio vae decode, one chip", "vocoder, one chip")
+    decodes = ("vae decode_video, spread over 4", "audio vae decode, one chip", "vocoder, one chip")
     assert t["decode_ms"] == pytest.approx(sum(s[n]["estimate_ms"] for n in decodes), abs=1e-2)
     assert s["vocoder, one chip"]["input"] == s["audio vae decode, one chip"]["output"]
     b1 = s["transformer tp batch 1 (tp=4)"]["estimate_ms"]

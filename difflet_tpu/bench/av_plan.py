@@ -17,8 +17,11 @@ Stages (batch 1, bf16, the released sizes; models/*/pipeline.py):
   `guidance_scale=1, stg_scale=0, modality_scale=1`: one batch-1 call a step. LTX-2.0 has no
   perturbed attention, so STG is off (the port refuses `stg_scale` > 0 for it).
   Decodes: the video VAE, then the audio VAE and the vocoder (summed as the decode stage).
-* The decodes run on one chip (the pipelines' decode today: batch 1 does not split and these
-  VAEs have no spread decode yet); float32 frames out (their `decode_video` makes no uint8).
+* The video decode on one chip and spread over every chip of the mesh (`vae/spread.py`, the
+  pipelines' default on a mesh: batch 1 does not split), the spread one summed (with
+  `DIFFLET_TPU_VAE_SPREAD=off` only the one-chip decode, as the pipeline then runs); float32
+  frames out (the "np" output; "pil" converts them to uint8 on the chips: not compiled here).
+  LTX-2's audio VAE and vocoder stay replicated (one chip's work), as the pipeline runs them.
 
 The text encoders are placed as `encoders/` places them (tp over the mesh); where the encoders
 do not fit beside the transformer they wait in host memory between prompts and the move is
@@ -142,35 +145,35 @@ def resolve(pipeline: str, model: str | None):
     return spec, preset, table[preset]
 
 
-def _one_chip_state(model, devices):
+def compile_vae_method(cls, config, method: str, shape, dtype, devices, chip, calibration,
+                       spread: bool = False) -> dict:
+    """`model.<method>(x)` as `vae.loading.call_jitted` runs it (float32 out) on one chip, or
+    (`spread`: a video decode) each video's rows spread over every chip of `devices` along the
+    axis the VAE chooses (`vae/spread.py`), as benchmark/vae_spread.py compiles it."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    mesh = Mesh(np.array(devices[:1]), ("tp",))
-    graphdef, state = nnx.split(model)
-    rep = NamedSharding(mesh, PartitionSpec())
-    return mesh, rep, graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
-
-
-def compile_vae_method(cls, config, method: str, shape, dtype, devices, chip, calibration) -> dict:
-    """`model.<method>(x)` as `vae.loading.call_jitted` runs it (float32 out) on one chip."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
     from difflet_tpu import runtime
     from difflet_tpu.vae import loading as VL
 
     t0 = time.perf_counter()
     model = nnx.eval_shape(lambda: cls(config, dtype=jnp.bfloat16))
-    mesh, rep, graphdef, state = _one_chip_state(model, devices)
+    mesh = Mesh(np.array(devices if spread else devices[:1]), ("tp",))
+    model.mesh = mesh
+    graphdef, state = nnx.split(model)
+    rep = NamedSharding(mesh, PartitionSpec())
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
     x = jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
-    compiled = VL._apply_jit.trace(graphdef, state, method, x, (), False).lower().compile()
-    out = jax.eval_shape(lambda s, x: VL._apply(graphdef, s, method, x)[0], state, x)
-    return dict(PP._priced(compiled, chip, calibration, t0), placement="one chip", chips=1, input=list(shape),
-                output=list(out.shape), weights_per_chip=runtime.tree_bytes_per_device(state))
+    axis = model.spread_axis(shape, "on") if spread else None
+    options = (("spread_axis", axis),) if spread else ()
+    compiled = VL._apply_jit.trace(graphdef, state, method, x, options, False).lower().compile()
+    out = jax.eval_shape(lambda s, x: VL._apply(graphdef, s, method, x, options)[0], state, x)
+    return dict(PP._priced(compiled, chip, calibration, t0), placement=f"spread {axis}" if spread else "one chip",
+                chips=mesh.size, input=list(shape), output=list(out.shape),
+                weights_per_chip=runtime.tree_bytes_per_device(state))
 
 
 def compile_connectors(config, seq: int, batch: int, mesh, chip, calibration) -> dict:
@@ -331,8 +334,17 @@ def run_av_plan(args) -> int:
 
     cls, vconfig = parts["vae"]
     latents = (1, vconfig.latent_channels, (frames - 1) // ft + 1, height // fs, width // fs)
-    decodes = [stage("vae decode_video, one chip", 1, compile_vae_method, cls, vconfig, "decode_video_latents",
-                     latents, jnp.bfloat16, devices, chip, calibration)]
+    one = stage("vae decode_video, one chip", 1, compile_vae_method, cls, vconfig, "decode_video_latents", latents,
+                jnp.bfloat16, devices, chip, calibration)
+    video = one
+    from difflet_tpu.config import Config
+
+    # DIFFLET_TPU_VAE_SPREAD=off: the pipeline decodes on one chip, so the plan compiles only that
+    if len(devices) > 1 and Config.from_env().vae_spread != "off":
+        spread = stage(f"vae decode_video, spread over {len(devices)}", 1, compile_vae_method, cls, vconfig,
+                       "decode_video_latents", latents, jnp.bfloat16, devices, chip, calibration, True)
+        video = spread if "error" not in spread else one
+    decodes = [video]
     if "audio" in parts:
         (acls, aconfig), (vcls, voconfig) = parts["audio"]
         length = round(frames / parts["fps"] * aconfig.sample_rate / aconfig.mel_hop_length / 4)
