@@ -126,3 +126,142 @@ def test_reused_decode_rows_match_shape_placement_and_program(tmp_path):
     assert video_plan.reused_decode(str(path), video_plan.WAN21_VAE, "v5e:2x2", 480, 832, 81, "width") is None
     assert video_plan.reused_decode(str(path), video_plan.WAN21_VAE, "v6e:2x2", 720, 1280, 81, "width") is None
     assert video_plan.reused_decode(str(path), video_plan.WAN22_VAE, "v5e:2x2", 720, 1280, 81, "width") is None
+
+
+def test_reused_stages_take_what_compiled_and_refuse_another_plan(tmp_path):
+    ok = dict(stage="transformer tp batch 2 (tp=4)", calls_per_image=50, hbm=dict(total=GIB, arguments=GIB),
+              estimate_ms=1.0, chosen=True)
+    bad = dict(stage="vae decode_video, one chip", calls_per_image=1, error="JaxRuntimeError: ...")
+    plan = dict(pipeline="wan", model="wan:Wan2.2-TI2V-5B", topology="v5e:2x2", height=704, width=1280, frames=121,
+                stages=[ok, bad])
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    got = video_plan.reused_stages(str(path), "wan:Wan2.2-TI2V-5B", "v5e:2x2", 704, 1280, 121)
+    assert list(got) == ["transformer tp batch 2 (tp=4)"]  # the failed decode compiles again
+    row = got["transformer tp batch 2 (tp=4)"]
+    assert row["estimate_ms"] == 1.0 and row["source"] == str(path) and "chosen" not in row and "stage" not in row
+    with pytest.raises(BenchError, match="not wan:Wan2.2-TI2V-5B 704x1280x81"):
+        video_plan.reused_stages(str(path), "wan:Wan2.2-TI2V-5B", "v5e:2x2", 704, 1280, 81)
+
+
+def test_combined_stages_sum_time_and_keep_the_largest_program():
+    from difflet_tpu.bench import av_plan
+
+    video = dict(stage="video", hbm=dict(total=5 * GIB, arguments=GIB), weights_per_chip=GIB, estimate_ms=100.0,
+                 estimate_raw_ms=150.0)
+    audio = dict(stage="audio", hbm=dict(total=2 * GIB, arguments=GIB // 4), weights_per_chip=GIB // 4,
+                 estimate_ms=10.0, estimate_raw_ms=20.0)
+    r = av_plan.combined([video, audio], [1, 3], "decode")
+    assert r["estimate_ms"] == 130.0 and r["estimate_raw_ms"] == 210.0
+    assert r["weights_per_chip"] == GIB + GIB // 4
+    # the video program with the audio weights resident beside it
+    assert r["hbm"]["total"] == 5 * GIB + GIB // 4 and r["parts"] == ["video", "audio"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--compile-only", "--topology", "v5e:2x2", "--pipeline", "wan", "--guidance", "1"], "--guidance cannot be"),
+    (["--compile-only", "--topology", "v5e:2x2", "--pipeline", "flux", "--reuse-stages", "x.json"],
+     "--reuse-stages only applies to --pipeline wan | hunyuan_video | ltx2"),
+    (["--compile-only", "--topology", "v5e:2x2", "--pipeline", "ltx2", "--mesh", "tp=2"], "--mesh cannot be"),
+])
+def test_bad_av_plan_flags_are_clear_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _plan(tmp_path, *flags):
+    out = tmp_path / "plan.json"
+    cmd = [sys.executable, "-m", "difflet_tpu.bench", "--compile-only", "--topology", "v5e:2x2", "--mode", "tp",
+           "--json", str(out), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert not [s for s in r["stages"] if "error" in s]
+    return r, {s["stage"]: s for s in r["stages"]}
+
+
+@pytest.mark.slow
+def test_cli_plans_hunyuan_video_tiny(tmp_path):
+    """hunyuan_video:tiny deviceless for v5e:2x2: the Llama and CLIP encoders once each, one
+    batch-1 transformer call a step (embedded guidance), the decode on one chip and spread over 4
+    (the one summed)."""
+    r, s = _plan(tmp_path, "--pipeline", "hunyuan_video", "--model", "hunyuan_video:tiny")
+    assert {"llama-3-8b (24 tokens) tp", "clip-l (77 tokens) tp", "vae decode_video, one chip"} <= set(s)
+    spread = s["vae decode_video, spread over 4"]
+    assert spread["chips"] == 4 and spread["chosen"] and not s["vae decode_video, one chip"].get("chosen")
+    step = s["transformer tp batch 1 (tp=4)"]
+    [t] = r["plans"]
+    assert t["calls"] == [dict(batch=1, per_step=1)]
+    assert t["denoise_ms"] == pytest.approx(50 * step["estimate_ms"], abs=1e-2)
+    assert t["decode_ms"] == spread["estimate_ms"]
+    assert t["encode_ms"] == pytest.approx(s["llama-3-8b (24 tokens) tp"]["estimate_ms"]
+                                           + s["clip-l (77 tokens) tp"]["estimate_ms"]
+                                           + t["encoder_offload"]["host_to_device_ms"], abs=1e-2)
+    assert s["vae decode_video, one chip"]["input"] == [1, 4, 2, 4, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guidance", [1.0, None])
+def test_cli_plans_ltx2_tiny(tmp_path, guidance):
+    """ltx2:tiny: Gemma-3 and the connectors, the video VAE, audio VAE and vocoder summed as the
+    decode; guidance 1: one batch-1 call a step; the default (3): both prompts encoded, the CFG
+    pair (batch 2) and the modality-isolation call (batch 1) every step."""
+    flags = ["--pipeline", "ltx2", "--model", "ltx2:tiny", "--steps", "20"]
+    r, s = _plan(tmp_path, *flags, *(["--guidance", str(guidance)] if guidance else []))
+    [t] = r["plans"]
+    decodes = ("vae decode_video, spread over 4", "audio vae decode, one chip", "vocoder, one chip")
+    assert t["decode_ms"] == pytest.approx(sum(s[n]["estimate_ms"] for n in decodes), abs=1e-2)
+    assert s["vocoder, one chip"]["input"] == s["audio vae decode, one chip"]["output"]
+    b1 = s["transformer tp batch 1 (tp=4)"]["estimate_ms"]
+    if guidance == 1.0:
+        assert t["calls"] == [dict(batch=1, per_step=1)] and r["call"]["modality_scale"] == 1.0
+        assert t["denoise_ms"] == pytest.approx(20 * b1, abs=1e-2)
+        assert s["gemma-3-12b (32 tokens) tp"]["calls_per_image"] == 1 and "ltx2 connectors (batch 1)" in s
+    else:
+        b2 = s["transformer tp batch 2 (tp=4)"]["estimate_ms"]
+        assert t["calls"] == [dict(batch=2, per_step=1), dict(batch=1, per_step=1)]
+        assert t["denoise_ms"] == pytest.approx(20 * (b2 + b1), abs=1e-2)
+        assert s["gemma-3-12b (32 tokens) tp"]["calls_per_image"] == 2 and "ltx2 connectors (batch 2)" in s
+
+
+@pytest.mark.slow
+def test_cli_plans_wan_tiny_one_chip_decode_when_spread_is_off(tmp_path):
+    """DIFFLET_TPU_VAE_SPREAD=off: the pipeline decodes on one chip, so the plan compiles and
+    sums only that decode."""
+    import os
+
+    out = tmp_path / "plan.json"
+    cmd = [sys.executable, "-m", "difflet_tpu.bench", "--compile-only", "--pipeline", "wan", "--model", "wan:tiny",
+           "--topology", "v5e:2x2", "--mode", "tp", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, DIFFLET_TPU_VAE_SPREAD="off"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    decodes = [s for s in r["stages"] if s["stage"].startswith("vae")]
+    assert [s["stage"] for s in decodes] == ["vae decode_video, one chip"] and decodes[0]["chosen"]
+    [t] = r["plans"]
+    assert t["decode_ms"] == decodes[0]["estimate_ms"]
+
+
+def test_transformer_staged_during_the_encode():
+    """Gemma-3 + connectors do not fit beside the resident transformer: the staged plan drops
+    the transformer for the encode and pays one copy of it back a video."""
+    from difflet_tpu.bench import av_plan
+    from difflet_tpu.bench import pipeline_plan as PP
+
+    rows = {"gemma": _row(7 * GIB, 6 * GIB, 50.0), "connectors": _row(3 * GIB, 2 * GIB, 20.0),
+            "vae": _row(4 * GIB, GIB, 300.0)}
+    p = dict(steps=20, calls_per_step=1, encoders=[("gemma", None, 1024, True, 1), ("connectors", None, 0, False, 1)])
+    step = dict(_row(10 * GIB, 10 * GIB, 160.0), mode="sp-pallas")
+    plan = PP.plan_totals(rows, p, step, "auto", CHIP)
+    assert plan["encoder_offload"]["enabled"] and not plan["fits"]  # gemma 7 + 2 + 10 + 1 = 20 GiB
+    t = av_plan.staged_transformer(plan, rows, p, step, CHIP)
+    assert t["peaks"] == {"gemma": 7 * GIB + 2 * GIB + GIB, "connectors": 3 * GIB + 6 * GIB + GIB,
+                          "transformer": 10 * GIB + GIB, "vae": 4 * GIB + 10 * GIB}
+    assert t["fits"] and t["transformer_staged"]
+    move = 10 * GIB / 1.5e10 * 1e3  # runtime.H2D_BYTES_PER_S["v5e"]
+    assert t["transformer_move_ms"] == pytest.approx(move, abs=1e-3)
+    assert t["encode_ms"] == pytest.approx(plan["encode_ms"] + move, abs=1e-2)
+    assert t["total_ms"] == pytest.approx(t["encode_ms"] + 20 * 160.0 + 300.0, abs=1e-2)

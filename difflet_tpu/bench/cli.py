@@ -33,7 +33,8 @@ stage of the released pipeline compiled deviceless (text encoders, the transform
 `--mode`, default tp and sp-pallas, the VAE decode), HBM per chip, ESTIMATED ms, where the
 text encoders live between prompts (`--encoder-offload`) and the end-to-end estimate
 (difflet_tpu/bench/pipeline_plan.py; docs/benchmarks.md). Prompt to video: `--pipeline wan`
-(`--model wan:<preset>`, `--frames`; difflet_tpu/bench/video_plan.py).
+(`--model wan:<preset>`, `--frames`; difflet_tpu/bench/video_plan.py), `--pipeline hunyuan_video`
+and `--pipeline ltx2` (also `--guidance`; difflet_tpu/bench/av_plan.py).
 
 Modes: tp, sp (JAX rings or Pallas kernels per the config / model default),
 sp-xla (plain all_gather / psum_scatter with XLA's collective-matmul
@@ -83,11 +84,15 @@ def parser():
     ap.add_argument("--topology", help="TPU topology for --compile-only, e.g. v5e:2x2, v5e:2x4, v6e:2x2")
     ap.add_argument("--pipeline", choices=PLAN_PIPELINES,
                     help="--compile-only: plan every stage of a prompt -> image pipeline (text encoders, "
-                    "transformer, VAE) instead of a transformer step; wan: prompt -> video (--model wan:<preset>, "
-                    "--frames)")
+                    "transformer, VAE) instead of a transformer step; wan, hunyuan_video, ltx2: prompt -> video "
+                    "(--model <pipeline>:<preset>, --frames; hunyuan_video and ltx2 also --guidance)")
     ap.add_argument("--decode-rows", metavar="JSON",
                     help="--pipeline wan: take the VAE decode rows of this shape from a benchmark/vae_spread.py "
                          "result (the same program, compiled for the same topology) instead of compiling them")
+    ap.add_argument("--reuse-stages", metavar="JSON",
+                    help="--pipeline wan | hunyuan_video | ltx2: take every stage that compiled in this earlier plan "
+                         "JSON of the same model, "
+                         "shape and topology instead of compiling it again (each reused row names its source)")
     ap.add_argument("--end-to-end", metavar="PIPELINE_DIR",
                     help="time one prompt -> image call of a diffusers pipeline folder stage by stage (tokenize, "
                     "text encode, each denoise step, decode), cold and warm (difflet_tpu/bench/end_to_end.py)")
@@ -129,10 +134,12 @@ def parser():
     return ap
 
 
-PLAN_PIPELINES = ("flux", "qwen_image", "wan")
+PLAN_PIPELINES = ("flux", "qwen_image", "wan", "hunyuan_video", "ltx2")
 # flags a --pipeline plan does not take: it compiles the released pipeline at batch 1 on one tp mesh
 PLAN_REFUSED = ("model", "frames", "mesh", "guidance", "expert_offload", "dump_hlo")
-VIDEO_PLAN_TAKES = ("model", "frames")  # --pipeline wan: which Wan (default Wan2.1-T2V-14B), how many frames
+# the video plans: which model (default the released one), how many frames; HunyuanVideo, LTX-2: the guidance
+VIDEO_PLAN_TAKES = {"wan": ("model", "frames"), "hunyuan_video": ("model", "frames", "guidance"),
+                    "ltx2": ("model", "frames", "guidance")}
 
 
 def _port_names():
@@ -327,17 +334,21 @@ def validate_pipeline_plan(args, ap):
         ap.error("--pipeline plans deviceless (--compile-only --topology T); to run a pipeline on a TPU use "
                  "python -m difflet_tpu.generate")
     for flag in PLAN_REFUSED:
-        if getattr(args, flag) is not None and not (args.pipeline == "wan" and flag in VIDEO_PLAN_TAKES):
+        if getattr(args, flag) is not None and flag not in VIDEO_PLAN_TAKES.get(args.pipeline, ()):
             ap.error(f"--{flag.replace('_', '-')} cannot be combined with --pipeline (it plans the released "
                      f"pipeline at batch 1 on one tp mesh)")
     if args.batch != 1:
         ap.error("--pipeline plans batch 1 (--batch must be 1)")
     if args.decode_rows and args.pipeline != "wan":
         ap.error("--decode-rows only applies to --pipeline wan")
+    if args.reuse_stages and args.pipeline not in VIDEO_PLAN_TAKES:
+        ap.error("--reuse-stages only applies to --pipeline wan | hunyuan_video | ltx2")
+    if args.reuse_stages and not pathlib.Path(args.reuse_stages).is_file():
+        ap.error(f"--reuse-stages {args.reuse_stages}: no such file (an earlier plan JSON)")
     if args.decode_rows and not pathlib.Path(args.decode_rows).is_file():
         ap.error(f"--decode-rows {args.decode_rows}: no such file (a benchmark/vae_spread.py result)")
-    if args.pipeline == "wan" and args.model and len(args.model) > 1:
-        ap.error("--pipeline wan plans one model: give one --model (e.g. wan:Wan2.2-T2V-A14B)")
+    if args.pipeline in VIDEO_PLAN_TAKES and args.model and len(args.model) > 1:
+        ap.error(f"--pipeline {args.pipeline} plans one model: give one --model (e.g. wan:Wan2.2-T2V-A14B)")
     if args.mode is None:
         args.modes = ["tp", "sp-pallas"]
     for name in ("height", "width"):
@@ -368,6 +379,10 @@ def main(argv=None):
             from difflet_tpu.bench.video_plan import run_video_plan
 
             return run_video_plan(args)
+        if args.compile_only and args.pipeline in ("hunyuan_video", "ltx2"):
+            from difflet_tpu.bench.av_plan import run_av_plan
+
+            return run_av_plan(args)
         if args.compile_only and args.pipeline:
             from difflet_tpu.bench.pipeline_plan import run_pipeline_plan
 

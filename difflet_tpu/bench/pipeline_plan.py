@@ -87,8 +87,9 @@ def _sds(shape, dtype, mesh):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
 
 
-def compile_encoder_tp(config, seq: int, masked: bool, mesh, chip, calibration) -> dict:
-    """The encoder as `encoders/` runs it on `mesh`: Megatron specs over `tp`, GSPMD."""
+def compile_encoder_tp(config, seq: int, masked: bool, mesh, chip, calibration, call: tuple = ()) -> dict:
+    """The encoder as `encoders/` runs it on `mesh`: Megatron specs over `tp`, GSPMD. `call`:
+    (name, value) keyword arguments of the call (a decoder LM's `hidden_state`, ...)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -100,7 +101,8 @@ def compile_encoder_tp(config, seq: int, masked: bool, mesh, chip, calibration) 
     graphdef, state = nnx.split(model)
     weights = runtime.tree_bytes_per_device(nnx.state(model, nnx.Param))
     ids = _sds((1, seq), jnp.int32, mesh)
-    fn = jax.jit(lambda s, i, m: nnx.merge(graphdef, s)(i, m) if masked else nnx.merge(graphdef, s)(i))
+    kw = dict(call)
+    fn = jax.jit(lambda s, i, m: nnx.merge(graphdef, s)(i, m, **kw) if masked else nnx.merge(graphdef, s)(i, **kw))
     compiled = fn.trace(state, ids, ids).lower().compile()
     return dict(_priced(compiled, chip, calibration, t0), placement="tp", weights_per_chip=weights)
 

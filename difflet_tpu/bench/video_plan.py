@@ -9,7 +9,8 @@ Stages of `WanPipeline.__call__` (models/wan/pipeline.py; batch 1, bf16, the rel
 * The transformer: 50 steps, ONE call a step on the [uncond; cond] batch of 2 (CFG).
 * The VAE's `decode_video` (uint8 frames out), on one chip and spread over every chip of the
   mesh (`vae/spread.py`); the spread one is the pipeline's default on a mesh (batch 1 does
-  not split) and is the one the plan sums.
+  not split) and is the one the plan sums. With `DIFFLET_TPU_VAE_SPREAD=off` the pipeline
+  decodes on one chip, and the plan compiles and sums only that.
 * Wan2.2 A14B: two experts with the same shapes. Both resident beside the other parts, or
   the idle one staged through host memory (`placement.ExpertHome`): then each video pays two
   host-to-device copies of one expert (the high-noise one back in at the start, the low-noise
@@ -119,6 +120,25 @@ def reused_decode(path: str, vae: dict, topology: str, height: int, width: int, 
     return None
 
 
+def reused_stages(path: str, model: str, topology: str, height: int, width: int, frames: int,
+                  pipeline: str = "wan") -> dict:
+    """The stages that compiled (no `error`) in the earlier plan JSON `path`, by stage name, as
+    reusable rows (`source` names the file); BenchError when it plans another model, shape or
+    topology."""
+    import json
+
+    data = json.loads(open(path).read())
+    got = (data.get("pipeline"), data.get("model"), data.get("topology"), data.get("height"), data.get("width"),
+           data.get("frames"))
+    if got != (pipeline, model, topology, height, width, frames):
+        raise BenchError(f"--reuse-stages {path}: it plans {got[1]} {got[3]}x{got[4]}x{got[5]} on {got[2]}, "
+                         f"not {model} {height}x{width}x{frames} on {topology}")
+    keep = ("stage", "calls_per_image", "chosen", "source")
+    return {r["stage"]: dict({k: v for k, v in r.items() if k not in keep},
+                             source=r.get("source") or path)
+            for r in data["stages"] if "error" not in r}
+
+
 def expert_plans(rows: dict, p: dict, transformer: dict, setting: str, chip) -> list[dict]:
     """Wan2.2 A14B's two placements of its experts (compile_one's row with `other_experts`
     resident): both resident, and the idle one staged through host memory (2 copies a video).
@@ -171,6 +191,8 @@ def run_video_plan(args) -> int:
              encoders=[("umt5-xxl", encoder, TEXT_TOKENS, True, 2)])
     mesh = make_mesh(len(devices), devices)
     stages, plans, failed = [], [], False
+    earlier = (reused_stages(args.reuse_stages, p["model"], args.topology, height, width, frames)
+               if args.reuse_stages else {})
 
     def report(done: bool) -> dict:
         r = dict(kind="pipeline-plan", pipeline="wan", model=f"wan:{preset}", topology=args.topology,
@@ -181,6 +203,7 @@ def run_video_plan(args) -> int:
 
     def stage(name, calls, fn, *fa, reused=None):
         nonlocal failed
+        reused = reused if reused is not None else earlier.get(name)
         if reused is not None:
             print(f"{name}: reused from {reused['source']}", file=sys.stderr, flush=True)
             r = dict(stage=name, calls_per_image=calls, **reused)
@@ -229,7 +252,10 @@ def run_video_plan(args) -> int:
                      reused=reused or None)
 
     rows["vae"] = one = decode("vae decode_video, one chip", False)
-    if len(devices) > 1:
+    from difflet_tpu.config import Config
+
+    # DIFFLET_TPU_VAE_SPREAD=off: the pipeline decodes on one chip, so the plan compiles only that
+    if len(devices) > 1 and Config.from_env().vae_spread != "off":
         spread = decode(f"vae decode_video, spread over {len(devices)}", True)
         rows["vae"] = spread if "error" not in spread else one
     rows["vae"]["chosen"] = True

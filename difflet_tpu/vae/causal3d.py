@@ -424,6 +424,7 @@ class AutoencoderKLCausal3D(nnx.Module):
     """
 
     CLASS_NAMES = tuple(CONFIG_FIELDS)
+    UINT8_METHODS = ("decode_video_latents",)  # make uint8 frames themselves (`loading._apply`)
 
     def __init__(self, config: Causal3DConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
                  encoder: bool = False):
@@ -456,23 +457,36 @@ class AutoencoderKLCausal3D(nnx.Module):
 
     def __call__(self, z):
         """diffusers `vae.decode(z).sample`: `[B, z_dim, T, h, w]` -> `[B, 3, 1 + 4 (T - 1), 8h, 8w]`."""
+        return jnp.transpose(self.frames(z), (0, 4, 1, 2, 3))
+
+    def frames(self, z, uint8: bool = False):
+        """`__call__` channels last: `[B, 1 + 4 (T - 1), 8h, 8w, 3]`, clamped to [-1, 1]. `uint8`:
+        (uint8 frames, whether every pixel was finite), each chunk's frames converted
+        (`loading.to_uint8`) as the chunk is decoded, so no float video is ever whole and the
+        uint8 frames are made in their final layout (Wan 2.2 at 121 x 704 x 1280 on v5e: the
+        transpose of the whole converted video ran out of scoped VMEM)."""
         self.check_latents(z)
         x = self.post_quant_conv(jnp.transpose(z, (0, 2, 3, 4, 1)).astype(self.dtype))
+
+        def finish(y):  # one chunk's frames as they leave the decoder
+            y = jnp.clip(unpatchify(y, self.config.patch_size), -1.0, 1.0)
+            return (loading.to_uint8(y), jnp.all(jnp.isfinite(y))) if uint8 else (y, None)
+
         feat = FeatCache(record=x.shape[1] > 1)
-        out = self.decoder(x[:, :1], feat)  # first chunk: latent frame 0 alone
+        out, finite = finish(self.decoder(x[:, :1], feat))  # first chunk: latent frame 0 alone
         if x.shape[1] > 1:
             graphdef, state = nnx.split(self.decoder)
 
             def chunk(cache, frame):
                 f = FeatCache(cache)
                 y = nnx.merge(graphdef, state)(frame[:, None], f)
-                return f.next, y
+                return f.next, finish(y)
 
-            _, rest = jax.lax.scan(chunk, feat.next, jnp.moveaxis(x[:, 1:], 1, 0))  # [T-1, B, t, H, W, C]
-            rest = jnp.moveaxis(rest, 0, 1)
+            _, (rest, rest_finite) = jax.lax.scan(chunk, feat.next, jnp.moveaxis(x[:, 1:], 1, 0))
+            rest = jnp.moveaxis(rest, 0, 1)  # [B, T-1, t, H, W, C]
             out = jnp.concatenate([out, rest.reshape((rest.shape[0], -1) + rest.shape[3:])], axis=1)
-        out = unpatchify(out, self.config.patch_size)
-        return jnp.transpose(jnp.clip(out, -1.0, 1.0), (0, 4, 1, 2, 3))
+            finite = finite & jnp.all(rest_finite) if uint8 else None
+        return (out, finite) if uint8 else out
 
     def unscale(self, latents):
         """QwenImagePipeline / WanPipeline: `latents / (1 / latents_std) + latents_mean` per
@@ -509,15 +523,23 @@ class AutoencoderKLCausal3D(nnx.Module):
         check_video(video, self.config)
         return loading.call_jitted(self, "encode_video", video, self.mesh)
 
-    def _decode(self, latents, spread_axis: str | None):
-        return vae_spread.apply(self, self.unscale(latents), spread_axis)
+    def _decode(self, latents, spread_axis: str | None, uint8: bool = False):
+        z = self.unscale(latents)
+        if not uint8:
+            return vae_spread.apply(self, z, spread_axis)
+        if spread_axis is None:
+            return self.frames(z, True)
+        graphdef, state = nnx.split(self)
+        return vae_spread.decode(lambda s, z: nnx.merge(graphdef, s).frames(z, True), state, z, self.mesh,
+                                 spread_axis, frames_last=True)
 
     def decode_image(self, latents, spread_axis: str | None = None):
         # frame 0 of the output reads latent frame 0 only (causal), so decode that alone
         return self._decode(latents[:, :, :1], spread_axis)[:, :, 0]
 
-    def decode_video_latents(self, latents, spread_axis: str | None = None):
-        return self._decode(latents, spread_axis)
+    def decode_video_latents(self, latents, spread_axis: str | None = None, uint8: bool = False):
+        """`uint8`: (channels-last uint8 frames, finite), converted chunk by chunk (`frames`)."""
+        return self._decode(latents, spread_axis, uint8)
 
     def spread_axis(self, shape, spread: str | None = None, axis: str | None = None) -> str | None:
         """The axis ("height" / "width") a decode of latents of `shape` splits over the mesh's

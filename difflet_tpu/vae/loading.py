@@ -222,7 +222,11 @@ def to_uint8(x):
 
 
 def _apply(graphdef, state, method: str, x, options: tuple = (), uint8: bool = False):
-    out = getattr(nnx.merge(graphdef, state), method)(x, **dict(options)).astype(jnp.float32)
+    model = nnx.merge(graphdef, state)
+    if uint8 and method in getattr(model, "UINT8_METHODS", ()):
+        # the method converts as it decodes, chunk by chunk: (uint8 frames, all finite)
+        return getattr(model, method)(x, uint8=True, **dict(options))
+    out = getattr(model, method)(x, **dict(options)).astype(jnp.float32)
     finite = jnp.all(jnp.isfinite(out))
     if uint8:  # only the uint8 frames leave the devices: channels last, as diffusers' output_type="np"
         out = jnp.moveaxis(to_uint8(out), 1, -1)

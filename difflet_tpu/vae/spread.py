@@ -245,21 +245,31 @@ def apply(module: nnx.Module, z, axis: str | None):
     return decode(lambda state, z: nnx.merge(graphdef, state)(z), state, z, module.mesh, axis)
 
 
-def decode(fn, state, z, mesh: Mesh, axis: str | None = None):
+def decode(fn, state, z, mesh: Mesh, axis: str | None = None, *, frames_last: bool = False):
     """`fn(state, z)` (a decode of NCTHW latents `z` to NCTHW pixels, a fixed factor per
     latent row) with the rows of `z` spread over `mesh` (see the module docstring);
-    `state` (the parameters) replicated. Call under `jax.jit`."""
+    `state` (the parameters) replicated. `frames_last`: `fn` returns (NTHWC frames, a
+    finite flag), the flag true when it is on every rank. Call under `jax.jit`."""
     split = plan(mesh, z.shape[3], z.shape[4], axis)
     zdim = 3 if split.axis == "height" else 4
+    odim = zdim - 1 if frames_last else zdim  # the split axis of the output
     padded = split.size * split.local
     if padded != split.rows:
         z = jnp.pad(z, [(0, padded - split.rows if d == zdim else 0) for d in range(z.ndim)])
     spec = PartitionSpec(*[split.names if d == zdim else None for d in range(z.ndim)])
+    out_spec = PartitionSpec(*[split.names if d == odim else None for d in range(z.ndim)])
 
     def body(state, z):
         with active(split):
-            return fn(state, z)
+            out = fn(state, z)
+        if frames_last:
+            frames, finite = out
+            return frames, jax.lax.pmin(finite.astype(jnp.int32), split.names) > 0
+        return out
 
-    out = jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec(), spec), out_specs=spec)(state, z)
-    scale = out.shape[zdim] // padded
-    return jax.lax.slice_in_dim(out, 0, split.rows * scale, axis=zdim)
+    out_specs = (out_spec, PartitionSpec()) if frames_last else out_spec
+    out = jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec(), spec), out_specs=out_specs)(state, z)
+    frames = out[0] if frames_last else out
+    scale = frames.shape[odim] // padded
+    frames = jax.lax.slice_in_dim(frames, 0, split.rows * scale, axis=odim)
+    return (frames, out[1]) if frames_last else frames

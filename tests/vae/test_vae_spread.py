@@ -169,6 +169,31 @@ def test_decode_video_uint8(spread_mode, mesh4):
     np.testing.assert_array_equal(np.asarray(image), want[:, 0])
 
 
+@pytest.mark.parametrize("spread_mode", ["off", "on"])
+def test_decode_video_uint8_refuses_non_finite(spread_mode, mesh4):
+    """A NaN only in the last latent frame's last column (decoded in the scan, on the last rank
+    when spread, converted chunk by chunk) is still refused, not turned into pixels."""
+    model, data = load("wan_vae", mesh4), io("wan_vae")
+    lat = np.array(data["video.latents"])
+    lat[0, :, -1, -1, -1] = np.nan
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        model.decode_video(lat, spread=spread_mode, uint8=True)
+
+
+def test_decode_video_uint8_never_holds_the_float_video():
+    """`uint8=True` converts each chunk as it is decoded: the lowered program has the uint8
+    frames `[1, 9, 24, 32, 3]` and no float32 video of that size in either layout."""
+    from flax import nnx
+
+    model = load("wan_vae")
+    lat = jnp.asarray(io("wan_vae")["video.latents"])
+    graphdef, state = nnx.split(model)
+    text = loading._apply_jit.trace(graphdef, state, "decode_video_latents", lat, (("spread_axis", None),),
+                                    True).lower().as_text()
+    assert "tensor<1x9x24x32x3xui8>" in text
+    assert "tensor<1x9x24x32x3xf32>" not in text and "tensor<1x3x9x24x32xf32>" not in text
+
+
 DEVICELESS = r"""
 import json, sys
 from difflet_tpu.tools import deviceless
