@@ -288,9 +288,9 @@ def test_wan_sparse_equals_the_masked_plain_model_float64(option):
         np.testing.assert_allclose(np.asarray(out), np.asarray(masked), rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("mode", ["tp", "sp"])
+@pytest.mark.parametrize("mode", ["sp"])  # TP runs the same attention on whole sequences; SP also splits the rows
 def test_wan_sparse_sharded_equals_one_device(mode):
-    """TP and SP over 4 CPU devices: the same sparse step as one device (float32)."""
+    """SP over 4 CPU devices: the same sparse step as one device (float32)."""
     from difflet_tpu.config import Config
     from difflet_tpu.models import wan
     from difflet_tpu.parallel.mesh import make_mesh
