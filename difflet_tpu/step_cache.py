@@ -44,8 +44,8 @@ How it is built (the choices, and why):
   changes: Wan 2.2 A14B's expert switch.
 
 The cache arrays are the carry of the chain (each segment's middle residual) plus the first
-blocks' residual, per slot: FLUX at 1024x1024 under TP about 2 x 4608 x 3072 bf16 values per
-device, 57 MB (an estimate from the shapes).
+blocks' residual, per slot: FLUX.1-dev at 1024x1024 with `first=1` under TP (4608 + 4096) x 3072
+bf16 values per device, 53 MB; under SP on 4 chips each rank's rows, 20.4 MB (docs/benchmarks.md).
 """
 
 from __future__ import annotations
