@@ -191,7 +191,7 @@ def test_call_refuses_bad_options_before_any_work(monkeypatch):
     monkeypatch.setattr(type(pipe), "encode_prompt", lambda *a, **k: pytest.fail("encoded before the refusal"))
     with pytest.raises(ArgumentError, match="unknown caching method"):
         pipe(**kw, cache="teacache")
-    with pytest.raises(ArgumentError, match="give `cache=` too"):
+    with pytest.raises(ArgumentError, match="give `cache=`"):
         pipe(**kw, quality_gate=30)
     with pytest.raises(ArgumentError, match="output_type='latent' has none"):
         pipe(**dict(kw, output_type="latent"), cache="first-block", quality_gate=30)
