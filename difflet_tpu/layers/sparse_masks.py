@@ -42,7 +42,6 @@ KINDS = ("dense", "sta", "radial")
 LANE = 128  # splash's key blocks are multiples of it (layers/sdpa.LANE)
 MAX_TILE = 1024  # one tile is one q and one kv block: splash's VMEM envelope (sdpa.MAX_BLOCK_PAIR) holds 1024 x 1024
 TILE_PAD_CAP = 1 / 8  # at most this share of the padded grid may be pad tokens
-DEFAULT_FULL_STEPS = {"sta": 0, "radial": 0}  # set per pipeline by the caller (issue 43: "first full_steps stay dense")
 STA_DEFAULT_DENSITY = 0.30  # `--attention sta` alone: the widest window whose density stays at or below this
 RADIAL_BLOCK = 128  # the reference's block (its kernels take 64 or 128)
 SMEM_METADATA_BUDGET = 256 * 1024  # = layers/sdpa.SMEM_METADATA_BUDGET (sdpa imports this module lazily)
@@ -106,7 +105,7 @@ def parse(text: str | None) -> SparseAttention:
     allowed = {"dense": (), "sta": ("window", "tile", "full_steps"), "radial": ("decay", "sink", "full_steps")}[kind]
     fields: dict = {}
     # values may contain commas (window=3,3,3): split on "," only before a "name="
-    parts = [p for p in rest.replace(",", "\0").split("\0")] if rest else []
+    parts = rest.split(",") if rest else []
     items, cur = [], None
     for p in parts:
         if "=" in p:
