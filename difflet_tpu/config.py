@@ -100,6 +100,16 @@ class Config:
         nothing; "on" where the devices have no host memory kind is an error
         when the pipeline loads. `python -m difflet_tpu.bench --compile-only
         --pipeline flux|qwen_image` prints the plan (docs/benchmarks.md).
+    transformer_offload: where the transformer waits while the text encoders
+        run (`DIFFLET_TPU_TRANSFORMER_OFFLOAD`): "on" in host memory (its
+        parameters dropped from the devices before every encode and copied back
+        after it, the host copy kept, no recompile; `Runner.offload` / `load`);
+        "off" on the devices; "auto" (default) stages it only when the devices
+        report a memory limit (TPU) and, at the first call, the parameters per
+        device of the text encoders, the transformer and the VAEs plus 1 GiB for
+        the encode's activations (`placement.ENCODE_MARGIN`) exceed it: LTX-2
+        (Gemma-3-12B beside its 19B transformer) on a v5e-4. Off TPU "auto"
+        moves nothing; "on" without a host memory kind is an error at load.
     kernel_tiles: a column-tile table (JSON) written by `python -m
         difflet_tpu.tools.sweep_tiles` on the same chip: the collective-matmul kernels
         then multiply in the tile measured fastest at each site it lists
@@ -136,6 +146,7 @@ class Config:
     compile_cache: str | None = None
     expert_offload: str = "auto"
     encoder_offload: str = "auto"
+    transformer_offload: str = "auto"
     kernel_tiles: str | None = None
     vae_spread: str = "auto"
     text_trim: bool = False
@@ -155,6 +166,9 @@ class Config:
             raise ConfigError(f"Config.expert_offload must be one of {OFFLOAD_VALUES}, got {self.expert_offload!r}")
         if self.encoder_offload not in OFFLOAD_VALUES:
             raise ConfigError(f"Config.encoder_offload must be one of {OFFLOAD_VALUES}, got {self.encoder_offload!r}")
+        if self.transformer_offload not in OFFLOAD_VALUES:
+            raise ConfigError(f"Config.transformer_offload must be one of {OFFLOAD_VALUES}, "
+                              f"got {self.transformer_offload!r}")
         if self.vae_spread not in SPREAD_VALUES:
             raise ConfigError(f"Config.vae_spread must be one of {SPREAD_VALUES}, got {self.vae_spread!r}")
         if self.compile_cache is not None:
@@ -384,6 +398,7 @@ ENV_VARS = {
     "DIFFLET_TPU_COMPILE_CACHE": ("compile_cache", _parse_path),
     "DIFFLET_TPU_EXPERT_OFFLOAD": ("expert_offload", _parse_choice(OFFLOAD_VALUES)),
     "DIFFLET_TPU_ENCODER_OFFLOAD": ("encoder_offload", _parse_choice(OFFLOAD_VALUES)),
+    "DIFFLET_TPU_TRANSFORMER_OFFLOAD": ("transformer_offload", _parse_choice(OFFLOAD_VALUES)),
     "DIFFLET_TPU_KERNEL_TILES": ("kernel_tiles", _parse_tile_table),
     "DIFFLET_TPU_VAE_SPREAD": ("vae_spread", _parse_choice(SPREAD_VALUES)),
     "DIFFLET_TPU_TEXT_TRIM": ("text_trim", _parse_bool),

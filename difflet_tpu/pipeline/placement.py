@@ -1,10 +1,13 @@
-"""Where a prompt -> image pipeline's parts live between stages: text encoders on the chips
-or in host memory (`Config.encoder_offload`).
+"""Where a pipeline's parts live between stages: text encoders on the chips or in host memory
+(`Config.encoder_offload`), the transformer staged through host memory during the encode
+(`Config.transformer_offload`).
 
 The text encoders, the transformer and the VAE share the chips. Every part's parameters stay
 on the devices unless the plan says they do not fit together; then the text encoders go to
 host memory (`runtime.HOST_MEMORY_KIND`, same shardings) after the prompts are encoded and
-come back before the next encode. The transformer and the VAE stay.
+come back before the next encode. Where the encoders do not fit beside the transformer even for
+the encode (LTX-2's Gemma-3-12B on a v5e-4), the transformer waits in host memory while they
+run (`decide_staging`). The VAE stays.
 
 The plan is plain arithmetic over bytes per chip (`stage_peaks`, `decide`): a stage's peak
 is its compiled program's memory (its own weights, inputs, outputs, temporaries, code) plus
@@ -21,6 +24,7 @@ import jax
 from flax import nnx
 
 ENCODE, DENOISE, DECODE = "encode", "denoise", "decode"
+ENCODE_MARGIN = 1 << 30  # the encode's activations beside every part's parameters (`decide_staging`)
 
 
 def stage_peaks(stages: list[dict], weights: dict, encoders: set, offload: bool) -> dict:
@@ -38,14 +42,15 @@ def stage_peaks(stages: list[dict], weights: dict, encoders: set, offload: bool)
     return peaks
 
 
-def decide(setting: str, peaks_resident: dict, capacity: int | None, host_memory: bool) -> tuple[bool, str]:
+def decide(setting: str, peaks_resident: dict, capacity: int | None, host_memory: bool,
+           what: str = "encoder offload") -> tuple[bool, str]:
     """(offload the text encoders?, why). "on" / "off" as given ("on" needs host memory); "auto":
     offload when some stage's peak with every part resident exceeds `capacity` (None: no limit
     known, nothing is moved)."""
     if setting not in ("auto", "on", "off"):
-        raise ValueError(f"encoder offload {setting!r}: use one of auto, on, off")
+        raise ValueError(f"{what} {setting!r}: use one of auto, on, off")
     if setting == "on" and not host_memory:
-        raise ValueError("encoder offload 'on': these devices have no host memory kind to offload to "
+        raise ValueError(f"{what} 'on': these devices have no host memory kind to offload to "
                          "(use auto or off)")
     if setting != "auto":
         return setting == "on", setting
@@ -56,6 +61,14 @@ def decide(setting: str, peaks_resident: dict, capacity: int | None, host_memory
     fits = need <= capacity
     return not fits, (f"auto: with every part resident the {worst} stage needs {need / 2**30:.2f} GiB per chip, "
                       f"{'within' if fits else 'over'} the {capacity / 2**30:.2f} GiB limit")
+
+
+def decide_staging(setting: str, parts_bytes: int, capacity: int | None, host_memory: bool) -> tuple[bool, str]:
+    """(stage the transformer through host memory during the text encode?, why): `decide` for
+    the encode stage, whose peak is taken as every part's parameters per chip (`parts_bytes`:
+    encoders, resident transformer, VAEs) plus `ENCODE_MARGIN` (the text encoders' activations
+    are small beside their weights; the bench's plan compiles them, `bench/av_plan.py`)."""
+    return decide(setting, {ENCODE: parts_bytes + ENCODE_MARGIN}, capacity, host_memory, "transformer offload")
 
 
 def _params(model):

@@ -64,9 +64,9 @@ def test_auto_follows_the_memory_limit(monkeypatch):
     need = {}
     real = placement.decide
 
-    def spy(setting, peaks, capacity, host):
+    def spy(setting, peaks, *a):
         need.update(peaks)
-        return real(setting, peaks, capacity, host)
+        return real(setting, peaks, *a)
 
     monkeypatch.setattr(placement, "decide", spy)
     for limit, offloaded in (("huge", False), ("small", True)):
