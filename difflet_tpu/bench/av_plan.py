@@ -268,7 +268,7 @@ def run_av_plan(args) -> int:
     cfg_rows = pipeline == "ltx2" and guidance > 1.0  # HunyuanVideo: embedded guidance (true_cfg_scale 1)
     prompts = 2 if cfg_rows else 1
     mesh = make_mesh(len(devices), devices)
-    stages, plans, failed = [], [], False
+    plans = []
     from difflet_tpu.bench.video_plan import reused_stages
 
     earlier = (reused_stages(args.reuse_stages, f"{pipeline}:{preset}", args.topology, height, width, frames, pipeline)
@@ -285,22 +285,8 @@ def run_av_plan(args) -> int:
                          dict(guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0))
         return r if done else dict(r, incomplete="written after each stage; the plan follows the last one")
 
-    def stage(name, calls, fn, *fa):
-        nonlocal failed
-        if name in earlier:
-            print(f"{name}: reused from {earlier[name]['source']}", file=sys.stderr, flush=True)
-            r = dict(stage=name, calls_per_image=calls, **earlier[name])
-        else:
-            print(f"compiling {name} for {args.topology} ...", file=sys.stderr, flush=True)
-            try:
-                r = dict(stage=name, calls_per_image=calls, **fn(*fa))
-            except Exception as e:  # noqa: BLE001
-                failed = True
-                r = dict(stage=name, calls_per_image=calls, error=f"{type(e).__name__}: {str(e)[:400]}")
-        stages.append(r)
-        if args.json:  # a long run keeps what it compiled so far
-            write_json(args.json, report(False))
-        return r
+    stage = PP.Stages(args.topology, earlier, args.json, report)
+    stages = stage.rows
 
     rows, encoders = {}, []
     for name, config, seq, masked, kwargs in parts["encoders"]:
@@ -381,4 +367,4 @@ def run_av_plan(args) -> int:
                   f"+{t['transformer_move_ms']} ms a video", file=sys.stdout)
     if args.json:
         write_json(args.json, report(True))
-    return 1 if failed else 0
+    return 1 if stage.failed else 0

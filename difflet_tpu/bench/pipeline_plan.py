@@ -259,6 +259,35 @@ def print_plan(report: dict, out=None) -> None:
               f"({o['reason']})", file=out)
 
 
+class Stages:
+    """A plan's stages as they compile, in order (`rows`): each compiled by `fn(*fa)`, or taken
+    from an earlier plan's JSON (`earlier`: stage name -> row, `reused_stages`); a failure is
+    kept as the stage's `error` (and `failed`), so one stage that does not compile does not
+    lose the others. `report(done)`: the plan JSON, rewritten to `json_path` after each stage,
+    so a long run keeps what it compiled so far."""
+
+    def __init__(self, topology: str, earlier: dict | None = None, json_path: str | None = None, report=None):
+        self.topology, self.earlier, self.json_path, self.report = topology, earlier or {}, json_path, report
+        self.rows, self.failed = [], False
+
+    def __call__(self, name, calls, fn, *fa, reused=None) -> dict:
+        reused = reused if reused is not None else self.earlier.get(name)
+        if reused is not None:
+            print(f"{name}: reused from {reused['source']}", file=sys.stderr, flush=True)
+            r = dict(stage=name, calls_per_image=calls, **reused)
+        else:
+            print(f"compiling {name} for {self.topology} ...", file=sys.stderr, flush=True)
+            try:
+                r = dict(stage=name, calls_per_image=calls, **fn(*fa))
+            except Exception as e:  # noqa: BLE001
+                self.failed = True
+                r = dict(stage=name, calls_per_image=calls, error=f"{type(e).__name__}: {str(e)[:400]}")
+        self.rows.append(r)
+        if self.json_path and self.report is not None:
+            write_json(self.json_path, self.report(False))
+        return r
+
+
 def run_pipeline_plan(args) -> int:
     """Deviceless compiles of every stage of `args.pipeline` for `args.topology`."""
     from difflet_tpu.tools import deviceless
@@ -273,18 +302,9 @@ def run_pipeline_plan(args) -> int:
     p = pipelines()[args.pipeline]
     height, width = args.height or 1024, args.width or 1024
     mesh = make_mesh(len(devices), devices)
-    rows, stages, failed = {}, [], False
-
-    def stage(name, calls, fn, *fa):
-        nonlocal failed
-        print(f"compiling {name} for {args.topology} ...", file=sys.stderr, flush=True)
-        try:
-            r = dict(stage=name, calls_per_image=calls, **fn(*fa))
-        except Exception as e:  # noqa: BLE001
-            failed = True
-            r = dict(stage=name, calls_per_image=calls, error=f"{type(e).__name__}: {str(e)[:400]}")
-        stages.append(r)
-        return r
+    rows = {}
+    stage = Stages(args.topology)
+    stages = stage.rows
 
     for name, config, seq, masked, calls in p["encoders"]:
         tp = stage(f"{name} ({seq} tokens) tp", calls, compile_encoder_tp, config, seq, masked, mesh, chip, calibration)
@@ -320,7 +340,7 @@ def run_pipeline_plan(args) -> int:
     print_plan(report)
     if args.json:
         write_json(args.json, report)
-    return 1 if failed else 0
+    return 1 if stage.failed else 0
 
 
 def _transformer(compile_only, spec, preset, cfg, shape, variant, mesh, chip, calibration, args) -> dict:

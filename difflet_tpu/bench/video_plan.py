@@ -190,7 +190,7 @@ def run_video_plan(args) -> int:
     p = dict(model=f"wan:{preset}", steps=steps, calls_per_step=1,
              encoders=[("umt5-xxl", encoder, TEXT_TOKENS, True, 2)])
     mesh = make_mesh(len(devices), devices)
-    stages, plans, failed = [], [], False
+    plans = []
     earlier = (reused_stages(args.reuse_stages, p["model"], args.topology, height, width, frames)
                if args.reuse_stages else {})
 
@@ -201,23 +201,8 @@ def run_video_plan(args) -> int:
                  note="estimates from deviceless compiles, not measurements", stages=stages, plans=plans)
         return r if done else dict(r, incomplete="written after each stage; the plan follows the last one")
 
-    def stage(name, calls, fn, *fa, reused=None):
-        nonlocal failed
-        reused = reused if reused is not None else earlier.get(name)
-        if reused is not None:
-            print(f"{name}: reused from {reused['source']}", file=sys.stderr, flush=True)
-            r = dict(stage=name, calls_per_image=calls, **reused)
-        else:
-            print(f"compiling {name} for {args.topology} ...", file=sys.stderr, flush=True)
-            try:
-                r = dict(stage=name, calls_per_image=calls, **fn(*fa))
-            except Exception as e:  # noqa: BLE001
-                failed = True
-                r = dict(stage=name, calls_per_image=calls, error=f"{type(e).__name__}: {str(e)[:400]}")
-        stages.append(r)
-        if args.json:  # a long run keeps what it compiled so far
-            write_json(args.json, report(False))
-        return r
+    stage = PP.Stages(args.topology, earlier, args.json, report)
+    stages = stage.rows
 
     rows = {}
     name, config, seq, masked, calls = p["encoders"][0]
@@ -265,7 +250,7 @@ def run_video_plan(args) -> int:
     print_video_plan(report(True))
     if args.json:
         write_json(args.json, report(True))
-    return 1 if failed else 0
+    return 1 if stage.failed else 0
 
 
 def print_video_plan(report: dict, out=None) -> None:
