@@ -241,6 +241,11 @@ class HunyuanVideoPipeline(V.VideoPipeline):
         batch = len(prompts) * num_videos_per_prompt
         shape = self.latent_shape(batch, self.transformer_config.in_channels, num_frames, int(height), int(width))
         x = self.initial_video_latents(latents, seed, shape)
+        from difflet_tpu.models.hunyuan_video.port import sparse_plan
+
+        c = self.transformer_config
+        self.check_attention_grid((shape[2] // c.patch_size_t, shape[3] // c.patch_size, shape[4] // c.patch_size),
+                                  sparse_plan)
         return HunyuanCall(output_type, prompts, negatives, num_videos_per_prompt, template, crop_start,
                            int(max_sequence_length), do_true_cfg, float(true_cfg_scale), float(guidance_scale),
                            sampler, x)
