@@ -309,7 +309,8 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
         encoder_hidden_states = par.shard_rows(encoder_hidden_states)
 
         # 3. Joint key mask from the count of valid text tokens (assumes right padding, as diffusers)
-        key_mask = joint_key_mask(encoder_attention_mask, geom, image_rows)
+        key_mask = (joint_key_mask(encoder_attention_mask, geom) if image_rows is None
+                    else joint_key_mask(encoder_attention_mask, geom, image_rows))
 
         # first-frame rows (token_replace), from each rank's offset at run time: they are
         # modulated with the t=0 embedding
