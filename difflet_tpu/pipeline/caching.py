@@ -15,7 +15,7 @@ Every pipeline call takes two arguments beyond diffusers' (added to each pipelin
 
 - `attention`: block-sparse video self-attention ("dense" by default; "sta:...", "radial:...":
   `difflet_tpu.layers.sparse_masks`, docs/sparse-attention.md) for the pipelines whose
-  transformer takes it (Wan, HunyuanVideo); its first `full_steps` steps run dense. A sparse step's cache
+  transformer takes it (Wan, HunyuanVideo, LTX-2); its first `full_steps` steps run dense. A sparse step's cache
   slot is its own (the tokens' order differs), so the cache starts over where the mask begins.
   With `quality_gate`, the reference run is dense and uncached.
 
@@ -65,7 +65,7 @@ def check_attention(pipe, attention):
     spec = getattr(getattr(pipe, "transformer", None), "spec", None)
     if not option.dense and (spec is None or "attention" not in spec.extra_kwargs):
         raise ArgumentError(f"attention={attention!r}: block-sparse attention is not available for "
-                            f"{type(pipe).__name__}'s transformer yet (Wan's and HunyuanVideo's have it); "
+                            f"{type(pipe).__name__}'s transformer yet (Wan's, HunyuanVideo's and LTX-2's have it); "
                             f"use attention='dense'")
     return option
 
