@@ -44,22 +44,43 @@ def _joint_tokens(video, n_video_rows, n_text_rows):
 def test_with_dense_tail_is_the_joint_token_mask(option, grid):
     video = M.plan(M.parse(option), grid, sink=False)
     kb = video.kernel_block
-    rows = -(-video.tokens // kb) * kb + kb  # a kernel block of pad rows past the plan's tokens
-    joint = M.with_dense_tail(video, rows, 21)  # text not a whole block
+    joint, rows = M.with_dense_tail(video, 21, multiple=3 * kb)  # text not a whole block
+    assert joint.kernel_block == kb and rows % (3 * kb) == 0 and rows >= video.tokens + kb  # pad blocks too
     length = rows + 21
     # what the kernel computes (its kernel blocks at token resolution), in the plan's order
     got = np.repeat(np.repeat(joint.kernel_mask(-(-length // kb) * kb), kb, 0), kb, 1)[:length, :length]
     video_tokens = M.expand(video.kernel_mask(-(-video.tokens // kb) * kb), kb)[:video.tokens, :video.tokens]
     np.testing.assert_array_equal(got, _joint_tokens(video_tokens, rows, 21))
-    with pytest.raises(M.SparsityError, match="whole kernel blocks"):
-        M.with_dense_tail(video, rows + 1, 21)
+
+
+def test_with_dense_tail_grows_the_kernel_block_to_fit_smem():
+    """The dense text rows make every kernel row as wide as the sequence: at HunyuanVideo
+    640x1024x121 (31 x 40 x 64 latent tokens after the patch) radial's own 256-token kernel blocks
+    would need more block metadata than splash's SMEM budget with them; the joint takes larger ones."""
+    video = M.plan(M.parse("radial"), (31, 40, 64), sink=False)
+    assert video.kernel_block == 256
+    joint, rows = M.with_dense_tail(video, 256)
+    length = -(-(rows + 256) // joint.kernel_block) * joint.kernel_block
+    assert joint.kernel_block > 256 and rows % joint.kernel_block == 0
+    assert joint.smem_bytes(length) <= M.SMEM_METADATA_BUDGET < M.dataclasses.replace(
+        joint, kernel_block=256).smem_bytes(-(-(rows + 256) // 256) * 256)
+    assert 0 < joint.density(length) < 1
+    small = M.plan(M.parse("sta:tile=1,2,64"), (31, 40, 64))  # 128-token tiles: grouped in kernel blocks
+    grouped, rows = M.with_dense_tail(small, 256)
+    assert grouped.kernel_block % 128 == 0 and grouped.kernel_block > 128
+    assert grouped.smem_bytes(-(-(rows + 256) // grouped.kernel_block) * grouped.kernel_block) <= \
+        M.SMEM_METADATA_BUDGET
+    huge = M.plan(M.parse("sta:tile=8,8,16"), (64, 64, 80))  # 320 tiles of 1024 tokens: no larger block
+    with pytest.raises(M.SparsityError, match="use larger tiles"):
+        M.with_dense_tail(huge, 256)
 
 
 def test_splash_with_the_joint_mask_is_masked_softmax_attention():
     """Splash (interpret mode) with the joint mask: the video blocks skipped as planned, the text
     rows (not a whole kernel block) dense both ways, pad keys dropped."""
     video = M.plan(M.parse("sta:tile=2,4,16,window=1,2,1"), (4, 8, 16))
-    joint = M.with_dense_tail(video, video.tokens, 24)
+    joint, rows = M.with_dense_tail(video, 24)
+    assert rows == video.tokens
     S, H, D = video.tokens + 24, 2, 64
     q, k, v = (jax.random.normal(key, (1, S, H, D), jnp.float32) for key in jax.random.split(jax.random.key(1), 3))
     kv_mask = np.ones(S, bool)

@@ -479,22 +479,34 @@ class BlockSparsity:
         return density(self.kernel_mask(length))
 
 
-def with_dense_tail(sparse: BlockSparsity, video_rows: int, dense_rows: int) -> BlockSparsity:
-    """The mask of a joint `[video | text]` self-attention (HunyuanVideo): `sparse`'s blocks over
-    the first `video_rows` rows (its tokens then pad rows; a multiple of its kernel block, so
-    the text starts on a kernel block), and `dense_rows` rows after them that attend every key
-    and that every query attends (the text keeps full attention both ways). The video pad
-    blocks are empty (their rows still see the text keys; their keys are masked anyway)."""
-    if video_rows % sparse.kernel_block or video_rows < sparse.tokens:
-        raise SparsityError(f"{sparse.name}: {video_rows} video rows must cover its {sparse.tokens} tokens "
-                            f"in whole kernel blocks of {sparse.kernel_block}")
-    nv, nd = video_rows // sparse.block, _ceil_div(dense_rows, sparse.block)
-    bm = np.ones((nv + nd, nv + nd), bool)
-    bm[:nv, :nv] = False
-    n = sparse.block_mask.shape[0]
-    bm[:n, :n] = sparse.block_mask
-    return BlockSparsity(f"{sparse.name}, {dense_rows} dense rows after {video_rows}", bm, sparse.block,
-                         sparse.kernel_block, sparse.order)
+def with_dense_tail(sparse: BlockSparsity, dense_rows: int, multiple: int = 1) -> tuple[BlockSparsity, int]:
+    """The mask of a joint `[video | text]` self-attention (HunyuanVideo) and its video rows:
+    `sparse`'s blocks over the video rows (its tokens, then pad rows up to whole kernel blocks
+    and a multiple of `multiple`, so the text starts on a kernel block), and `dense_rows` rows
+    after them that attend every key and that every query attends (the text keeps full
+    attention both ways). The video pad blocks are empty (their rows still see the text keys;
+    their keys are masked anyway). The dense rows make every kernel row as wide as the
+    sequence, so the kernel block grows (by `sparse.block`, up to MAX_TILE) until splash's
+    block metadata fits its SMEM budget; none fitting is a `SparsityError`."""
+    kb = sparse.kernel_block
+    while True:
+        step = math.lcm(kb, multiple)
+        video_rows = _ceil_div(sparse.tokens, step) * step
+        nv, nd = video_rows // sparse.block, _ceil_div(dense_rows, sparse.block)
+        bm = np.ones((nv + nd, nv + nd), bool)
+        bm[:nv, :nv] = False
+        n = sparse.block_mask.shape[0]
+        bm[:n, :n] = sparse.block_mask
+        joint = BlockSparsity(f"{sparse.name}, {dense_rows} dense rows after {video_rows}", bm, sparse.block, kb,
+                              sparse.order)
+        metadata = joint.smem_bytes(_ceil_div(video_rows + dense_rows, kb) * kb)
+        if metadata <= SMEM_METADATA_BUDGET:
+            return joint, video_rows
+        if kb + sparse.block > MAX_TILE:
+            raise SparsityError(f"{sparse.name} with {dense_rows} dense rows: {metadata} bytes of block-mask "
+                                f"metadata in splash's SMEM at kernel blocks of {kb} tokens (budget "
+                                f"{SMEM_METADATA_BUDGET}); use larger tiles")
+        kb += sparse.block
 
 
 def plan(option: SparseAttention, grid: tuple[int, int, int], *, sink: bool = True) -> BlockSparsity | None:

@@ -18,7 +18,6 @@ block mask; the output rows are put back in frame-major order.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import numpy as np
@@ -96,15 +95,14 @@ def geometry(run, kw: dict) -> Geometry:
             raise ValueError(f"{name} must be a scalar, (1,) or (B,) = ({B},), got {s}")
     fp, hp, wp = F // c.patch_size_t, H // c.patch_size, W // c.patch_size
     n_img = fp * hp * wp
+    n_txt_pad = run.rows(n_txt, "text tokens")
     video = sparse_plan(kw.get("attention"), (fp, hp, wp))
     if video is None:
         n_img_pad = run.rows(n_img, "image tokens")
     else:  # whole kernel blocks of the plan's rows (and the Runner's multiple): the text starts on a block
-        n = n_img if video.order is None else len(video.order)
-        step = math.lcm(video.kernel_block, run.row_multiple())
-        n_img_pad = -(-n // step) * step
-    return Geometry(frames=fp, height=hp, width=wp, n_img=n_img, n_img_pad=n_img_pad,
-                    n_txt_pad=run.rows(n_txt, "text tokens"), single_sp=bool(run.config.sp_single))
+        n_img_pad = joint_sparsity(video, n_txt_pad, run.row_multiple())[1]
+    return Geometry(frames=fp, height=hp, width=wp, n_img=n_img, n_img_pad=n_img_pad, n_txt_pad=n_txt_pad,
+                    single_sp=bool(run.config.sp_single))
 
 
 def sparse_plan(option, grid):
@@ -116,11 +114,12 @@ def sparse_plan(option, grid):
 
 
 @functools.lru_cache(maxsize=16)
-def joint_sparsity(video, geom: Geometry):
-    """The joint `[video | text]` mask of a step: the video plan, the text rows dense."""
+def joint_sparsity(video, n_txt_pad: int, multiple: int):
+    """(the joint `[video | text]` mask of a step, its video rows): the video plan, the text
+    rows dense (`sparse_masks.with_dense_tail`)."""
     from difflet_tpu.layers import sparse_masks
 
-    return sparse_masks.with_dense_tail(video, geom.n_img_pad, geom.n_txt_pad)
+    return sparse_masks.with_dense_tail(video, n_txt_pad, multiple)
 
 
 def _cast(x, dtype):
@@ -176,7 +175,7 @@ def prepare(run, kw: dict) -> Prepared:
 
         inverse = run.constant(("sparse inverse", video), lambda: inverse_order(order))
         finish = returned_sample(geom.n_img, kw.get("return_dict", True), lambda out: unpatch(out[:, inverse]))
-    key = geom if video is None else (geom, joint_sparsity(video, geom))
+    key = geom if video is None else (geom, joint_sparsity(video, geom.n_txt_pad, run.row_multiple())[0])
     return Prepared(key=key, inputs=inputs, specs=specs, out_specs=rows, finish=finish)
 
 
