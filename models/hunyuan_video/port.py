@@ -95,11 +95,11 @@ def geometry(run, kw: dict) -> Geometry:
             raise ValueError(f"{name} must be a scalar, (1,) or (B,) = ({B},), got {s}")
     fp, hp, wp = F // c.patch_size_t, H // c.patch_size, W // c.patch_size
     n_img = fp * hp * wp
-    n_txt_pad = run.rows(n_txt, "text tokens")
     video = sparse_plan(kw.get("attention"), (fp, hp, wp))
     if video is None:
-        n_img_pad = run.rows(n_img, "image tokens")
+        n_img_pad, n_txt_pad = run.rows(n_img, "image tokens"), run.rows(n_txt, "text tokens")
     else:  # whole kernel blocks of the plan's rows (and the Runner's multiple): the text starts on a block
+        n_txt_pad = run.rows(n_txt, "text tokens")
         n_img_pad = joint_sparsity(video, n_txt_pad, run.row_multiple())[1]
     return Geometry(frames=fp, height=hp, width=wp, n_img=n_img, n_img_pad=n_img_pad, n_txt_pad=n_txt_pad,
                     single_sp=bool(run.config.sp_single))
