@@ -93,7 +93,8 @@ def parser() -> argparse.ArgumentParser:
                          "the transformer calls saved; exit status 3 when PSNR is below PSNR_DB")
     ap.add_argument("--cache-plot", metavar="PNG", help="with --cache: a plot of each step's relative L1 change "
                     "against the threshold (matplotlib)")
-    ap.add_argument("--attention", metavar="SPEC", help="block-sparse video attention (Wan): dense (default), sta, "
+    ap.add_argument("--attention", metavar="SPEC", help="block-sparse video attention (Wan, HunyuanVideo, "
+                    "LTX-2): dense (default), sta, "
                     "sta:window=T,H,W,full_steps=N, radial:decay=F,full_steps=N (docs/sparse-attention.md); "
                     "--quality-gate then compares with the dense run")
     return ap

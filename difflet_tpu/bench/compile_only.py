@@ -79,7 +79,7 @@ def compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args
     attention = getattr(args, "attention", None)
     if attention is not None:
         if "attention" not in spec.extra_kwargs:
-            raise BenchError(f"--attention: {fam} has no block-sparse attention yet (Wan has)")
+            raise BenchError(f"--attention: {fam} has no block-sparse attention yet (Wan, HunyuanVideo and LTX-2 have)")
         inputs = dict(inputs, attention=attention)
     t0 = time.perf_counter()
     runner, traced = abstract_trace(spec, cfg, inputs, mesh, config, pmode, jnp.bfloat16)

@@ -124,11 +124,12 @@ class JointAttention(nnx.Module):
         cos, sin, split = rope
         return apply_rotary_emb(t, cos[:, None], sin[:, None], split)
 
-    def attend(self, par, q, k, v, rope, kv_mask):
+    def attend(self, par, q, k, v, rope, kv_mask, sparse=None):
         """Attention over one sequence: q, k (normalized), v `[B, S, heads_local, head_dim]`,
-        RoPE (`rope`: (cos, sin `[S, head_dim]`, split) or None) on q and k;
+        RoPE (`rope`: (cos, sin `[S, head_dim]`, split) or None) on q and k, `sparse` a
+        block-sparse mask over the rows (`sparse_masks.with_dense_tail`) or None;
         returns `[B, S, heads_local * head_dim]`."""
-        return merge_heads(attend(par, self._rope(q, rope), self._rope(k, rope), v, kv_mask))
+        return merge_heads(attend(par, self._rope(q, rope), self._rope(k, rope), v, kv_mask, sparse=sparse))
 
     def heads_out(self, rope, added: bool = False):
         """q, k, v as attention takes them (`HeadsOut`): q and k normalised per head
@@ -138,13 +139,15 @@ class JointAttention(nnx.Module):
         return (HeadsOut(self.head_dim, nq.scale[...], self.eps, rope, scale_q=True),
                 HeadsOut(self.head_dim, nk.scale[...], self.eps, rope), HeadsOut(self.head_dim))
 
-    def __call__(self, par, hidden_states, encoder_hidden_states, rope, kv_mask):
+    def __call__(self, par, hidden_states, encoder_hidden_states, rope, kv_mask, sparse=None):
         """Joint attention of the image and text streams (each every row, or this rank's
         under SP, gathered by the rings); `rope` covers the joint sequence (identity
-        rows where nothing rotates). Returns (image out, text out), row-parallel."""
+        rows where nothing rotates); `sparse`: a block-sparse mask over the joint rows
+        (HunyuanVideo's `[video | text]`, `sparse_masks.with_dense_tail`) or None.
+        Returns (image out, text out), row-parallel."""
         par.local_heads(self.heads)  # a clear error if the heads do not divide over the ranks
         if par.seq_sharded:
-            return self._sequence_parallel(par, hidden_states, encoder_hidden_states, rope, kv_mask)
+            return self._sequence_parallel(par, hidden_states, encoder_hidden_states, rope, kv_mask, sparse)
         q, k, v = nn.column(par, hidden_states, [self.to_q, self.to_k, self.to_v], heads=True)
         eq, ek, ev = nn.column(par, encoder_hidden_states,
                                [self.add_q_proj, self.add_k_proj, self.add_v_proj], heads=True)
@@ -156,11 +159,11 @@ class JointAttention(nnx.Module):
         if isinstance(rope, StreamRope):
             rope = rope.joint
         q, k = (jnp.concatenate([self._norm(*a), self._norm(*b)], axis=1) for a, b in zip(first[:2], second[:2]))
-        o = self.attend(par, q, k, jnp.concatenate([first[2], second[2]], axis=1), rope, kv_mask)
+        o = self.attend(par, q, k, jnp.concatenate([first[2], second[2]], axis=1), rope, kv_mask, sparse)
         out_first, out_second = o[:, :n], o[:, n:]
         return self._outputs(par, out_first, out_second)
 
-    def _sequence_parallel(self, par, hidden_states, encoder_hidden_states, rope, kv_mask):
+    def _sequence_parallel(self, par, hidden_states, encoder_hidden_states, rope, kv_mask, sparse=None):
         """Under SP each stream's q, k, v come from its all-gather kernel head-major,
         normalised and rotated (`HeadsOut`: the kernel does it on its tiles); one
         attention call per stream's queries over the joint keys [first | second]
@@ -177,6 +180,10 @@ class JointAttention(nnx.Module):
         (q1, k1, v1), (q2, k2, v2) = (nn.column(par, x, linears, heads=True, heads_out=self.heads_out(r, added))
                                       for (x, linears, added), r in zip(streams, ropes))
         k, v = jnp.concatenate([k1, k2], axis=2), jnp.concatenate([v1, v2], axis=2)
+        if sparse is not None:  # the mask is over the joint rows: one call over the joint queries
+            o = attend(par, jnp.concatenate([q1, q2], axis=2), k, v, kv_mask, head_major=True, q_scaled=True,
+                       sparse=sparse)
+            return self._outputs(par, merge_heads(o[:, :n]), merge_heads(o[:, n:]))
         out_first, out_second = (merge_heads(attend(par, q, k, v, kv_mask, head_major=True, q_scaled=True))
                                  for q in (q1, q2))
         return self._outputs(par, out_first, out_second)
@@ -203,10 +210,11 @@ class DoubleStreamBlock(nnx.Module):
         self.ff = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)
         self.ff_context = FeedForward(dim, inner_dim=mlp_dim, dtype=dtype, rngs=rngs)
 
-    def __call__(self, par, hidden_states, encoder_hidden_states, temb, rope, kv_mask, token_replace=None):
+    def __call__(self, par, hidden_states, encoder_hidden_states, temb, rope, kv_mask, token_replace=None,
+                 sparse=None):
         """hidden_states: the image stream, encoder_hidden_states: the text stream (each
         this rank's rows under SP); `rope`, `kv_mask`: the joint sequence's rows.
-        token_replace: see `AdaLN` (image rows only)."""
+        token_replace: see `AdaLN` (image rows only); sparse: `JointAttention`'s."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(par, temb, token_replace)
         c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(par, temb)
 
@@ -214,7 +222,7 @@ class DoubleStreamBlock(nnx.Module):
         norm_hidden_states = modulate(hidden_states, shift_msa, scale_msa, self.eps)
         norm_encoder_hidden_states = modulate(encoder_hidden_states, c_shift_msa, c_scale_msa, self.eps)
         attn_output, context_attn_output = self.attn(par, norm_hidden_states, norm_encoder_hidden_states, rope,
-                                                     kv_mask)
+                                                     kv_mask, sparse)
 
         # 2. Modulation and residual connection
         hidden_states = hidden_states + gate_msa * attn_output
@@ -258,9 +266,12 @@ class SingleStreamBlock(nnx.Module):
     eps: float = 1e-6
     clip_fp16: bool = False
 
-    def __call__(self, par, hidden_states, temb, rope, kv_mask, token_replace=None):
+    def __call__(self, par, hidden_states, temb, rope, kv_mask, token_replace=None, sparse=None, order=None):
         """hidden_states: rows of the joint sequence (under SP this rank's; the gathered
-        rows are in the order `rope` and `kv_mask` describe)."""
+        rows are in the order `rope` and `kv_mask` describe). sparse: a block-sparse mask
+        over the joint rows (`sparse_masks.with_dense_tail`) or None; order: where the
+        gathered rows come from in the joint sequence (`single_stream_order`), None when
+        they are in its order."""
         residual = hidden_states
         shift_msa, scale_msa, gate = self.norm(par, temb, token_replace)
         norm_hidden_states = modulate(hidden_states, shift_msa, scale_msa, self.eps)
@@ -272,10 +283,26 @@ class SingleStreamBlock(nnx.Module):
                                                [attn.to_q, attn.to_k, attn.to_v, self.proj_mlp],
                                                [None, None, None, gelu_tanh], heads=True,
                                                heads_out=[*attn.heads_out(rope), None])
-        attn_output = merge_heads(attend(par, q, k, v, kv_mask, head_major=True, q_scaled=True))
+        attn_output = merge_heads(joint_attend(par, q, k, v, kv_mask, sparse, order))
         # proj_out(cat([attn_output, mlp_hidden_states])): two row-parallel pairs, one collective
         hidden_states = residual + gate * self.proj_out(par, attn_output, mlp_hidden_states)
         return clip_fp16(hidden_states) if self.clip_fp16 else hidden_states
+
+
+def joint_attend(par, q, k, v, kv_mask, sparse=None, order=None):
+    """`attend` of head-major, scaled q, k, v `[B, H, S, D]`, block-sparse when `sparse` is given:
+    rows gathered in another order than the joint sequence's (`order`, static) are put in the
+    joint order for the kernel and back after it (a copy of q, k, v and the output, where the
+    attention is quadratic), so one mask serves one device, TP and SP. Returns `[B, S, H, D]`."""
+    if sparse is None:
+        return attend(par, q, k, v, kv_mask, head_major=True, q_scaled=True)
+    if order is None:
+        return attend(par, q, k, v, kv_mask, head_major=True, q_scaled=True, sparse=sparse)
+    to_joint = np.argsort(order)  # joint row i is gathered row to_joint[i]
+    q, k, v = (jnp.take(t, to_joint, axis=2) for t in (q, k, v))
+    kv_mask = None if kv_mask is None else jnp.take(kv_mask, to_joint, axis=-1)
+    out = attend(par, q, k, v, kv_mask, head_major=True, q_scaled=True, sparse=sparse)
+    return jnp.take(out, order, axis=1)  # gathered row j is joint row order[j]
 
 
 # --------------------------------------------------------------------------

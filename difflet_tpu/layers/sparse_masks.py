@@ -33,6 +33,7 @@ takes (`attention=` on a pipeline call, `--attention` on generate and the bench)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -478,6 +479,36 @@ class BlockSparsity:
         return density(self.kernel_mask(length))
 
 
+def with_dense_tail(sparse: BlockSparsity, dense_rows: int, multiple: int = 1) -> tuple[BlockSparsity, int]:
+    """The mask of a joint `[video | text]` self-attention (HunyuanVideo) and its video rows:
+    `sparse`'s blocks over the video rows (its tokens, then pad rows up to whole kernel blocks
+    and a multiple of `multiple`, so the text starts on a kernel block), and `dense_rows` rows
+    after them that attend every key and that every query attends (the text keeps full
+    attention both ways). The video pad blocks are empty (their rows still see the text keys;
+    their keys are masked anyway). The dense rows make every kernel row as wide as the
+    sequence, so the kernel block grows (by `sparse.block`, up to MAX_TILE) until splash's
+    block metadata fits its SMEM budget; none fitting is a `SparsityError`."""
+    kb = sparse.kernel_block
+    while True:
+        step = math.lcm(kb, multiple)
+        video_rows = _ceil_div(sparse.tokens, step) * step
+        nv, nd = video_rows // sparse.block, _ceil_div(dense_rows, sparse.block)
+        bm = np.ones((nv + nd, nv + nd), bool)
+        bm[:nv, :nv] = False
+        n = sparse.block_mask.shape[0]
+        bm[:n, :n] = sparse.block_mask
+        joint = BlockSparsity(f"{sparse.name}, {dense_rows} dense rows after {video_rows}", bm, sparse.block, kb,
+                              sparse.order)
+        metadata = joint.smem_bytes(_ceil_div(video_rows + dense_rows, kb) * kb)
+        if metadata <= SMEM_METADATA_BUDGET:
+            return joint, video_rows
+        if kb + sparse.block > MAX_TILE:
+            raise SparsityError(f"{sparse.name} with {dense_rows} dense rows: {metadata} bytes of block-mask "
+                                f"metadata in splash's SMEM at kernel blocks of {kb} tokens (budget "
+                                f"{SMEM_METADATA_BUDGET}); use larger tiles")
+        kb += sparse.block
+
+
 def plan(option: SparseAttention, grid: tuple[int, int, int], *, sink: bool = True) -> BlockSparsity | None:
     """The block sparsity of `option` over a frame-major latent grid `(t, h, w)` of tokens,
     or None for dense. STA reorders tokens tile by tile (`order`); radial keeps frame-major
@@ -505,3 +536,35 @@ def plan(option: SparseAttention, grid: tuple[int, int, int], *, sink: bool = Tr
     # a mask with every block active is dense attention: run the dense step (same order, same
     # program, bit-identical), not a kernel that masks nothing
     return None if out.kernel_mask(-(-out.tokens // out.kernel_block) * out.kernel_block).all() else out
+
+
+def plan_for(option, grid: tuple[int, int, int], *, sink: bool = True) -> BlockSparsity | None:
+    """`attention=` (a string, a `SparseAttention` or None) -> `plan` at this latent grid, or None
+    for dense; cached per (option, grid, sink), since building the radial mask walks every frame
+    pair. What a port's `prepare` and its pipeline's early check call."""
+    option = option if isinstance(option, SparseAttention) else parse(option)
+    return None if option.dense else _cached_plan(option, tuple(grid), sink)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_plan(option, grid, sink):
+    return plan(option, grid, sink=sink)
+
+
+def reorder_rows(x, order: np.ndarray):
+    """x's rows (axis 1; numpy or jax) in `order`'s positions (`TileLayout.order`); pad positions
+    (-1) are zeros."""
+    import jax.numpy as jnp
+
+    xp = np if isinstance(x, np.ndarray) else jnp
+    take = xp.take(x, np.maximum(order, 0), axis=1)
+    keep = (order >= 0).reshape((1, -1) + (1,) * (x.ndim - 2))
+    return xp.where(keep, take, xp.zeros((), x.dtype))
+
+
+def inverse_order(order: np.ndarray) -> np.ndarray:
+    """int64 `[tokens]`: each frame-major token's position in `order` (its pad positions skipped)."""
+    inv = np.empty(int((order >= 0).sum()), np.int64)
+    pos = np.nonzero(order >= 0)[0]
+    inv[order[pos]] = pos
+    return inv

@@ -15,7 +15,7 @@ Every pipeline call takes two arguments beyond diffusers' (added to each pipelin
 
 - `attention`: block-sparse video self-attention ("dense" by default; "sta:...", "radial:...":
   `difflet_tpu.layers.sparse_masks`, docs/sparse-attention.md) for the pipelines whose
-  transformer takes it (Wan); its first `full_steps` steps run dense. A sparse step's cache
+  transformer takes it (Wan, HunyuanVideo, LTX-2); its first `full_steps` steps run dense. A sparse step's cache
   slot is its own (the tokens' order differs), so the cache starts over where the mask begins.
   With `quality_gate`, the reference run is dense and uncached.
 
@@ -65,7 +65,8 @@ def check_attention(pipe, attention):
     spec = getattr(getattr(pipe, "transformer", None), "spec", None)
     if not option.dense and (spec is None or "attention" not in spec.extra_kwargs):
         raise ArgumentError(f"attention={attention!r}: block-sparse attention is not available for "
-                            f"{type(pipe).__name__}'s transformer yet (Wan's has it); use attention='dense'")
+                            f"{type(pipe).__name__}'s transformer yet (Wan's, HunyuanVideo's and LTX-2's have it); "
+                            f"use attention='dense'")
     return option
 
 
@@ -175,6 +176,20 @@ class CachedLoop:
         if hasattr(out, "stats"):
             out.stats = dict(self.stats)
         return out
+
+    def check_attention_grid(self, grid, sparse_plan) -> None:
+        """The call's block-sparse attention planned for its latent grid `(t, h, w)` (after the
+        patch) now, by the port's `sparse_plan(option, grid)`, so a window or tile the video
+        cannot take is an error before any work."""
+        if self.attention is None:
+            return
+        from difflet_tpu.layers.sparse_masks import SparsityError
+        from difflet_tpu.pipeline.diffusion import PipelineError
+
+        try:
+            sparse_plan(self.attention, tuple(grid))
+        except SparsityError as e:
+            raise PipelineError(f"attention={self.attention.spec()!r}: {e}") from None
 
     def run_transformer(self, runner, slot: str = "cond", **kwargs):
         """`runner(**kwargs)` in the denoise loop: through the call's step cache when it has one

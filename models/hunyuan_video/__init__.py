@@ -28,6 +28,8 @@ SPEC = port_spec(
                       steps=50, guidance=6.0, guidance_mode="embedded", guidance_mult=1000.0),
     ag_default=AG_DEFAULT,
     methods={"geometry": runner_geometry},
+    # attention: block-sparse video self-attention ("sta:...", "radial:...", layers/sparse_masks.py)
+    extra_kwargs=("attention",),
 )
 
 __all__ = ["AG_DEFAULT", "SPEC", "IGNORED_KEYS", "CLASS_NAME", "Geometry", "HunyuanVideoConfig",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -35,7 +36,7 @@ from difflet_tpu.layers import (AdaLayerNormContinuous, AdaLN, CombinedTimestepT
                                 get_timestep_embedding, merge_heads, split_heads)
 from difflet_tpu.layers.mmdit import PLAN as MMDIT_PLAN
 from difflet_tpu.layers.mmdit import (DoubleStreamBlock, JointAttention, PackedProjOut, SingleStreamBlock,
-                                      single_stream_rows)
+                                      single_stream_order, single_stream_rows)
 
 from .config import HunyuanVideoConfig
 
@@ -239,8 +240,10 @@ class Geometry:
         return self.n_img_pad + self.n_txt_pad
 
 
-def joint_key_mask(encoder_attention_mask, geom: Geometry):
+def joint_key_mask(encoder_attention_mask, geom: Geometry, image_rows=None):
     """`[B, N]` keys of the joint `[image | image pad | text | text pad]` sequence to attend to.
+    image_rows: `[n_img_pad]` the frame-major token of each image row, -1 for a pad row (a
+    block-sparse step's tile order, `port.prepare`), or None (frame-major, pad last).
 
     As diffusers: `position < N_img + sum(text_mask)`, i.e. built from the count
     of valid text tokens (right padding assumed; holes in the mask are not
@@ -249,7 +252,10 @@ def joint_key_mask(encoder_attention_mask, geom: Geometry):
     """
     count = encoder_attention_mask.astype(jnp.int32).sum(axis=1)
     pos = jnp.arange(geom.n_joint)[None, :]
-    return (pos < geom.n_img) | ((pos >= geom.n_img_pad) & (pos < geom.n_img_pad + count[:, None]))
+    image = pos < geom.n_img
+    if image_rows is not None:
+        image = jnp.concatenate([image_rows >= 0, jnp.zeros((geom.n_txt_pad,), bool)])[None, :]
+    return image | ((pos >= geom.n_img_pad) & (pos < geom.n_img_pad + count[:, None]))
 
 
 class HunyuanVideoTransformer3DModel(nnx.Module):
@@ -275,15 +281,17 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
         self.proj_out = nn.Linear(D, c.patch_volume * c.out_channels, dtype=dtype, rngs=rngs)
 
     def __call__(self, par, geom: Geometry, patches, timestep, encoder_hidden_states, encoder_attention_mask,
-                 pooled_projections, guidance, freqs_cos, freqs_sin):
+                 pooled_projections, guidance, freqs_cos, freqs_sin, image_rows=None, sparse=None):
         """One forward inside the step.
 
         patches: `[B, n_img_pad, C*pt*p*p]` (this rank's rows under SP); timestep,
         guidance `(B,)` float32; encoder_hidden_states `[B, n_txt_pad, text_dim]`,
         encoder_attention_mask `[B, n_txt_pad]`, pooled_projections `[B, pooled_dim]`,
         freqs_cos, freqs_sin `[n_joint, head_dim]` float32 (`rope.joint_tables`)
-        (replicated). Returns `[B, rows, pt*p*p*C_out]` for the image rows (this
-        rank's under SP).
+        (replicated). Block-sparse video attention (`port.prepare`): image_rows `[n_img_pad]`
+        int32 the frame-major token of each image row (tile order; -1: pad), sparse the
+        joint `[video | text]` mask (`sparse_masks.with_dense_tail`). Returns
+        `[B, rows, pt*p*p*C_out]` for the image rows (this rank's under SP).
         """
         c = self.config
         sp = par.seq_sharded
@@ -301,7 +309,8 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
         encoder_hidden_states = par.shard_rows(encoder_hidden_states)
 
         # 3. Joint key mask from the count of valid text tokens (assumes right padding, as diffusers)
-        key_mask = joint_key_mask(encoder_attention_mask, geom)
+        key_mask = (joint_key_mask(encoder_attention_mask, geom) if image_rows is None
+                    else joint_key_mask(encoder_attention_mask, geom, image_rows))
 
         # first-frame rows (token_replace), from each rank's offset at run time: they are
         # modulated with the t=0 embedding
@@ -310,13 +319,17 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
             first_tokens = geom.height * geom.width
             rows_img = hidden_states.shape[1]
             offset_img = par.rank() * rows_img if sp else 0
-            first_img = offset_img + jnp.arange(rows_img) < first_tokens
+            if image_rows is None:
+                first_img = offset_img + jnp.arange(rows_img) < first_tokens
+            else:  # rows in tile order
+                first_all = (image_rows >= 0) & (image_rows < first_tokens)
+                first_img = jax.lax.dynamic_slice_in_dim(first_all, offset_img, rows_img)
             tr_img = (first_img, token_replace_emb)
 
         # 4. Transformer blocks
         hidden_states, encoder_hidden_states = nn.scan_blocks(
             self.transformer_blocks, (hidden_states, encoder_hidden_states),
-            lambda blk, carry: blk(par, *carry, temb, rope, key_mask, tr_img), chain=True)
+            lambda blk, carry: blk(par, *carry, temb, rope, key_mask, tr_img, sparse), chain=True)
 
         # Single blocks on [image | text]: under SP this rank's [img_r | txt_r] with the
         # tables and mask in the gathered order (layers.mmdit.single_stream_rows); with
@@ -326,17 +339,22 @@ class HunyuanVideoTransformer3DModel(nnx.Module):
             x = jnp.concatenate([par.gather_rows(hidden_states), par.gather_rows(encoder_hidden_states)], 1)
             mask_s, rope_s, n_img_rows = key_mask, rope, geom.n_img_pad
             if c.token_replace:
-                first_img = jnp.arange(geom.n_img_pad) < first_tokens
+                first_img = (jnp.arange(geom.n_img_pad) < first_tokens if image_rows is None else first_all)
+            order = None
         else:
             x, (cos, sin), (mask_s,) = single_stream_rows(par, hidden_states, encoder_hidden_states,
                                                           (freqs_cos, freqs_sin), (key_mask,))
             rope_s = (cos, sin, c.split_rope)
+            # under SP the gathered rows interleave the ranks' [img_r | txt_r]: the sparse
+            # attention puts them in the joint order of its mask
+            order = single_stream_order(geom.n_img_pad, geom.n_txt_pad, par.size) if sp and sparse is not None else None
         tr_joint = None
         if c.token_replace:  # text rows are never first-frame rows
             flags = jnp.concatenate([first_img, jnp.zeros((x.shape[1] - n_img_rows,), bool)])
             tr_joint = (flags, token_replace_emb)
         x = nn.scan_blocks(self.single_transformer_blocks, x,
-                           lambda blk, h: blk(par_single, h, temb, rope_s, mask_s, tr_joint), chain=True)
+                           lambda blk, h: blk(par_single, h, temb, rope_s, mask_s, tr_joint, sparse, order),
+                           chain=True)
         x = x[:, :n_img_rows]
         if sp and not single_sp:
             x = par.shard_rows(x)

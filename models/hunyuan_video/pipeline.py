@@ -241,6 +241,17 @@ class HunyuanVideoPipeline(V.VideoPipeline):
         batch = len(prompts) * num_videos_per_prompt
         shape = self.latent_shape(batch, self.transformer_config.in_channels, num_frames, int(height), int(width))
         x = self.initial_video_latents(latents, seed, shape)
+        from difflet_tpu.models.hunyuan_video.port import joint_sparsity, sparse_plan
+
+        def plan(option, grid):  # the video's mask, and the joint one with the text (its SMEM bound)
+            video = sparse_plan(option, grid)
+            if video is not None:
+                run = self.transformer
+                joint_sparsity(video, run.rows(int(max_sequence_length), "text tokens"), run.row_multiple())
+
+        c = self.transformer_config
+        self.check_attention_grid((shape[2] // c.patch_size_t, shape[3] // c.patch_size, shape[4] // c.patch_size),
+                                  plan)
         return HunyuanCall(output_type, prompts, negatives, num_videos_per_prompt, template, crop_start,
                            int(max_sequence_length), do_true_cfg, float(true_cfg_scale), float(guidance_scale),
                            sampler, x)

@@ -7,9 +7,17 @@ embedder as a Linear), pads both token streams eagerly under SP
 (`Runner.rows`; the text mask pads with invalid tokens) and builds the RoPE
 tables on the host (`rope.py`; cached per geometry). `forward` is the step;
 `finish` cuts the image rows back and unpatchifies, eagerly.
+
+`attention=` (`layers/sparse_masks.py`, docs/sparse-attention.md): the video tokens'
+self-attention block-sparse, the text's full both ways. The image rows go in the
+plan's order (STA: tile by tile, RoPE rows with them), padded to whole kernel
+blocks, so the joint `[video | text]` mask (`sparse_masks.with_dense_tail`) is a
+block mask; the output rows are put back in frame-major order.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import numpy as np
@@ -22,6 +30,9 @@ from difflet_tpu.port import Prepared, check_size, returned_sample
 from .config import HunyuanVideoConfig
 from .model import Geometry, unpatchify
 from .rope import joint_tables
+
+# HunyuanVideo has no attention sink in the radial reference (its rule is Wan's only)
+RADIAL_SINK = False
 
 FORWARD_ARGS = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_attention_mask",
                 "pooled_projections", "guidance", "attention_kwargs", "return_dict")
@@ -84,8 +95,31 @@ def geometry(run, kw: dict) -> Geometry:
             raise ValueError(f"{name} must be a scalar, (1,) or (B,) = ({B},), got {s}")
     fp, hp, wp = F // c.patch_size_t, H // c.patch_size, W // c.patch_size
     n_img = fp * hp * wp
-    return Geometry(frames=fp, height=hp, width=wp, n_img=n_img, n_img_pad=run.rows(n_img, "image tokens"),
-                    n_txt_pad=run.rows(n_txt, "text tokens"), single_sp=bool(run.config.sp_single))
+    video = sparse_plan(kw.get("attention"), (fp, hp, wp))
+    if video is None:
+        n_img_pad, n_txt_pad = run.rows(n_img, "image tokens"), run.rows(n_txt, "text tokens")
+    else:  # whole kernel blocks of the plan's rows (and the Runner's multiple): the text starts on a block
+        n_txt_pad = run.rows(n_txt, "text tokens")
+        n_img_pad = joint_sparsity(video, n_txt_pad, run.row_multiple())[1]
+    return Geometry(frames=fp, height=hp, width=wp, n_img=n_img, n_img_pad=n_img_pad, n_txt_pad=n_txt_pad,
+                    single_sp=bool(run.config.sp_single))
+
+
+def sparse_plan(option, grid):
+    """`attention=` (a string, a `sparse_masks.SparseAttention` or None) -> the video tokens'
+    block sparsity at this latent grid (`sparse_masks.plan_for`), or None for dense."""
+    from difflet_tpu.layers import sparse_masks
+
+    return sparse_masks.plan_for(option, grid, sink=RADIAL_SINK)
+
+
+@functools.lru_cache(maxsize=16)
+def joint_sparsity(video, n_txt_pad: int, multiple: int):
+    """(the joint `[video | text]` mask of a step, its video rows): the video plan, the text
+    rows dense (`sparse_masks.with_dense_tail`)."""
+    from difflet_tpu.layers import sparse_masks
+
+    return sparse_masks.with_dense_tail(video, n_txt_pad, multiple)
 
 
 def _cast(x, dtype):
@@ -105,6 +139,12 @@ def prepare(run, kw: dict) -> Prepared:
         return np.broadcast_to(np.asarray(0.0 if x is None else x, np.float32).reshape(-1), (B,))
 
     patches = patchify(kw["hidden_states"], (c.patch_size_t, c.patch_size, c.patch_size))
+    video = sparse_plan(kw.get("attention"), (geom.frames, geom.height, geom.width))
+    order = None if video is None else video.order  # STA: the image rows tile by tile (-1: pad)
+    if order is not None:
+        from difflet_tpu.layers.sparse_masks import reorder_rows
+
+        patches = reorder_rows(patches, order)
     inputs = dict(
         patches=_cast(padding.pad_to(patches, geom.n_img_pad), dtype),
         timestep=vec(kw["timestep"]),
@@ -114,23 +154,36 @@ def prepare(run, kw: dict) -> Prepared:
         pooled_projections=_cast(kw["pooled_projections"], dtype),
         guidance=vec(kw.get("guidance")))
     inputs["freqs_cos"], inputs["freqs_sin"] = run.constant(
-        ("rope", geom.frames, geom.height, geom.width, geom.n_joint),
-        lambda: joint_tables(c, geom.frames, geom.height, geom.width, geom.n_joint))
+        ("rope", geom.frames, geom.height, geom.width, geom.n_joint) + ((video,) if order is not None else ()),
+        lambda: joint_tables(c, geom.frames, geom.height, geom.width, geom.n_joint, order))
     rows = run.row_spec()
     # the text is whole on every rank (the token refiner runs on every rank); every input but the
     # RoPE tables has the batch first
     specs = {k: run.batch_spec() for k in inputs}
     specs["patches"] = rows
     specs["freqs_cos"] = specs["freqs_sin"] = P()
-    # the image rows of the joint sequence / padded stream, unpatchified
-    finish = returned_sample(geom.n_img, kw.get("return_dict", True), lambda out: unpatchify(
-        out, geom.frames, geom.height, geom.width, c.patch_size_t, c.patch_size))
-    return Prepared(key=geom, inputs=inputs, specs=specs, out_specs=rows, finish=finish)
+    if order is not None:  # each image row's frame-major token: the key mask (and token_replace) by row
+        inputs["image_rows"] = run.constant(("sparse image rows", video, geom.n_img_pad), lambda: np.concatenate(
+            [order, np.full(geom.n_img_pad - len(order), -1)]).astype(np.int32))
+        specs["image_rows"] = P()
+    # the image rows of the joint sequence / padded stream (frame-major again), unpatchified
+    unpatch = lambda out: unpatchify(out, geom.frames, geom.height, geom.width, c.patch_size_t, c.patch_size)
+    if order is None:
+        finish = returned_sample(geom.n_img, kw.get("return_dict", True), unpatch)
+    else:
+        from difflet_tpu.layers.sparse_masks import inverse_order
+
+        inverse = run.constant(("sparse inverse", video), lambda: inverse_order(order))
+        finish = returned_sample(geom.n_img, kw.get("return_dict", True), lambda out: unpatch(out[:, inverse]))
+    key = geom if video is None else (geom, joint_sparsity(video, geom.n_txt_pad, run.row_multiple())[0])
+    return Prepared(key=key, inputs=inputs, specs=specs, out_specs=rows, finish=finish)
 
 
-def forward(model, par, inputs: dict, key: Geometry):
-    """The step: the model on the prepared inputs (see `HunyuanVideoTransformer3DModel.__call__`)."""
-    return model(par, key, **inputs)
+def forward(model, par, inputs: dict, key):
+    """The step: the model on the prepared inputs (see `HunyuanVideoTransformer3DModel.__call__`);
+    key: the Geometry, or (Geometry, the joint block-sparse mask)."""
+    geom, sparse = key if isinstance(key, tuple) else (key, None)
+    return model(par, geom, **inputs, sparse=sparse)
 
 
 def runner_geometry(run, *args, **kwargs) -> Geometry:

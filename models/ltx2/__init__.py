@@ -36,6 +36,9 @@ SPEC = port_spec(
     ag_default="pallas",
     # Config.sp_cross_local: audio_to_video_attn's q / out projections replicated under SP
     sp_local_plan=model.SP_LOCAL_PLAN,
+    # attention: the video stream's block-sparse self-attention ("sta:...", "radial:...",
+    # layers/sparse_masks.py); audio and the cross-modal attentions stay dense
+    extra_kwargs=("attention",),
 )
 
 __all__ = ["SPEC", "IGNORED_KEYS", "CLASS_NAME", "PRESETS", "LTX2Config", "config_from_diffusers", "PLAN",

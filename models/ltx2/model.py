@@ -225,8 +225,10 @@ class LTX2VideoTransformerBlock(nnx.Module):
         self.audio_a2v_cross_attn_scale_shift_table = table(5, adim, 1.0)
 
     def __call__(self, par, apar, hidden_states, audio_hidden_states, b: BlockInputs, *, layer=None,
-                 use_a2v_cross_attention=True, use_v2a_cross_attention=True, sum_sq=None):
+                 use_a2v_cross_attention=True, use_v2a_cross_attention=True, sum_sq=None, sparse=None):
         """`par` runs the video stream (sequence-sharded under SP), `apar` the audio stream (never).
+        `sparse`: the video self-attention's block-sparse mask (`layers.sparse_masks.BlockSparsity`,
+        the video rows in its order) or None; every other attention stays dense.
 
         `sum_sq`: `row_sum_squares(hidden_states)` if the caller has it (the previous block's
         last residual add reduced it), for norm1."""
@@ -243,7 +245,7 @@ class LTX2VideoTransformerBlock(nnx.Module):
         norm1 = self.norm1(hidden_states) if sum_sq is None else norm_after_add(self.norm1, hidden_states, sum_sq)
         norm_hidden_states = norm1 * (1 + scale_msa) + shift_msa
         attn_hidden_states = self.attn1(par, norm_hidden_states, rope=b.video_rotary_emb, kv_mask=b.video_kv_mask,
-                                        perturbation=perturbation)
+                                        perturbation=perturbation, sparse=sparse)
         hidden_states = hidden_states + attn_hidden_states * gate_msa
 
         # 1.2. Audio self-attention
@@ -398,9 +400,10 @@ class LTX2VideoTransformer3DModel(nnx.Module):
         self.proj_out = lin(dim, c.video_out_channels)
         self.audio_proj_out = lin(adim, c.audio_output_channels)
 
-    def __call__(self, par, inputs: dict, *, isolate_modalities: bool = False):
+    def __call__(self, par, inputs: dict, *, isolate_modalities: bool = False, sparse=None):
         """The forward on prepared inputs (see `port.prepare`): video rows are
-        this rank's (padded) rows under SP; returns `(sample, audio_sample)`."""
+        this rank's (padded) rows under SP; returns `(sample, audio_sample)`. `sparse`:
+        the video self-attention's block-sparse mask (the rows in its order) or None."""
         c = self.config
         apar = dataclasses.replace(par, mode="tp") if par.seq_sharded else par
         hidden_states = inputs["hidden_states"]
@@ -470,7 +473,7 @@ class LTX2VideoTransformer3DModel(nnx.Module):
         def body(block, carry):
             h, a, ssq, layer = carry
             h, a = block(par, apar, h, a, b, layer=layer, use_a2v_cross_attention=not isolate_modalities,
-                         use_v2a_cross_attention=not isolate_modalities, sum_sq=ssq)
+                         use_v2a_cross_attention=not isolate_modalities, sum_sq=ssq, sparse=sparse)
             return h, a, row_sum_squares(h), layer + 1
 
         hidden_states, audio_hidden_states, _, _ = nn.scan_blocks(

@@ -294,6 +294,9 @@ class LTX2Pipeline(V.VideoPipeline):
             raise PipelineError(f"`audio_latents` has {audio_latents.shape[2]} audio latent frames, but num_frames="
                                 f"{num_frames} at frame_rate={frame_rate} is {audio_frames} audio latent frames "
                                 f"(the audio would not match the video's length)")
+        from difflet_tpu.models.ltx2.port import sparse_plan
+
+        self.check_attention_grid((lf // pt, lh // p, lw // p), sparse_plan)
         x = self.initial_video_latents(latents, seed, shape)
         if latents is not None:  # given latents are the VAE's: normalised as diffusers' prepare_latents
             x = self.normalize_latents(x)

@@ -8,6 +8,12 @@ or coordinates, placed once). The audio rows and the text stay replicated
 (TP) while the video rows are sequence-sharded. `forward` is the step;
 `finish` cuts the video pad off and returns `(sample, audio_sample)`, as
 diffusers' forward does.
+
+`attention=` (`layers/sparse_masks.py`, docs/sparse-attention.md): the video
+stream's self-attention (attn1) block-sparse over the latent grid (num_frames,
+height, width); STA puts the video rows, their RoPE rows, per-token timesteps and
+keyframe marks tile by tile, as Wan's port does, and the output rows back. The
+audio self-attention, the text cross-attentions and a2v / v2a stay dense.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from difflet_tpu.layers import sparse_masks
 from difflet_tpu.parallel import padding
 from difflet_tpu.parallel.mesh import BATCH, TP
 from difflet_tpu.port import Prepared, returned
@@ -73,10 +80,12 @@ def _digest(*arrays) -> str:
     return h.hexdigest()
 
 
-def _rope_tables(run, video_coords, audio_coords, kw, fps, nv_pad):
+def _rope_tables(run, video_coords, audio_coords, kw, fps, nv_pad, sparse=None):
     """name -> (cos, sin) of the four RoPEs (video, audio and the a2v/v2a ones), video
-    rows padded to `nv_pad` (pad rows are zeros: never used, their keys are masked).
-    Cached per geometry, or per coordinates when the caller passes them."""
+    rows padded to `nv_pad` (pad rows are zeros: never used, their keys are masked), in
+    `sparse.order` (STA) if given. Cached per geometry, or per coordinates when the caller
+    passes them."""
+    order = None if sparse is None else sparse.order
     c = run.cfg
     if video_coords is None:
         video_key = ("grid", int(kw["num_frames"]), int(kw["height"]), int(kw["width"]), fps)
@@ -112,15 +121,35 @@ def _rope_tables(run, video_coords, audio_coords, kw, fps, nv_pad):
                                     max_positions=(c.cross_pos_embed_max_pos,), **common),
         }
         for name in ("video", "ca_video"):
-            out[name] = tuple(padding.pad_to(t, nv_pad) for t in out[name])
+            tables = out[name] if order is None else (sparse_masks.reorder_rows(t, order) for t in out[name])
+            out[name] = tuple(padding.pad_to(t, nv_pad) for t in tables)
         return out
 
-    return run.constant(("rope", video_key, audio_key, nv_pad), make)
+    return run.constant(("rope", video_key, audio_key, nv_pad) + (() if order is None else (sparse,)), make)
+
+
+def sparse_plan(option, grid):
+    """`attention=` (a string, a `sparse_masks.SparseAttention` or None) -> the video self-attention's
+    block sparsity at the latent grid (frames, height, width) after the patch, or None for dense
+    (`sparse_masks.plan_for`; radial without Wan's first-frame sink)."""
+    return sparse_masks.plan_for(option, grid, sink=False)
+
+
+def _sparse(kw, c, nv):
+    """The call's video block sparsity (None: dense); it needs the latent grid."""
+    option = kw.get("attention")
+    if option is None or option == "dense":
+        return None
+    if kw["video_coords"] is not None or any(kw[k] is None for k in ("num_frames", "height", "width")):
+        raise sparse_masks.SparsityError("block-sparse attention on LTX-2 is planned over the latent grid: give "
+                                         "num_frames, height and width (not video_coords)")
+    return sparse_plan(option, (-(-int(kw["num_frames"]) // c.patch_size_t), -(-int(kw["height"]) // c.patch_size),
+                                -(-int(kw["width"]) // c.patch_size)))
 
 
 def prepare(run, kwargs: dict) -> Prepared:
     """diffusers kwargs -> the step's inputs (eager: validation, RoPE tables, SP padding)."""
-    kw = {k: kwargs.get(k) for k in FORWARD_ARGS}
+    kw = {k: kwargs.get(k) for k in FORWARD_ARGS + ("attention",)}
     for name in ("video_self_attention_mask", "attention_kwargs"):
         if kw[name] is not None:
             raise NotImplementedError(f"{name} is not supported by the LTX-2 port")
@@ -180,10 +209,16 @@ def prepare(run, kwargs: dict) -> Prepared:
     else:
         _expect("audio_coords", audio_coords, (None, 1, na, 2))
 
+    # Block-sparse video self-attention: STA's rows tile by tile (pad positions -1)
+    sparse = _sparse(kw, c, nv)
+    order = None if sparse is None else sparse.order
+    n_rows = nv if order is None else len(order)
+    rows_of = (lambda x: x) if order is None else (lambda x: sparse_masks.reorder_rows(x, order))
+
     # Sequence parallelism: the video rows by the Runner's pad rule; audio and text replicated
-    nv_pad = run.rows(nv, "video tokens")
+    nv_pad = run.rows(n_rows, "video tokens")
     fps = 24.0 if kw["fps"] is None else float(kw["fps"])
-    tables = _rope_tables(run, video_coords, audio_coords, kw, fps, nv_pad)
+    tables = _rope_tables(run, video_coords, audio_coords, kw, fps, nv_pad, sparse)
 
     rows = run.row_spec()
     inputs, specs = {}, {}
@@ -194,14 +229,14 @@ def prepare(run, kwargs: dict) -> Prepared:
         if value is not None:
             inputs[name], specs[name] = value, spec
 
-    put("hidden_states", padding.pad_to(_cast(hs, dtype), nv_pad), rows)
+    put("hidden_states", padding.pad_to(rows_of(_cast(hs, dtype)), nv_pad), rows)
     put("audio_hidden_states", _cast(ahs, dtype))
     put("encoder_hidden_states", _cast(ehs, dtype))
     put("audio_encoder_hidden_states", _cast(aehs, dtype))
     for name, t in (("timestep", timestep), ("video_ca_timestep", video_ca_timestep)):
         t = _cast(t, tdtype)
         if t.ndim == 2 and t.shape[1] == nv:  # per video token: sharded like the rows
-            put(name, padding.pad_to(t, nv_pad), run.row_spec(2))
+            put(name, padding.pad_to(rows_of(t), nv_pad), run.row_spec(2))
         else:
             put(name, t)
     put("audio_timestep", _cast(audio_timestep, tdtype))
@@ -218,7 +253,11 @@ def prepare(run, kwargs: dict) -> Prepared:
         if np.all(np.asarray(mask) == 1):
             continue  # all valid: diffusers' bias is 0 everywhere, adding it changes nothing
         put(name, _cast(mask, dtype))
-    put("video_kv_mask", run.pad_key_mask((nv, nv_pad)), REPLICATED)
+    if order is None:
+        put("video_kv_mask", run.pad_key_mask((nv, nv_pad)), REPLICATED)
+    else:  # the tiles' pad positions and the step's pad rows (self-attention and v2a's keys)
+        put("video_kv_mask", run.constant(("sparse keys", nv_pad, sparse), lambda: np.concatenate(
+            [order >= 0, np.zeros(nv_pad - n_rows, bool)])), REPLICATED)
     for name, (cos, sin) in tables.items():
         # one table for the batch (the grid), or per sample (the caller's coordinates)
         spec = CHANNELS if cos.shape[0] == 1 else P(BATCH, None, TP)
@@ -237,7 +276,7 @@ def prepare(run, kwargs: dict) -> Prepared:
         if len(km.shape) == 2:
             km = km[..., None]
         _expect("video_keyframes_mask", km, (B, nv, 1))
-        put("video_keyframes_mask", _pad_rows(_cast(km, dtype), nv_pad), rows)
+        put("video_keyframes_mask", padding.pad_to(rows_of(_cast(km, dtype)), nv_pad), rows)
 
     # Spatio-temporal guidance (LTX2PerturbedAttnProcessor only, as diffusers)
     stg = list(kw["spatio_temporal_guidance_blocks"] or [])
@@ -253,16 +292,22 @@ def prepare(run, kwargs: dict) -> Prepared:
 
     def finish(out):
         sample, audio_sample = out
-        return returned(kwargs.get("return_dict", True), padding.unpad(sample, nv), audio_sample)
+        sample = padding.unpad(sample, n_rows)
+        if order is not None:
+            sample = sample[:, run.constant(("sparse inverse", sparse), lambda: sparse_masks.inverse_order(order))]
+        return returned(kwargs.get("return_dict", True), sample, audio_sample)
 
-    return Prepared(key=bool(kw["isolate_modalities"]), inputs=inputs, specs=specs,
+    isolate = bool(kw["isolate_modalities"])
+    return Prepared(key=isolate if sparse is None else (isolate, sparse), inputs=inputs, specs=specs,
                     out_specs=(rows, batch), finish=finish)
 
 
 def forward(model, par, inputs: dict, key):
     """The step: the model on the prepared inputs (`LTX2VideoTransformer3DModel.__call__`);
-    `key` is `isolate_modalities` (no a2v / v2a cross-attention)."""
-    return model(par, inputs, isolate_modalities=key)
+    `key` is `isolate_modalities` (no a2v / v2a cross-attention), or (it, the video
+    self-attention's block sparsity)."""
+    isolate, sparse = key if isinstance(key, tuple) else (key, None)
+    return model(par, inputs, isolate_modalities=isolate, sparse=sparse)
 
 
 # --------------------------------------------------------------------------

@@ -235,19 +235,12 @@ class WanPipeline(V.VideoPipeline):
                          None if guidance_scale_2 is None else float(guidance_scale_2), sampler, x)
 
     def check_attention_grid(self, shape) -> None:
-        """The call's block-sparse attention planned for its latent grid now, so a window or tile
-        the video cannot take is an error before any work (models/wan/port.sparse_plan)."""
-        if self.attention is None:
-            return
-        from difflet_tpu.layers.sparse_masks import SparsityError
+        """The call's block-sparse attention planned now (`CachedLoop.check_attention_grid`,
+        models/wan/port.sparse_plan)."""
         from difflet_tpu.models.wan.port import sparse_plan
 
         p = self.transformer_config.patch_size
-        grid = tuple(n // q for n, q in zip(shape[2:], p))
-        try:
-            sparse_plan(self.attention, grid)
-        except SparsityError as e:
-            raise PipelineError(f"attention={self.attention.spec()!r}: {e}") from None
+        super().check_attention_grid(tuple(n // q for n, q in zip(shape[2:], p)), sparse_plan)
 
     def encode_call(self, call: "VideoCall") -> dict:
         """The prompt embeddings of the call: [negative; positive] rows with CFG, else positive."""

@@ -27,7 +27,6 @@ the pipeline's `boundary_ratio` (diffusers' `WanPipeline`).
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import pathlib
@@ -180,6 +179,8 @@ def _cached_text_kv(run, ehs, img):
 def prepare(run, kw: dict) -> Prepared:
     """diffusers kwargs (plus `text_kv=`) -> the step's inputs (eager: validation,
     patchify, padding, tables)."""
+    from difflet_tpu.layers.sparse_masks import inverse_order, reorder_rows
+
     B, grid, per_token = _check(run, kw)
     c = run.cfg
     N = math.prod(grid)
@@ -191,9 +192,9 @@ def prepare(run, kw: dict) -> Prepared:
     t = kw["timestep"]
     t = _xp(t).asarray(t).astype(jnp.promote_types(run.dtype, jnp.float32))
     if order is not None:
-        patches = _reorder(patches, order)
+        patches = reorder_rows(patches, order)
         if per_token:
-            t = _reorder(t, order)
+            t = reorder_rows(t, order)
     n = N if order is None else len(order)
     patches, rows = run.pad_stream(patches, "patch tokens")
     if per_token:
@@ -229,7 +230,7 @@ def prepare(run, kw: dict) -> Prepared:
     def finish(out):
         out = padding.unpad(out, n, axis=1)
         if order is not None:
-            out = out[:, run.constant(("sparse inverse", sparse), lambda: _inverse(order))]
+            out = out[:, run.constant(("sparse inverse", sparse), lambda: inverse_order(order))]
         return returned(kw.get("return_dict", True), unpatchify(out, grid, c.patch_size))
 
     return Prepared(key=key if sparse is None else (key, sparse), inputs=inputs, specs=specs, out_specs=row_spec,
@@ -238,34 +239,10 @@ def prepare(run, kw: dict) -> Prepared:
 
 def sparse_plan(option, grid):
     """`attention=` (a string, a `sparse_masks.SparseAttention` or None) -> the block sparsity of
-    the video self-attention at this latent grid, or None for dense; the plan is cached per
-    (option, grid) since building the radial mask walks every frame pair."""
+    the video self-attention at this latent grid, or None for dense (`sparse_masks.plan_for`)."""
     from difflet_tpu.layers import sparse_masks
 
-    option = option if isinstance(option, sparse_masks.SparseAttention) else sparse_masks.parse(option)
-    return None if option.dense else _sparse_plan(option, tuple(grid))
-
-
-@functools.lru_cache(maxsize=16)
-def _sparse_plan(option, grid):
-    from difflet_tpu.layers import sparse_masks
-
-    return sparse_masks.plan(option, grid, sink=True)  # the reference's Wan rule: frame 0 a sink
-
-
-def _reorder(x, order):
-    """Rows (axis 1) in `order`'s positions; pad positions (-1) are zeros."""
-    xp = _xp(x)
-    take = xp.take(x, np.maximum(order, 0), axis=1)
-    keep = (order >= 0).reshape((1, -1) + (1,) * (x.ndim - 2))
-    return xp.where(keep, take, xp.zeros((), x.dtype))
-
-
-def _inverse(order):
-    inv = np.empty(int((order >= 0).sum()), np.int64)
-    pos = np.nonzero(order >= 0)[0]
-    inv[order[pos]] = pos
-    return inv
+    return sparse_masks.plan_for(option, grid, sink=True)  # the reference's Wan rule: frame 0 a sink
 
 
 def _tables(c, grid, rows, order):

@@ -2,7 +2,9 @@
 tiny Wan T2V folder: the first `full_steps` steps dense and the rest sparse (counted, and the
 output equal to the dense call exactly when every step is dense), the quality gate against the
 dense run, a window the video cannot take refused before any work, a transformer without it
-refused by name. The sparse step itself against masked softmax: tests/test_sparse_attention.py."""
+refused by name; the same on the tiny HunyuanVideo and LTX-2 folders. The sparse step itself against
+masked softmax: tests/test_sparse_attention.py (Wan), tests/test_sparse_joint.py (HunyuanVideo),
+tests/test_sparse_ltx2.py (LTX-2)."""
 
 from __future__ import annotations
 
@@ -70,6 +72,75 @@ def test_bad_attention_is_refused_before_any_work():
             pipe(**call(attention="sta:tile=2,4,16,window=3,1,1"))
         with pytest.raises(ArgumentError, match="unknown option 'decay' for sta"):
             pipe(**call(attention="sta:decay=1"))
+    finally:
+        pipe.on_stage = None
+    assert "encode" not in stages and "denoise" not in stages
+
+
+@functools.lru_cache(maxsize=None)
+def hunyuan():
+    return DiffusionPipeline.from_pretrained(FIXTURES / "hunyuan_video", dtype=jnp.float32,
+                                             runner_options=dict(compiler_options=FAST))
+
+
+def hunyuan_call(**kw):
+    # 128x256 pixels x 9 frames: the same 3 x 8 x 16 latent grid as Wan's (VAE 4x / 8x, patch 2)
+    return dict(prompt="a cat", height=128, width=256, num_frames=9, num_inference_steps=2,
+                max_sequence_length=16, seed=0, output_type="np", **kw)
+
+
+def test_hunyuan_video_full_steps_then_sparse_steps():
+    pipe = hunyuan()
+    dense = pipe(**hunyuan_call())
+    all_dense = pipe(**hunyuan_call(attention=f"{STA},full_steps=2"))
+    np.testing.assert_array_equal(all_dense.frames, dense.frames)
+    one = pipe(**hunyuan_call(attention=f"{STA},full_steps=1"))
+    assert one.stats["sparse_calls"] == 1 and all_dense.stats["sparse_calls"] == 0
+    assert np.abs(one.frames - dense.frames).max() > 1e-4 and np.isfinite(one.frames).all()
+
+
+def test_hunyuan_video_bad_attention_is_refused_before_any_work():
+    pipe = hunyuan()
+    stages = []
+    pipe.on_stage = lambda stage, info: stages.append(stage)
+    try:
+        with pytest.raises(PipelineError, match=r"wider than the \(2, 2, 1\) tiles"):
+            pipe(**hunyuan_call(attention="sta:tile=2,4,16,window=3,1,1"))
+    finally:
+        pipe.on_stage = None
+    assert "encode" not in stages and "denoise" not in stages
+
+
+@functools.lru_cache(maxsize=None)
+def ltx2():
+    return DiffusionPipeline.from_pretrained(FIXTURES / "ltx2", dtype=jnp.float32,
+                                             runner_options=dict(compiler_options=FAST))
+
+
+def ltx2_call(**kw):
+    # 128x256 pixels x 9 frames: a 3 x 8 x 16 latent grid again (the tiny VAE: 4x / 16x, patch 1)
+    return dict(prompt="a cat", height=128, width=256, num_frames=9, num_inference_steps=2, guidance_scale=1.0,
+                audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0,
+                audio_modality_scale=1.0, max_sequence_length=16, seed=0, output_type="np", **kw)
+
+
+def test_ltx2_full_steps_then_sparse_steps():
+    pipe = ltx2()
+    dense = pipe(**ltx2_call())
+    all_dense = pipe(**ltx2_call(attention=f"{STA},full_steps=2"))
+    np.testing.assert_array_equal(all_dense.frames, dense.frames)
+    one = pipe(**ltx2_call(attention=f"{STA},full_steps=1"))
+    assert one.stats["sparse_calls"] == 1 and all_dense.stats["sparse_calls"] == 0
+    assert np.abs(one.frames - dense.frames).max() > 1e-4 and np.isfinite(one.frames).all()
+
+
+def test_ltx2_bad_attention_is_refused_before_any_work():
+    pipe = ltx2()
+    stages = []
+    pipe.on_stage = lambda stage, info: stages.append(stage)
+    try:
+        with pytest.raises(PipelineError, match=r"wider than the \(2, 2, 1\) tiles"):
+            pipe(**ltx2_call(attention="sta:tile=2,4,16,window=3,1,1"))
     finally:
         pipe.on_stage = None
     assert "encode" not in stages and "denoise" not in stages
