@@ -19,9 +19,15 @@ its devices' memory limit and its transformer's compiled step (`EncoderHome.deci
 from __future__ import annotations
 
 import gc
+import logging
+import time
 
 import jax
 from flax import nnx
+
+from difflet_tpu.arguments import ArgumentError as PipelineError
+
+logger = logging.getLogger(__name__)
 
 ENCODE, DENOISE, DECODE = "encode", "denoise", "decode"
 ENCODE_MARGIN = 1 << 30  # the encode's activations beside every part's parameters (`decide_staging`)
@@ -231,3 +237,95 @@ class ExpertHome:
         self.swaps.append(dict(step=step, src=self.active, dst=e, s=dt))
         self.active = e
         return dt
+
+
+class PlacementMixin:
+    """`DiffusionPipeline`'s homes for its parts: the experts (`ExpertHome`), the text encoders
+    between prompts (`EncoderHome`) and the transformer during the encode (`decide_staging`).
+    The pipeline sets `self.transformer` (a Runner; `self.experts` for two), `self.vae` and
+    `self.timings` (`diffusion.Timings`)."""
+
+    # ---- the experts' home (two-expert pipelines: Config.expert_offload) ----------
+
+    def init_expert_home(self, config) -> None:
+        self.expert_home = ExpertHome(getattr(self, "experts", [self.transformer]), config.expert_offload)
+
+    def activate_expert(self, e: int, step_kwargs: dict, step: int) -> None:
+        """Expert `e` on the devices for this step (a no-op with one expert or no offload)."""
+        start = time.perf_counter()
+        if self.expert_home.activate(e, step_kwargs, step):
+            self.timings.expert_moves += time.perf_counter() - start
+
+    # ---- the text encoders' home between prompts (Config.encoder_offload) ------
+
+    def init_encoder_home(self, encoders: list, config) -> None:
+        """The encoders `encoders_out` may move to host memory; "on" without a host memory
+        kind is refused here, at load."""
+        from difflet_tpu import runtime
+        self.encoder_home = EncoderHome(encoders)
+        self.encoder_offload_setting = config.encoder_offload
+        self.encoder_offload = None  # decided at the first call
+        self.encoder_offload_reason = None
+        self.transformer_offload_setting = config.transformer_offload
+        self.transformer_offload = None  # decided at the first encode
+        self.transformer_offload_reason = None
+        self._staged = []  # the transformer Runners waiting in host memory during this encode
+        devices = self.encoder_home.devices()
+        for name, setting in (("encoder_offload", config.encoder_offload),
+                              ("transformer_offload", config.transformer_offload)):
+            if setting == "on" and runtime.host_memory_kind(devices) is None:
+                raise PipelineError(f"{name}='on' (DIFFLET_TPU_{name.upper()}): the {devices[0].platform} "
+                                    f"devices have no {runtime.HOST_MEMORY_KIND} memory; use auto or off")
+
+    def stage_parts_bytes(self) -> int:
+        """Parameter bytes per device of every part resident at an encode: the text encoders,
+        the transformer(s) on the devices and the VAEs (`decide_staging`)."""
+        runners = [r for r in getattr(self, "experts", [self.transformer]) if r.resident == "device"]
+        others = [getattr(self, n, None) for n in ("vae", "audio_vae", "vocoder")]
+        return (self.encoder_home.bytes_per_chip() + sum(r.param_bytes() for r in runners)
+                + sum(bytes_per_chip(m) for m in others if m is not None))
+
+    def encoders_in(self) -> None:
+        """The encoders back on the devices before an encode (a no-op when they are there), the
+        transformer first to host memory when it is staged (`Config.transformer_offload`)."""
+        from difflet_tpu import runtime
+        if self.transformer_offload is None:
+            devices = self.encoder_home.devices()
+            self.transformer_offload, self.transformer_offload_reason = decide_staging(
+                self.transformer_offload_setting, self.stage_parts_bytes(), runtime.device_memory_limit(devices),
+                runtime.host_memory_kind(devices) is not None)
+            logger.info("transformer %s during the text encode (%s)", "staged through host memory"
+                        if self.transformer_offload else "stays on the devices", self.transformer_offload_reason)
+        if self.transformer_offload:
+            # (a call that failed mid-encode left its staged runners in host memory: they stay listed)
+            self._staged += [r for r in getattr(self, "experts", [self.transformer])
+                             if r.resident == "device" and r not in self._staged]
+            for runner in self._staged:
+                runner.offload()  # the host copy is made once and kept: later calls only drop
+        if self.encoder_home.offloaded:
+            start = time.perf_counter()
+            self.encoder_home.load()
+            self.timings.encoder_moves += time.perf_counter() - start
+
+    def encoders_out(self, step_kwargs: dict) -> None:
+        """After the prompts are encoded: the encoders to host memory when the plan says so
+        (decided at the first call, `EncoderHome.decide_auto`, from the transformer's
+        step for `step_kwargs`)."""
+        if self.encoder_offload is None and self._staged and self.encoder_offload_setting == "auto":
+            # they did not fit beside the transformer's parameters alone, so not beside its step either
+            self.encoder_offload, self.encoder_offload_reason = True, "auto: the transformer was staged for the encode"
+        if self.encoder_offload is None:
+            self.encoder_offload, self.encoder_offload_reason = self.encoder_home.decide_auto(
+                self.encoder_offload_setting, self.transformer, step_kwargs, self.vae)
+            logger.info("text encoders %s (%s)", "offloaded between prompts" if self.encoder_offload else
+                        "stay on the devices", self.encoder_offload_reason)
+        if self.encoder_offload:
+            start = time.perf_counter()
+            self.encoder_home.offload()
+            self.timings.encoder_moves += time.perf_counter() - start
+        if self._staged:  # after the encoders left: the transformer back, as its steps were compiled
+            start = time.perf_counter()
+            for runner in self._staged:
+                runner.load()
+            self._staged = []
+            self.timings.transformer_moves += time.perf_counter() - start
