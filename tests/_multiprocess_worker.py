@@ -28,6 +28,7 @@ import sys
 import time
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+SPARSE = "sta:window=1,2,1,tile=2,4,16"  # the tiny Wan folder at 128x256x9: 2 x 2 x 1 tiles of 128 tokens
 
 
 def main():
@@ -148,6 +149,12 @@ def parity(out, pid):
                   cache="first-block:threshold=0.53,warmup=1,max_skips=100")
     res["cache_decisions"] = cached.stats["decisions"]
     res["cache_sha256_all"] = distributed.gather_strings(sha256({"frames": cached.frames}))
+    # block-sparse attention: the host-built mask is the same data on every process (one program)
+    sparse = pipe(prompt="a cat", height=128, width=256, num_frames=9, num_inference_steps=2, guidance_scale=5.0,
+                  max_sequence_length=16, seed=0, output_type="np", attention=SPARSE)
+    res["sparse_calls"], res["sparse_option"] = sparse.stats["sparse_calls"], SPARSE
+    res["sparse_sha256_all"] = distributed.gather_strings(sha256({"frames": sparse.frames}))
+    outputs["sparse_frames"] = sparse.frames
     (out / f"reads_{pid}.json").write_text(json.dumps(res))
     if pid == 0:
         np.savez(out / "outputs.npz", **outputs)

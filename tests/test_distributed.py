@@ -172,6 +172,26 @@ def test_step_cache_decisions_agree_across_processes(two_processes):
     assert r0["cache_sha256_all"][0] == r0["cache_sha256_all"][1]
 
 
+def test_sparse_attention_runs_one_program_across_processes(two_processes):
+    """The tiny WanPipeline with block-sparse attention (`attention=`), its transformer under SP on
+    a tp=4 ring across the two processes: the same frames on both processes (the mask is host data
+    built identically on each, so both run one program), equal to the one-device call."""
+    from difflet_tpu.pipeline.diffusion import DiffusionPipeline
+
+    out, res = two_processes
+    r0, r1 = _reads(out, 0), _reads(out, 1)
+    assert r0["sparse_calls"] == r1["sparse_calls"] == 2, _show(res)
+    assert r0["sparse_sha256_all"][0] == r0["sparse_sha256_all"][1] == r1["sparse_sha256_all"][0]
+    pipe = DiffusionPipeline.from_pretrained(FIXTURES / "pipelines" / "wan_t2v", dtype=jnp.float32)
+    kw = dict(prompt="a cat", height=128, width=256, num_frames=9, num_inference_steps=2, guidance_scale=5.0,
+              max_sequence_length=16, seed=0, output_type="np")
+    want = pipe(**kw, attention=r0["sparse_option"]).frames
+    dense = pipe(**kw).frames
+    got = np.load(out / "outputs.npz")["sparse_frames"]
+    assert got.shape == want.shape and rel_l2(got, want) <= 1e-5, rel_l2(got, want)
+    assert np.abs(want - dense).max() > 1e-4  # the sparse steps changed the video
+
+
 def test_each_process_reads_only_its_own_slices(two_processes):
     """tp=4 across two processes: each process reads the two quarters of every
     tp-sharded tensor its devices hold, the other process the other two; replicated
