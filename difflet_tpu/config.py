@@ -100,16 +100,19 @@ class Config:
         nothing; "on" where the devices have no host memory kind is an error
         when the pipeline loads. `python -m difflet_tpu.bench --compile-only
         --pipeline flux|qwen_image` prints the plan (docs/benchmarks.md).
-    transformer_offload: where the transformer waits while the text encoders
-        run (`DIFFLET_TPU_TRANSFORMER_OFFLOAD`): "on" in host memory (its
-        parameters dropped from the devices before every encode and copied back
-        after it, the host copy kept, no recompile; `Runner.offload` / `load`);
-        "off" on the devices; "auto" (default) stages it only when the devices
-        report a memory limit (TPU) and, at the first call, the parameters per
-        device of the text encoders, the transformer and the VAEs plus 1 GiB for
-        the encode's activations (`placement.ENCODE_MARGIN`) exceed it: LTX-2
-        (Gemma-3-12B beside its 19B transformer) on a v5e-4. Off TPU "auto"
-        moves nothing; "on" without a host memory kind is an error at load.
+    transformer_offload: where the transformer waits outside the denoise loop
+        (`DIFFLET_TPU_TRANSFORMER_OFFLOAD`): "on" in host memory during the text
+        encode and the VAE decode (its parameters dropped from the devices and
+        copied back after the next encode, with the shardings its steps were
+        compiled for; the host copy kept, no recompile; `Runner.offload` / `load`);
+        "off" on the devices; "auto" (default) stages it for the encode when the
+        devices report a memory limit (TPU) and, at the first call, the parameters
+        per device of the text encoders, the transformer and the VAEs plus 1 GiB
+        (`placement.ENCODE_MARGIN`) exceed it (LTX-2 on a v5e-4), and for the decode
+        when XLA reports the decode out of device memory beside it (then the decode
+        runs again, and later calls stage first: HunyuanVideo 720x1280x129 on a
+        v5e-4). Off TPU "auto" moves nothing; "on" without a host memory kind is
+        an error at load.
     kernel_tiles: a column-tile table (JSON) written by `python -m
         difflet_tpu.tools.sweep_tiles` on the same chip: the collective-matmul kernels
         then multiply in the tile measured fastest at each site it lists

@@ -26,11 +26,11 @@ Stages (batch 1, bf16, the released sizes; models/*/pipeline.py):
 The text encoders are placed as `encoders/` places them (tp over the mesh); where the encoders
 do not fit beside the transformer they wait in host memory between prompts and the move is
 added to the encode stage (`plan_totals`, `placement.decide`), as in the image plans. Where an
-encode stage still does not fit beside the resident transformer (Gemma-3-12B + the connectors
-beside LTX-2's 19B transformer on 16 GiB chips), a second plan stages the transformer through
-host memory during the encode (`staged_transformer`: one copy of it back a video, added to the
-encode), as the Wan A14B plan stages its idle expert; the first plan that fits is `chosen`.
-The pipelines' runtime does not stage the transformer today (only the encoders).
+encode or decode stage still does not fit beside the resident transformer (Gemma-3-12B + the
+connectors beside LTX-2's 19B transformer; HunyuanVideo's 720p decode beside its transformer; on
+16 GiB chips), a second plan stages the transformer through host memory outside the denoise
+(`staged_transformer`: one copy of it back a video, added to the encode), as the pipelines'
+runtime does (`Config.transformer_offload`); the first plan that fits is `chosen`.
 """
 
 from __future__ import annotations
@@ -212,10 +212,11 @@ def combined(rows: list[dict], counts: list[int], name: str) -> dict:
 
 def staged_transformer(plan: dict, rows: dict, p: dict, step: dict, chip) -> dict:
     """`plan` (text encoders in host memory between prompts, `plan_totals`) with the transformer
-    ALSO staged through host memory while the text encoders run: dropped from HBM for the
-    encode (the host keeps its parameters) and copied back after it, one host-to-device copy
-    of its parameters a video at `runtime.H2D_BYTES_PER_S` (an assumption), added to the
-    encode. For when an encode stage does not fit beside the resident transformer."""
+    ALSO staged through host memory outside the denoise, as the pipelines' runtime does it
+    (`Config.transformer_offload`): dropped from HBM for the encode and the decode (the host
+    keeps its parameters) and copied back after the next encode, one host-to-device copy of its
+    parameters a video at `runtime.H2D_BYTES_PER_S` (an assumption), added to the encode. For
+    when an encode or decode stage does not fit beside the resident transformer."""
     from difflet_tpu import runtime
     from difflet_tpu.bench.report import ms
 
@@ -224,7 +225,7 @@ def staged_transformer(plan: dict, rows: dict, p: dict, step: dict, chip) -> dic
     vae_w = rows["vae"]["weights_per_chip"]
     peaks = {n: rows[n]["hbm"]["total"] + sum(w[m] for m in enc if m != n) + vae_w for n in enc}
     peaks["transformer"] = step["hbm"]["total"] + vae_w
-    peaks["vae"] = rows["vae"]["hbm"]["total"] + step["hbm"]["arguments"]
+    peaks["vae"] = rows["vae"]["hbm"]["total"]
     bw = runtime.H2D_BYTES_PER_S.get(chip.name)
     move = ms(step["hbm"]["arguments"] / bw) if bw else None
     t = dict(plan, peaks=peaks, fits=max(peaks.values()) <= chip.hbm_bytes, transformer_staged=True,
@@ -362,7 +363,7 @@ def run_av_plan(args) -> int:
     PP.print_plan(dict(report(True), output="video", height=f"{height}x{width}", width=f"{frames} frames"))
     for t in plans:
         if t["transformer_staged"]:
-            print(f"  {t['mode']} with the transformer staged through host memory during the encode"
+            print(f"  {t['mode']} with the transformer staged through host memory outside the denoise"
                   f"{' (chosen)' if t.get('chosen') else ''}: fits {'yes' if t['fits'] else 'NO'}, "
                   f"+{t['transformer_move_ms']} ms a video", file=sys.stdout)
     if args.json:

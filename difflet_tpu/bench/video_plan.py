@@ -126,6 +126,7 @@ def reused_stages(path: str, model: str, topology: str, height: int, width: int,
     reusable rows (`source` names the file); BenchError when it plans another model, shape or
     topology."""
     import json
+    import os
 
     data = json.loads(open(path).read())
     got = (data.get("pipeline"), data.get("model"), data.get("topology"), data.get("height"), data.get("width"),
@@ -135,7 +136,7 @@ def reused_stages(path: str, model: str, topology: str, height: int, width: int,
                          f"not {model} {height}x{width}x{frames} on {topology}")
     keep = ("stage", "calls_per_image", "chosen", "source")
     return {r["stage"]: dict({k: v for k, v in r.items() if k not in keep},
-                             source=r.get("source") or path)
+                             source=r.get("source") or f"an earlier plan, {os.path.basename(path)}")
             for r in data["stages"] if "error" not in r}
 
 

@@ -269,7 +269,8 @@ class PlacementMixin:
         self.transformer_offload_setting = config.transformer_offload
         self.transformer_offload = None  # decided at the first encode
         self.transformer_offload_reason = None
-        self._staged = []  # the transformer Runners waiting in host memory during this encode
+        self._staged = []  # the transformer Runners waiting in host memory until the next encode is done
+        self._room_for = set()  # the stages that ran out of device memory beside the transformer (`with_room`)
         devices = self.encoder_home.devices()
         for name, setting in (("encoder_offload", config.encoder_offload),
                               ("transformer_offload", config.transformer_offload)):
@@ -323,9 +324,42 @@ class PlacementMixin:
             start = time.perf_counter()
             self.encoder_home.offload()
             self.timings.encoder_moves += time.perf_counter() - start
-        if self._staged:  # after the encoders left: the transformer back, as its steps were compiled
+        # (only runners that were on the devices are staged: an offloading expert home's idle expert stays out)
+        moved, self._staged = [r for r in self._staged if r.resident == "host"], []
+        if moved:  # after the encoders left: the transformer back, as its steps were compiled
             start = time.perf_counter()
-            for runner in self._staged:
+            for runner in moved:
                 runner.load()
-            self._staged = []
             self.timings.transformer_moves += time.perf_counter() - start
+
+    def with_room(self, run, stage: str):
+        """`run()` (a stage after the denoise: the VAE decode) with room made on the devices:
+        `Config.transformer_offload` "on" sends the transformer(s) to host memory first; "auto"
+        does so, with the text encoders (unless `encoder_offload` is "off"), only when XLA
+        reports the devices out of memory for it (RESOURCE_EXHAUSTED, at compile or allocation:
+        every process of a mesh sees the same), then runs it once more and keeps doing so for
+        later calls; "off" lets the error through. The transformer comes back after the next
+        encode (`encoders_out`), as when it is staged for the encode."""
+        if self.transformer_offload_setting == "on" or stage in self._room_for:
+            self._make_room()
+            return run()
+        try:
+            return run()
+        except jax.errors.JaxRuntimeError as e:
+            if self.transformer_offload_setting != "auto" or "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            logger.warning("the %s ran out of device memory with the transformer resident (%s); moving it "
+                           "to host memory and running the %s again", stage, str(e).splitlines()[0][:200], stage)
+        self._room_for.add(stage)
+        self._make_room()
+        return run()
+
+    def _make_room(self) -> None:
+        if self.encoder_offload_setting != "off" and not self.encoder_home.offloaded:
+            start = time.perf_counter()
+            self.encoder_home.offload()
+            self.timings.encoder_moves += time.perf_counter() - start
+        runners = [r for r in getattr(self, "experts", [self.transformer]) if r.resident == "device"]
+        for runner in runners:
+            runner.offload()  # the host copy is made once and kept: later calls only drop
+        self._staged += [r for r in runners if r not in self._staged]

@@ -129,9 +129,9 @@ class VideoPipeline(D.DiffusionPipeline):
         # the VAE refuses a non-finite decode on the devices, before any uint8 conversion could hide it
         # (the whole array on every process of a multi-process mesh)
         if output_type == "pil":
-            frames = distributed.fetch(self.vae.decode_video(latents, uint8=True))
+            frames = self.with_room(lambda: distributed.fetch(self.vae.decode_video(latents, uint8=True)), "decode")
         else:
-            frames = distributed.fetch(_to_unit(self.vae.decode_video(latents)))
+            frames = self.with_room(lambda: distributed.fetch(_to_unit(self.vae.decode_video(latents))), "decode")
         self.timings.decode = time.perf_counter() - start
         if output_type == "pil":
             from PIL import Image
