@@ -74,9 +74,9 @@ def test_threshold_zero_is_bit_identical_and_huge_threshold_caches(case, tp, mod
 
 
 # the other ports: (folder, call, tp, mode, the slots of a step, full passes with a huge threshold)
-OTHERS = [("qwen_image", "true_cfg", None, None, ["cond", "uncond"], 2),  # true CFG: two calls, two caches
+OTHERS = [("qwen_image", "true_cfg", 4, "sp", ["cond", "uncond"], 2),  # true CFG: two calls, two caches
           ("wan22_a14b", "two_experts", None, None, ["rows"], 2),  # starts over at the expert switch
-          ("hunyuan_video", "true_cfg", None, None, ["rows"], 1),
+          ("hunyuan_video", "true_cfg", 4, "sp", ["rows"], 1),
           ("ltx2", "0", 4, "tp", ["rows", "stg", "modality"], 3)]  # CFG rows, STG and modality calls
 
 
