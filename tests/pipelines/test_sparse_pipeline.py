@@ -63,6 +63,20 @@ def test_quality_gate_compares_with_the_dense_run():
     assert not gate["passed"] and gate["calls_saved"] == 0
 
 
+def test_quality_gate_with_attention_and_the_step_cache_compares_with_the_plain_run():
+    """Sparse attention and the step cache together: the gate's reference is the dense, uncached
+    trajectory, and its calls saved are the cache's."""
+    from difflet_tpu.pipeline import quality
+
+    pipe = wan()
+    out = pipe(**call(attention=STA, cache="first-block:threshold=1e9,warmup=1,max_skips=100", quality_gate=0.0))
+    plain = pipe(**call())
+    gate = out.stats["quality_gate"]
+    assert out.stats["sparse_calls"] >= 1 and out.stats["cached_calls"] >= 1
+    assert gate["passed"] and gate["calls_saved"] == out.stats["cached_calls"]
+    assert gate["psnr_db"] == pytest.approx(quality.psnr(quality.as_pixels(out.frames), quality.as_pixels(plain.frames)))
+
+
 def test_bad_attention_is_refused_before_any_work():
     pipe = wan()
     stages = []
