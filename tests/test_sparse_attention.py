@@ -354,3 +354,23 @@ print(json.dumps(res))
     assert d == 0.25  # (2/4)^2 of the tile pairs: 4 x 4 x 1 tiles, a 2 x 2 x 1 window
     assert out["sparse"]["density"] == {str(d): 1} and out["dense"]["density"] is None
     np.testing.assert_allclose(out["sparse"]["ms"], d * out["dense"]["ms"], rtol=0.02)
+
+
+def test_the_bench_loop_runs_sparse_steps(tmp_path):
+    """`python -m difflet_tpu.bench --attention`: the timed loop runs every step sparse (another
+    result than the dense loop's) under TP and SP and says so in its JSON; a model without
+    block-sparse attention is refused before any work."""
+    import json
+
+    from difflet_tpu.bench import cli
+
+    results = {}
+    for name, extra in (("dense", []), ("sparse", ["--attention", "sta:window=1,2,1,tile=2,4,16"])):
+        out = tmp_path / f"{name}.json"
+        argv = ["--model", "wan:tiny", "--height", "128", "--width", "256", "--frames", "9", "--steps", "2", *extra]
+        assert cli.main([*argv, "--json", str(out)]) == 0
+        results[name] = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert {r["attention"] for r in results["sparse"].values()} == {"sta:window=1,2,1,tile=2,4,16"}
+    assert results["sparse"]["tp"]["sha256"] != results["dense"]["tp"]["sha256"]
+    assert all("error" not in r for r in results["sparse"].values())
+    assert cli.main(["--model", "flux:tiny", "--steps", "1", "--attention", "sta"]) == 2

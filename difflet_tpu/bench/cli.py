@@ -108,9 +108,10 @@ def parser():
     ap.add_argument("--mesh", help="device mesh AXIS=SIZE,... over cfg, data, tp, e.g. cfg=2,tp=4 (default: "
                     "DIFFLET_TPU_MESH, else one tp ring over every device when the heads divide it)")
     ap.add_argument("--attention", metavar="SPEC",
-                    help="block-sparse video self-attention for --compile-only (docs/sparse-attention.md): dense "
+                    help="block-sparse video self-attention on every step (docs/sparse-attention.md): dense "
                          "(default), sta (a window of tiles; sta:window=T,H,W,tile=T,H,W) or radial "
-                         "(radial:decay=F,sink=0|1); Wan only for now; priced by its active blocks")
+                         "(radial:decay=F,sink=0|1); Wan, HunyuanVideo and LTX-2; --compile-only prices it "
+                         "by its active blocks")
     ap.add_argument("--batch", type=int, default=1, help="prompts per call (CFG doubles the rows; default 1)")
     ap.add_argument("--cache", metavar="OPTIONS",
                     help="step caching of the timed loop, e.g. first-block:threshold=0.08,warmup=2,max_skips=3 "
@@ -269,9 +270,9 @@ def validate(args, ap):
             args.attention_option = sparse_masks.parse(args.attention)
         except sparse_masks.SparsityError as e:
             ap.error(f"--attention: {e}")
-        if not args.compile_only or args.pipeline:
-            ap.error("--attention is priced per transformer step with --compile-only (no --pipeline yet); "
-                     "pipeline calls take attention=")
+        if args.pipeline or args.end_to_end:
+            ap.error("--attention applies to the transformer's steps (the timed loop or --compile-only), not "
+                     "--pipeline / --end-to-end plans; pipeline calls take attention=")
     if args.lora and not args.end_to_end:
         ap.error("--lora only applies to --end-to-end (the pipeline's transformer takes the adapters)")
     if args.end_to_end or args.prompt is not None:

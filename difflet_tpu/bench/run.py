@@ -134,6 +134,11 @@ def prepare(spec, preset, args, mesh, dtype) -> dict:
                           f"({'embedded guidance' if pipe.guidance_mode != 'cfg' else '--guidance 1'})",
                           file=sys.stderr)
         schedule = pipe.schedule(steps, inputs, preset)
+        if getattr(args, "attention", None) is not None:  # block-sparse self-attention on every step
+            if "attention" not in spec.extra_kwargs:
+                raise BenchError(f"--attention: {fam} has no block-sparse attention (Wan, HunyuanVideo and LTX-2 have)")
+            inputs = dict(inputs, attention=args.attention)
+            cfg_inputs = None if cfg_inputs is None else dict(cfg_inputs, attention=args.attention)
     except ValueError as e:  # WeightsError included
         raise BenchError(str(e)) from None
     except MemoryError as e:  # the inputs themselves do not fit: refused before any model is built
@@ -185,7 +190,8 @@ def run_model(plan, args, mesh, dtype, results, hlo_dir=None):
                 dtype=str(np.dtype(plan["np_dtype"])), mesh=format_mesh(dict(mesh.shape)),
                 devices=mesh.devices.size, processes=distributed.info().count,
                 platform=mesh.devices.flat[0].platform, analytic_tflops_per_step=analytic / 1e12, seed=args.seed,
-                weights=args.weights or "random", embeddings=args.embeddings or "random")
+                weights=args.weights or "random", embeddings=args.embeddings or "random",
+                attention=getattr(args, "attention", None) or "dense")
     finals = {}
     for mode in args.modes:
         row = dict(base, mode=mode)
