@@ -157,6 +157,13 @@ def test_combined_stages_sum_time_and_keep_the_largest_program():
     assert r["weights_per_chip"] == GIB + GIB // 4
     # the video program with the audio weights resident beside it
     assert r["hbm"]["total"] == 5 * GIB + GIB // 4 and r["parts"] == ["video", "audio"]
+    # one transformer's two calls (LTX-2's CFG pair at batch 2, its isolation call at batch 1): its
+    # weights are resident once, so the peak is the larger program alone
+    b2 = dict(stage="b2", hbm=dict(total=11 * GIB, arguments=10 * GIB), weights_per_chip=10 * GIB,
+              estimate_ms=800.0, estimate_raw_ms=800.0)
+    b1 = dict(b2, stage="b1", hbm=dict(total=10 * GIB + GIB // 2, arguments=10 * GIB), estimate_ms=400.0)
+    t = av_plan.combined([b2, b1], [1, 1], "transformer", shared=True)
+    assert t["weights_per_chip"] == 10 * GIB and t["hbm"]["total"] == 11 * GIB and t["estimate_ms"] == 1200.0
 
 
 @pytest.mark.parametrize("argv,message", [

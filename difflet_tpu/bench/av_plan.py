@@ -198,11 +198,12 @@ def compile_connectors(config, seq: int, batch: int, mesh, chip, calibration) ->
                 weights_per_chip=runtime.tree_bytes_per_device(state))
 
 
-def combined(rows: list[dict], counts: list[int], name: str) -> dict:
+def combined(rows: list[dict], counts: list[int], name: str, shared: bool = False) -> dict:
     """Stages that run one after another as one row: time sum(count x estimate); HBM the largest
-    program plus the other parts' weights (all resident); weights the sum."""
-    weights = sum(r["weights_per_chip"] for r in rows)
-    total = max(r["hbm"]["total"] + weights - r["weights_per_chip"] for r in rows)
+    program plus the other parts' weights (all resident); weights the sum. `shared`: programs of
+    one model (the transformer's calls at two batch sizes), so its weights count once."""
+    weights = (max if shared else sum)(r["weights_per_chip"] for r in rows)
+    total = max(r["hbm"]["total"] + (0 if shared else weights - r["weights_per_chip"]) for r in rows)
     args = max(r["hbm"]["arguments"] for r in rows)
     est = sum(n * r["estimate_ms"] for r, n in zip(rows, counts))
     raw = sum(n * r["estimate_raw_ms"] for r, n in zip(rows, counts))
@@ -351,7 +352,7 @@ def run_av_plan(args) -> int:
         for got in steps_rows:
             if any("error" in r for r in got):
                 continue
-            step = combined(got, [n for _, n in calls], "transformer") if len(got) > 1 else got[0]
+            step = combined(got, [n for _, n in calls], "transformer", shared=True) if len(got) > 1 else got[0]
             step["mode"] = got[0]["mode"]
             t = dict(PP.plan_totals(rows, p, step, args.encoder_offload, chip), transformer_staged=False,
                      calls=[dict(batch=b, per_step=n) for b, n in calls])
