@@ -55,20 +55,13 @@ def test_offloaded_encoders_give_identical_images_and_free_device_memory(name, k
     np.testing.assert_array_equal(second, want)
 
 
-def test_auto_follows_the_memory_limit(monkeypatch):
+def test_auto_follows_the_memory_limit(monkeypatch, decided_peaks):
     pipe = load("auto")
     pipe(**KW)  # CPU: no memory limit, nothing moves
     assert pipe.encoder_offload is False and "no device memory limit" in pipe.encoder_offload_reason
     assert pipe.encoder_home.memory_kinds() == {"device"}
 
-    need = {}
-    real = placement.decide
-
-    def spy(setting, peaks, *a):
-        need.update(peaks)
-        return real(setting, peaks, *a)
-
-    monkeypatch.setattr(placement, "decide", spy)
+    need = decided_peaks
     for limit, offloaded in (("huge", False), ("small", True)):
         pipe = load("auto")
         monkeypatch.setattr(runtime, "device_memory_limit",

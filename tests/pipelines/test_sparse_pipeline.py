@@ -103,28 +103,6 @@ def hunyuan_call(**kw):
                 max_sequence_length=16, seed=0, output_type="np", **kw)
 
 
-def test_hunyuan_video_full_steps_then_sparse_steps():
-    pipe = hunyuan()
-    dense = pipe(**hunyuan_call())
-    all_dense = pipe(**hunyuan_call(attention=f"{STA},full_steps=2"))
-    np.testing.assert_array_equal(all_dense.frames, dense.frames)
-    one = pipe(**hunyuan_call(attention=f"{STA},full_steps=1"))
-    assert one.stats["sparse_calls"] == 1 and all_dense.stats["sparse_calls"] == 0
-    assert np.abs(one.frames - dense.frames).max() > 1e-4 and np.isfinite(one.frames).all()
-
-
-def test_hunyuan_video_bad_attention_is_refused_before_any_work():
-    pipe = hunyuan()
-    stages = []
-    pipe.on_stage = lambda stage, info: stages.append(stage)
-    try:
-        with pytest.raises(PipelineError, match=r"wider than the \(2, 2, 1\) tiles"):
-            pipe(**hunyuan_call(attention="sta:tile=2,4,16,window=3,1,1"))
-    finally:
-        pipe.on_stage = None
-    assert "encode" not in stages and "denoise" not in stages
-
-
 @functools.lru_cache(maxsize=None)
 def ltx2():
     return DiffusionPipeline.from_pretrained(FIXTURES / "ltx2", dtype=jnp.float32,
@@ -138,23 +116,30 @@ def ltx2_call(**kw):
                 audio_modality_scale=1.0, max_sequence_length=16, seed=0, output_type="np", **kw)
 
 
-def test_ltx2_full_steps_then_sparse_steps():
-    pipe = ltx2()
-    dense = pipe(**ltx2_call())
-    all_dense = pipe(**ltx2_call(attention=f"{STA},full_steps=2"))
+VIDEO = {"hunyuan_video": (hunyuan, hunyuan_call), "ltx2": (ltx2, ltx2_call)}
+
+
+@pytest.mark.parametrize("name", sorted(VIDEO))
+def test_other_video_pipelines_full_steps_then_sparse_steps(name):
+    load, call_kw = VIDEO[name]
+    pipe = load()
+    dense = pipe(**call_kw())
+    all_dense = pipe(**call_kw(attention=f"{STA},full_steps=2"))
     np.testing.assert_array_equal(all_dense.frames, dense.frames)
-    one = pipe(**ltx2_call(attention=f"{STA},full_steps=1"))
+    one = pipe(**call_kw(attention=f"{STA},full_steps=1"))
     assert one.stats["sparse_calls"] == 1 and all_dense.stats["sparse_calls"] == 0
     assert np.abs(one.frames - dense.frames).max() > 1e-4 and np.isfinite(one.frames).all()
 
 
-def test_ltx2_bad_attention_is_refused_before_any_work():
-    pipe = ltx2()
+@pytest.mark.parametrize("name", sorted(VIDEO))
+def test_other_video_pipelines_refuse_bad_attention_before_any_work(name):
+    load, call_kw = VIDEO[name]
+    pipe = load()
     stages = []
     pipe.on_stage = lambda stage, info: stages.append(stage)
     try:
         with pytest.raises(PipelineError, match=r"wider than the \(2, 2, 1\) tiles"):
-            pipe(**ltx2_call(attention="sta:tile=2,4,16,window=3,1,1"))
+            pipe(**call_kw(attention="sta:tile=2,4,16,window=3,1,1"))
     finally:
         pipe.on_stage = None
     assert "encode" not in stages and "denoise" not in stages

@@ -117,19 +117,12 @@ def test_a_failed_encode_leaves_the_transformer_to_the_next_call(monkeypatch):
     assert float(np.abs(np.asarray(out.frames) - z["c0.out.frames"]).max()) <= 1e-3
 
 
-def test_auto_follows_the_memory_limit(monkeypatch):
+def test_auto_follows_the_memory_limit(monkeypatch, decided_peaks):
     kw, _ = ltx2_kwargs()
     pipe = staged_ltx2()
     monkeypatch.setattr(pipe, "transformer_offload_setting", "auto")
     monkeypatch.setattr(pipe, "encode_prompt", pipe.encode_prompt)
-    need = {}
-    real = placement.decide
-
-    def spy(setting, peaks, *a):
-        need.update(peaks)
-        return real(setting, peaks, *a)
-
-    monkeypatch.setattr(placement, "decide", spy)
+    need = decided_peaks
     for limit, staged in ((None, False), (2**40, False), (1024, True)):
         monkeypatch.setattr(runtime, "device_memory_limit", lambda devices, limit=limit: limit)
         monkeypatch.setattr(pipe, "transformer_offload", None)  # decided again at this call
