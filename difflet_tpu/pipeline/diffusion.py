@@ -373,6 +373,11 @@ class DiffusionPipeline(CachedLoop, LoraLoaderMixin, PlacementMixin):
         transformer = load_transformer(folder, dtype=dtype, mesh=mesh, config=config)
         return Runner(transformer, mesh, config, **runner_options)
 
+    def _runners(self) -> list:
+        """The transformer Runners: a two-expert pipeline's experts, else its one transformer
+        (LoRA adapters and the parts' homes act on each)."""
+        return getattr(self, "experts", None) or [self.transformer]
+
     # ---- shared call pieces ----------------------------------------------------
 
     def start_call(self, unsupported: dict, *, prompt, output_type, height, width, num_inference_steps,

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 
 class LoraLoaderMixin:
-    def _lora_runners(self) -> list:
-        return getattr(self, "experts", None) or [self.transformer]
+    """The pipeline lists its transformer Runners (`DiffusionPipeline._runners`)."""
 
     def load_lora_weights(self, pretrained_model_name_or_path_or_dict, adapter_name=None, *, weight_name=None,
                           load_into_transformer_2: bool = False) -> str:
@@ -21,7 +20,7 @@ class LoraLoaderMixin:
         does not fit, before any parameter changes."""
         from difflet_tpu.loading import lora
 
-        runners = self._lora_runners()
+        runners = self._runners()
         if load_into_transformer_2 and len(runners) < 2:
             raise lora.LoraError(f"load_into_transformer_2=True: {type(self).__name__} has no transformer_2")
         run = runners[1] if load_into_transformer_2 else runners[0]
@@ -39,24 +38,24 @@ class LoraLoaderMixin:
             weights = list(adapter_weights)
         if len(weights) != len(names):
             raise lora.LoraError(f"set_adapters: {len(names)} adapters and {len(weights)} adapter_weights")
-        held = [set(getattr(run, "_lora", lora.Adapters()).loaded) for run in self._lora_runners()]
+        held = [set(getattr(run, "_lora", lora.Adapters()).loaded) for run in self._runners()]
         unknown = [n for n in names if not any(n in h for h in held)]
         if unknown:
             loaded = sorted(set().union(*held))
             raise lora.LoraError(f"set_adapters: adapter(s) {unknown} not loaded (loaded: {loaded})")
-        for run, h in zip(self._lora_runners(), held):
+        for run, h in zip(self._runners(), held):
             if h:
                 pairs = [(n, w) for n, w in zip(names, weights) if n in h]
                 run.set_adapters([n for n, _ in pairs], [1.0 if w is None else w for _, w in pairs])
 
     def unload_lora_weights(self) -> None:
         """Every transformer's base parameters back, bit-exact; adapters dropped."""
-        for run in self._lora_runners():
+        for run in self._runners():
             if getattr(run, "_lora", None) is not None:
                 run.unload_lora_weights()
 
     def get_active_adapters(self) -> list[str]:
-        return [n for run in self._lora_runners() for n in run.get_active_adapters()]
+        return [n for run in self._runners() for n in run.get_active_adapters()]
 
 
 def parse_lora_arg(text: str) -> tuple[str, float]:

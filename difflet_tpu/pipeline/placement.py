@@ -241,14 +241,15 @@ class ExpertHome:
 
 class PlacementMixin:
     """`DiffusionPipeline`'s homes for its parts: the experts (`ExpertHome`), the text encoders
-    between prompts (`EncoderHome`) and the transformer during the encode (`decide_staging`).
+    between prompts (`EncoderHome`) and the transformer outside the denoise (`decide_staging`,
+    `with_room`).
     The pipeline sets `self.transformer` (a Runner; `self.experts` for two), `self.vae` and
-    `self.timings` (`diffusion.Timings`)."""
+    `self.timings` (`diffusion.Timings`) and lists its Runners (`_runners`)."""
 
     # ---- the experts' home (two-expert pipelines: Config.expert_offload) ----------
 
     def init_expert_home(self, config) -> None:
-        self.expert_home = ExpertHome(getattr(self, "experts", [self.transformer]), config.expert_offload)
+        self.expert_home = ExpertHome(self._runners(), config.expert_offload)
 
     def activate_expert(self, e: int, step_kwargs: dict, step: int) -> None:
         """Expert `e` on the devices for this step (a no-op with one expert or no offload)."""
@@ -262,6 +263,7 @@ class PlacementMixin:
         """The encoders `encoders_out` may move to host memory; "on" without a host memory
         kind is refused here, at load."""
         from difflet_tpu import runtime
+
         self.encoder_home = EncoderHome(encoders)
         self.encoder_offload_setting = config.encoder_offload
         self.encoder_offload = None  # decided at the first call
@@ -281,7 +283,7 @@ class PlacementMixin:
     def stage_parts_bytes(self) -> int:
         """Parameter bytes per device of every part resident at an encode: the text encoders,
         the transformer(s) on the devices and the VAEs (`decide_staging`)."""
-        runners = [r for r in getattr(self, "experts", [self.transformer]) if r.resident == "device"]
+        runners = [r for r in self._runners() if r.resident == "device"]
         others = [getattr(self, n, None) for n in ("vae", "audio_vae", "vocoder")]
         return (self.encoder_home.bytes_per_chip() + sum(r.param_bytes() for r in runners)
                 + sum(bytes_per_chip(m) for m in others if m is not None))
@@ -290,6 +292,7 @@ class PlacementMixin:
         """The encoders back on the devices before an encode (a no-op when they are there), the
         transformer first to host memory when it is staged (`Config.transformer_offload`)."""
         from difflet_tpu import runtime
+
         if self.transformer_offload is None:
             devices = self.encoder_home.devices()
             self.transformer_offload, self.transformer_offload_reason = decide_staging(
@@ -298,11 +301,7 @@ class PlacementMixin:
             logger.info("transformer %s during the text encode (%s)", "staged through host memory"
                         if self.transformer_offload else "stays on the devices", self.transformer_offload_reason)
         if self.transformer_offload:
-            # (a call that failed mid-encode left its staged runners in host memory: they stay listed)
-            self._staged += [r for r in getattr(self, "experts", [self.transformer])
-                             if r.resident == "device" and r not in self._staged]
-            for runner in self._staged:
-                runner.offload()  # the host copy is made once and kept: later calls only drop
+            self._stage_transformer()
         if self.encoder_home.offloaded:
             start = time.perf_counter()
             self.encoder_home.load()
@@ -359,7 +358,13 @@ class PlacementMixin:
             start = time.perf_counter()
             self.encoder_home.offload()
             self.timings.encoder_moves += time.perf_counter() - start
-        runners = [r for r in getattr(self, "experts", [self.transformer]) if r.resident == "device"]
+        self._stage_transformer()
+
+    def _stage_transformer(self) -> None:
+        """The transformer Runners on the devices to host memory, listed in `_staged` until
+        `encoders_out` brings them back (a call that failed mid-encode leaves its runners
+        listed, so the next one brings them back too)."""
+        runners = [r for r in self._runners() if r.resident == "device"]
         for runner in runners:
             runner.offload()  # the host copy is made once and kept: later calls only drop
         self._staged += [r for r in runners if r not in self._staged]
