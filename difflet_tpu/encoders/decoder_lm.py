@@ -304,6 +304,39 @@ def sliding_window_mask(length: int, window: int):
     return jnp.asarray(j > i - window)[None, None]
 
 
+def scale_embeddings(config: DecoderLMConfig, hidden_states):
+    """Gemma: the token embeddings times sqrt(hidden_size) (transformers' `embed_scale`)."""
+    if config.embed_scale:
+        hidden_states = hidden_states * jnp.asarray(math.sqrt(config.hidden_size), hidden_states.dtype)
+    return hidden_states
+
+
+def layer_inputs(config: DecoderLMConfig, batch: int, length: int, dtype, attention_mask=None, position_ids=None,
+                 run: int | None = None) -> tuple:
+    """(mask, cos, sin) of the full-attention layers and of the sliding ones (None when none of the
+    first `run` layers slides): what every decoder layer reads besides the hidden states."""
+    run = config.num_hidden_layers if run is None else run
+    streams = 3 if config.mrope_section is not None else None
+    if position_ids is None:
+        # transformers for text-only input: arange in every stream and row, padding or not.
+        position_ids = jnp.broadcast_to(jnp.arange(length), (batch, length))
+    if streams and position_ids.ndim == 2:
+        position_ids = jnp.broadcast_to(position_ids[None], (streams, batch, length))
+    want = (streams, batch, length) if streams else (batch, length)
+    if tuple(position_ids.shape) != want:
+        raise ValueError(f"DecoderLM: position_ids must be [batch, seq] or {list(want)}, "
+                         f"got {tuple(position_ids.shape)}")
+    mask = causal_mask(length)
+    if attention_mask is not None:
+        mask = mask & padding_mask(attention_mask)
+    full = (mask, *rope_cos_sin(config, position_ids, dtype))
+    sliding = None
+    if any(config.sliding(i) for i in range(run)):
+        sliding = (mask & sliding_window_mask(length, config.sliding_window),
+                   *rope_cos_sin(config, position_ids, dtype, sliding=True))
+    return full, sliding
+
+
 class DecoderLM(nnx.Module):
     """`(input_ids [B, S] int, attention_mask [B, S] 0/1 or None, position_ids None | [B, S] |
     [3, B, S], hidden_state=-1, output_hidden_states=False) -> [B, S, hidden_size]`: transformers'
@@ -339,30 +372,11 @@ class DecoderLM(nnx.Module):
     def __call__(self, input_ids, attention_mask=None, position_ids=None, hidden_state: int = -1,
                  output_hidden_states: bool = False):
         self.check_inputs(input_ids, attention_mask)
-        run = self.config.num_hidden_layers if output_hidden_states else self.layers_for(hidden_state)
-        batch, length = input_ids.shape
-        hidden_states = self.embed_tokens(input_ids)
-        if self.config.embed_scale:
-            hidden_states = hidden_states * jnp.asarray(math.sqrt(self.config.hidden_size), hidden_states.dtype)
-        streams = 3 if self.config.mrope_section is not None else None
-        if position_ids is None:
-            # transformers for text-only input: arange in every stream and row, padding or not.
-            position_ids = jnp.broadcast_to(jnp.arange(length), (batch, length))
-        if streams and position_ids.ndim == 2:
-            position_ids = jnp.broadcast_to(position_ids[None], (streams, batch, length))
-        want = (streams, batch, length) if streams else (batch, length)
-        if tuple(position_ids.shape) != want:
-            raise ValueError(f"DecoderLM: position_ids must be [batch, seq] or {list(want)}, "
-                             f"got {tuple(position_ids.shape)}")
         config = self.config
-        mask = causal_mask(length)
-        if attention_mask is not None:
-            mask = mask & padding_mask(attention_mask)
-        # (mask, cos, sin) of the full-attention layers and, if any, of the sliding ones
-        kinds = {False: (mask, *rope_cos_sin(config, position_ids, hidden_states.dtype))}
-        if any(config.sliding(i) for i in range(run)):
-            kinds[True] = (mask & sliding_window_mask(length, config.sliding_window),
-                           *rope_cos_sin(config, position_ids, hidden_states.dtype, sliding=True))
+        run = config.num_hidden_layers if output_hidden_states else self.layers_for(hidden_state)
+        batch, length = input_ids.shape
+        hidden_states = scale_embeddings(config, self.embed_tokens(input_ids))
+        kinds = layer_inputs(config, batch, length, hidden_states.dtype, attention_mask, position_ids, run)
         states = [hidden_states]
         for i, layer in enumerate(self.layers[:run]):
             hidden_states = layer(hidden_states, *kinds[config.sliding(i)])

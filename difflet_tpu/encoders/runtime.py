@@ -80,11 +80,16 @@ def encode(model, input_ids, attention_mask=None, position_ids=None, **options):
     arguments such as the decoder LM's `output_hidden_states=True` or `hidden_state=-3`,
     transformers' `hidden_states[-3]`; `position_ids`, an array, only for models that take them:
     the decoder LM), inputs checked first, outputs checked finite. Returns what the model returns
-    (an array or a tuple of arrays)."""
+    (an array or a tuple of arrays). `model` may be a `streaming.LayerStream` (a decoder LM whose
+    layers stream from host memory, `Config.encoder_stream`): it runs its groups itself."""
     model.check_inputs(input_ids, attention_mask)
     if options.get("hidden_state") is not None:
         model.layers_for(options["hidden_state"])  # a clear error before the compile
     options = {k: v for k, v in options.items() if v is not None}
+    from .streaming import LayerStream
+
+    if isinstance(model, LayerStream):  # a decoder LM whose layers stream from host memory (streaming.py)
+        return _finite(model.model, model(input_ids, attention_mask, position_ids, **options))
     return _finite(model, _forward(model, jnp.asarray(input_ids),
                                    None if attention_mask is None else jnp.asarray(attention_mask),
                                    None if position_ids is None else jnp.asarray(position_ids),
