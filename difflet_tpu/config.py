@@ -113,6 +113,18 @@ class Config:
         runs again, and later calls stage first: HunyuanVideo 720x1280x129 on a
         v5e-4). Off TPU "auto" moves nothing; "on" without a host memory kind is
         an error at load.
+    encoder_stream: whether a pipeline's decoder-LM text encoder keeps its layers in
+        host memory and streams them through the devices a group at a time during its
+        encode (`DIFFLET_TPU_ENCODER_STREAM`, `encoders.streaming.LayerStream`; the
+        prompt's embedding rows gathered on the host): "on" always; "off" never;
+        "auto" (default) when the devices report a memory limit (TPU) and, at the first
+        call, the parameters per device of the text encoders, the transformer(s) and the
+        VAEs plus 1 GiB (`placement.ENCODE_MARGIN`) exceed it (LTX-2's Gemma-3-12B on a
+        v5e-4). It comes before `transformer_offload`: with the LM streamed the
+        transformer stays on the devices for the encode when the rest fits. Each encode
+        copies the layers once (Gemma-3-12B: 5.0 GiB per chip under tp=4). Used by
+        LTX2Pipeline. Off TPU "auto" streams nothing; "on" without a host memory kind
+        is an error at load.
     kernel_tiles: a column-tile table (JSON) written by `python -m
         difflet_tpu.tools.sweep_tiles` on the same chip: the collective-matmul kernels
         then multiply in the tile measured fastest at each site it lists
@@ -150,6 +162,7 @@ class Config:
     expert_offload: str = "auto"
     encoder_offload: str = "auto"
     transformer_offload: str = "auto"
+    encoder_stream: str = "auto"
     kernel_tiles: str | None = None
     vae_spread: str = "auto"
     text_trim: bool = False
@@ -169,6 +182,8 @@ class Config:
             raise ConfigError(f"Config.expert_offload must be one of {OFFLOAD_VALUES}, got {self.expert_offload!r}")
         if self.encoder_offload not in OFFLOAD_VALUES:
             raise ConfigError(f"Config.encoder_offload must be one of {OFFLOAD_VALUES}, got {self.encoder_offload!r}")
+        if self.encoder_stream not in OFFLOAD_VALUES:
+            raise ConfigError(f"Config.encoder_stream must be one of {OFFLOAD_VALUES}, got {self.encoder_stream!r}")
         if self.transformer_offload not in OFFLOAD_VALUES:
             raise ConfigError(f"Config.transformer_offload must be one of {OFFLOAD_VALUES}, "
                               f"got {self.transformer_offload!r}")
@@ -402,6 +417,7 @@ ENV_VARS = {
     "DIFFLET_TPU_EXPERT_OFFLOAD": ("expert_offload", _parse_choice(OFFLOAD_VALUES)),
     "DIFFLET_TPU_ENCODER_OFFLOAD": ("encoder_offload", _parse_choice(OFFLOAD_VALUES)),
     "DIFFLET_TPU_TRANSFORMER_OFFLOAD": ("transformer_offload", _parse_choice(OFFLOAD_VALUES)),
+    "DIFFLET_TPU_ENCODER_STREAM": ("encoder_stream", _parse_choice(OFFLOAD_VALUES)),
     "DIFFLET_TPU_KERNEL_TILES": ("kernel_tiles", _parse_tile_table),
     "DIFFLET_TPU_VAE_SPREAD": ("vae_spread", _parse_choice(SPREAD_VALUES)),
     "DIFFLET_TPU_TEXT_TRIM": ("text_trim", _parse_bool),

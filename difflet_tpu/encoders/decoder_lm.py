@@ -90,6 +90,9 @@ class DecoderLMConfig:
     rope_local_theta: float | None = None  # RoPE base of the sliding layers; None: rope_theta
 
     def __post_init__(self):
+        for name in ("mrope_section", "layer_types"):  # tuples: the config is hashed as a jit static
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"DecoderLMConfig: num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")

@@ -69,12 +69,15 @@ def decide(setting: str, peaks_resident: dict, capacity: int | None, host_memory
                       f"{'within' if fits else 'over'} the {capacity / 2**30:.2f} GiB limit")
 
 
-def decide_staging(setting: str, parts_bytes: int, capacity: int | None, host_memory: bool) -> tuple[bool, str]:
+def decide_staging(setting: str, parts_bytes: int, capacity: int | None, host_memory: bool,
+                   what: str = "transformer offload") -> tuple[bool, str]:
     """(stage the transformer through host memory during the text encode?, why): `decide` for
     the encode stage, whose peak is taken as every part's parameters per chip (`parts_bytes`:
     encoders, resident transformer, VAEs) plus `ENCODE_MARGIN` (the text encoders' activations
-    are small beside their weights; the bench's plan compiles them, `bench/av_plan.py`)."""
-    return decide(setting, {ENCODE: parts_bytes + ENCODE_MARGIN}, capacity, host_memory, "transformer offload")
+    are small beside their weights; the bench's plan compiles them, `bench/av_plan.py`). The
+    same test decides whether a decoder-LM text encoder streams its layers (`what` "encoder
+    stream", `Config.encoder_stream`), which is asked first."""
+    return decide(setting, {ENCODE: parts_bytes + ENCODE_MARGIN}, capacity, host_memory, what)
 
 
 def _params(model):
@@ -259,12 +262,19 @@ class PlacementMixin:
 
     # ---- the text encoders' home between prompts (Config.encoder_offload) ------
 
-    def init_encoder_home(self, encoders: list, config) -> None:
-        """The encoders `encoders_out` may move to host memory; "on" without a host memory
-        kind is refused here, at load."""
+    def init_encoder_home(self, encoders: list, config, stream=None) -> None:
+        """The encoders `encoders_out` may move to host memory; `stream`: the one of them (a
+        decoder LM) whose layers may instead stream from host memory during its encode
+        (`Config.encoder_stream`; the pipeline encodes with `text_encoder_for(model)`). "on"
+        without a host memory kind is refused here, at load."""
         from difflet_tpu import runtime
 
         self.encoder_home = EncoderHome(encoders)
+        self._streamable = stream
+        self.encoder_stream_setting = config.encoder_stream
+        self.encoder_stream = None if stream is not None else False  # decided at the first encode
+        self.encoder_stream_reason = None if stream is not None else "no decoder-LM text encoder to stream"
+        self.text_stream = None  # the LayerStream once streaming
         self.encoder_offload_setting = config.encoder_offload
         self.encoder_offload = None  # decided at the first call
         self.encoder_offload_reason = None
@@ -275,7 +285,8 @@ class PlacementMixin:
         self._room_for = set()  # the stages that ran out of device memory beside the transformer (`with_room`)
         devices = self.encoder_home.devices()
         for name, setting in (("encoder_offload", config.encoder_offload),
-                              ("transformer_offload", config.transformer_offload)):
+                              ("transformer_offload", config.transformer_offload),
+                              ("encoder_stream", config.encoder_stream if stream is not None else "off")):
             if setting == "on" and runtime.host_memory_kind(devices) is None:
                 raise PipelineError(f"{name}='on' (DIFFLET_TPU_{name.upper()}): the {devices[0].platform} "
                                     f"devices have no {runtime.HOST_MEMORY_KIND} memory; use auto or off")
@@ -293,6 +304,8 @@ class PlacementMixin:
         transformer first to host memory when it is staged (`Config.transformer_offload`)."""
         from difflet_tpu import runtime
 
+        if self.encoder_stream is None:
+            self._start_stream()
         if self.transformer_offload is None:
             devices = self.encoder_home.devices()
             self.transformer_offload, self.transformer_offload_reason = decide_staging(
@@ -306,6 +319,30 @@ class PlacementMixin:
             start = time.perf_counter()
             self.encoder_home.load()
             self.timings.encoder_moves += time.perf_counter() - start
+
+    def _start_stream(self) -> None:
+        """Decides `Config.encoder_stream` (the test `decide_staging` makes, asked before the
+        transformer's) and, when on, moves the LM's layers to host memory for good: the encoders'
+        home keeps the other encoders."""
+        from difflet_tpu import runtime
+        from difflet_tpu.encoders.streaming import LayerStream
+
+        lm = self._streamable
+        devices = self.encoder_home.devices()
+        self.encoder_stream, self.encoder_stream_reason = decide_staging(
+            self.encoder_stream_setting, self.stage_parts_bytes(), runtime.device_memory_limit(devices),
+            runtime.host_memory_kind(devices) is not None, "encoder stream")
+        logger.info("the %s text encoder %s (%s)", type(lm).__name__, "streams its layers from host memory"
+                    if self.encoder_stream else "stays whole", self.encoder_stream_reason)
+        if self.encoder_stream:
+            start = time.perf_counter()
+            self.text_stream = LayerStream(lm)
+            self.encoder_home = EncoderHome([m for m in self.encoder_home.encoders if m is not lm])
+            self.timings.encoder_moves += time.perf_counter() - start
+
+    def text_encoder_for(self, model):
+        """What encodes with `model`: its `LayerStream` when it streams, else itself."""
+        return self.text_stream if self.text_stream is not None and model is self._streamable else model
 
     def encoders_out(self, step_kwargs: dict) -> None:
         """After the prompts are encoded: the encoders to host memory when the plan says so

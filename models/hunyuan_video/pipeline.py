@@ -113,7 +113,7 @@ class HunyuanVideoPipeline(V.VideoPipeline):
         self.text_encoder_2 = clip.from_pretrained(path / "text_encoder_2", dtype=dtype,
                                                    mesh=D.encoder_mesh(clip, clip_config, mesh))
         self.load_denoiser(path, mesh=mesh, dtype=dtype, config=config, runner_options=runner_options)
-        self.init_encoder_home([self.text_encoder, self.text_encoder_2], config)
+        self.init_encoder_home([self.text_encoder, self.text_encoder_2], config, stream=self.text_encoder)
         self.init_expert_home(config)
         return self
 
@@ -165,7 +165,7 @@ class HunyuanVideoPipeline(V.VideoPipeline):
         clip_ids = T.clip_tokens(self.tokenizer_2, prompts, name, allow_empty).input_ids
         self.timings.tokenize += time.perf_counter() - start
         start = time.perf_counter()
-        hidden = runtime.encode(self.text_encoder, tokens.input_ids, tokens.attention_mask,
+        hidden = runtime.encode(self.text_encoder_for(self.text_encoder), tokens.input_ids, tokens.attention_mask,
                                 hidden_state=-(NUM_HIDDEN_LAYERS_TO_SKIP + 1))
         _, pooled = runtime.encode(self.text_encoder_2, clip_ids)  # no mask, as diffusers
         crop = call.crop_start

@@ -156,7 +156,7 @@ class LTX2Pipeline(V.VideoPipeline):
         self.dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
         self.audio_vae = AutoencoderKLLTX2Audio.from_pretrained(path / "audio_vae", dtype=dtype, mesh=mesh)
         self.vocoder = LTX2Vocoder.from_pretrained(path / "vocoder", dtype=dtype, mesh=mesh)
-        self.init_encoder_home([self.text_encoder, self.connectors], config)
+        self.init_encoder_home([self.text_encoder, self.connectors], config, stream=self.text_encoder)
         self.text_trim = config.text_trim  # Gemma-3 on the real tokens only (models/ltx2/text.py)
         return self
 
@@ -211,7 +211,7 @@ class LTX2Pipeline(V.VideoPipeline):
         tokens = T.ltx2_tokens(self.tokenizer, prompts, max_sequence_length, name, allow_empty=name != "prompt")
         self.timings.tokenize += time.perf_counter() - start
         start = time.perf_counter()
-        embeds = ltx2_text.gemma_prompt_embeds(self.text_encoder, tokens.input_ids, tokens.attention_mask,
+        embeds = ltx2_text.gemma_prompt_embeds(self.text_encoder_for(self.text_encoder), tokens.input_ids, tokens.attention_mask,
                                                trim=self.text_trim)
         embeds = D.wait(jnp.repeat(embeds.astype(self.dtype), num_videos_per_prompt, axis=0))
         self.timings.encode += time.perf_counter() - start

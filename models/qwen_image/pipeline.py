@@ -60,7 +60,7 @@ class QwenImagePipeline(D.DiffusionPipeline):
         self.text_encoder = decoder_lm.from_pretrained(path / "text_encoder", dtype=dtype,
                                                        mesh=D.encoder_mesh(decoder_lm, lm_config, mesh))
         self.load_denoiser(path, mesh=mesh, dtype=dtype, config=config, runner_options=runner_options)
-        self.init_encoder_home([self.text_encoder], config)
+        self.init_encoder_home([self.text_encoder], config, stream=self.text_encoder)
         return self
 
     @classmethod
@@ -92,7 +92,7 @@ class QwenImagePipeline(D.DiffusionPipeline):
         tokens = T.qwen_image_tokens(self.tokenizer, prompt, name, allow_empty=name != "prompt")
         self.timings.tokenize += time.perf_counter() - start
         start = time.perf_counter()
-        hidden = runtime.encode(self.text_encoder, tokens.input_ids, tokens.attention_mask)
+        hidden = runtime.encode(self.text_encoder_for(self.text_encoder), tokens.input_ids, tokens.attention_mask)
         embeds, mask = T.drop_template(hidden, tokens.attention_mask, max_sequence_length)
         embeds = D.wait(jnp.repeat(embeds, num_images_per_prompt, axis=0))
         checks.check_finite(embeds, f"the {name} embeddings of text_encoder (the text encode)")
