@@ -179,11 +179,13 @@ def test_bad_av_plan_flags_are_clear_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def _plan(tmp_path, *flags):
+def _plan(tmp_path, *flags, env=None):
+    import os
+
     out = tmp_path / "plan.json"
     cmd = [sys.executable, "-m", "difflet_tpu.bench", "--compile-only", "--topology", "v5e:2x2", "--mode", "tp",
            "--json", str(out), *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=dict(os.environ, **(env or {})))
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert not [s for s in r["stages"] if "error" in s]
@@ -217,8 +219,11 @@ def test_cli_plans_ltx2_tiny(tmp_path, guidance):
     decode; guidance 1: one batch-1 call a step; the default (3): both prompts encoded, the CFG
     pair (batch 2) and the modality-isolation call (batch 1) every step."""
     flags = ["--pipeline", "ltx2", "--model", "ltx2:tiny", "--steps", "20"]
-    r, s = _plan(tmp_path, *flags, *(["--guidance", str(guidance)] if guidance else []))
-    [t] = r["plans"]
+    # guidance 1 with DIFFLET_TPU_ENCODER_STREAM=on: Gemma-3 streamed too, the plan the runtime then runs
+    r, s = _plan(tmp_path, *flags, *(["--guidance", str(guidance)] if guidance else []),
+                 env=dict(DIFFLET_TPU_ENCODER_STREAM="on" if guidance else "auto"))
+    t = r["plans"][0]
+    assert len(r["plans"]) == (2 if guidance else 1)
     decodes = ("vae decode_video, spread over 4", "audio vae decode, one chip", "vocoder, one chip")
     assert t["decode_ms"] == pytest.approx(sum(s[n]["estimate_ms"] for n in decodes), abs=1e-2)
     assert s["vocoder, one chip"]["input"] == s["audio vae decode, one chip"]["output"]
@@ -227,6 +232,12 @@ def test_cli_plans_ltx2_tiny(tmp_path, guidance):
         assert t["calls"] == [dict(batch=1, per_step=1)] and r["call"]["modality_scale"] == 1.0
         assert t["denoise_ms"] == pytest.approx(20 * b1, abs=1e-2)
         assert s["gemma-3-12b (32 tokens) tp"]["calls_per_image"] == 1 and "ltx2 connectors (batch 1)" in s
+        streamed, group = r["plans"][1], s["gemma-3-12b streamed (32 tokens) tp"]
+        e = streamed["encoder_stream"]
+        assert streamed["chosen"] and not t.get("chosen") and (e["group"], e["groups"]) == (4, 1)  # 3 sliding + 1 full
+        assert group["weights_per_chip"] == e["layers_bytes_per_chip"]  # one group of all 4 layers
+        assert streamed["encode_ms"] == pytest.approx(group["estimate_ms"] + e["host_to_device_ms"]
+                                                      + s["ltx2 connectors (batch 1)"]["estimate_ms"], abs=1e-2)
     else:
         b2 = s["transformer tp batch 2 (tp=4)"]["estimate_ms"]
         assert t["calls"] == [dict(batch=2, per_step=1), dict(batch=1, per_step=1)]
@@ -251,6 +262,28 @@ def test_cli_plans_wan_tiny_one_chip_decode_when_spread_is_off(tmp_path):
     assert [s["stage"] for s in decodes] == ["vae decode_video, one chip"] and decodes[0]["chosen"]
     [t] = r["plans"]
     assert t["decode_ms"] == decodes[0]["estimate_ms"]
+
+
+def test_streamed_encoder_keeps_the_transformer():
+    """Gemma-3 streams its layers from host memory (as the runtime's encoder_stream): the
+    transformer and the connectors stay, each encode pays its groups and one copy of the layers."""
+    from difflet_tpu.bench import av_plan
+    from difflet_tpu.bench import pipeline_plan as PP
+
+    rows = {"gemma": _row(7 * GIB, 6 * GIB, 50.0), "connectors": _row(3 * GIB, 2 * GIB, 20.0),
+            "vae": _row(4 * GIB, GIB, 300.0)}
+    p = dict(steps=20, calls_per_step=1, encoders=[("gemma", None, 1024, True, 2), ("connectors", None, 0, False, 1)])
+    step = dict(_row(10 * GIB, 10 * GIB, 160.0), mode="sp-pallas")
+    plan = PP.plan_totals(rows, p, step, "auto", CHIP)
+    stream = dict(_row(GIB, GIB // 2, 6.0), group=6, groups=8, layers_bytes_per_chip=5 * GIB, states_bytes=GIB // 4)
+    t = av_plan.streamed_encoder(plan, rows, p, step, CHIP, "gemma", stream, "auto: over")
+    assert t["peaks"] == {"gemma": GIB + GIB // 4 + 2 * GIB + 10 * GIB + GIB, "connectors": 3 * GIB + 10 * GIB + GIB,
+                          "transformer": 10 * GIB + 2 * GIB + GIB, "vae": 4 * GIB + 10 * GIB + 2 * GIB}
+    assert t["fits"] and not t["transformer_staged"] and not t["encoder_offload"]["enabled"]
+    copy = 2 * 5 * GIB / 1.5e10 * 1e3  # two prompts, each copying the layers once
+    assert t["encoder_stream"]["host_to_device_ms"] == pytest.approx(copy, abs=1e-3)
+    assert t["encode_ms"] == pytest.approx(2 * 8 * 6.0 + copy + 20.0, abs=1e-2)
+    assert t["total_ms"] == pytest.approx(t["encode_ms"] + 20 * 160.0 + 300.0, abs=1e-2)
 
 
 def test_transformer_staged_outside_the_denoise():

@@ -198,6 +198,74 @@ def compile_connectors(config, seq: int, batch: int, mesh, chip, calibration) ->
                 weights_per_chip=runtime.tree_bytes_per_device(state))
 
 
+def compile_encoder_stream(config, seq: int, mesh, chip, calibration) -> dict:
+    """One group of a decoder LM's layers as `encoders/streaming.py` runs it when the LM streams
+    from host memory (`Config.encoder_stream`): the group's parameters tp-sharded on `mesh` (as
+    they are copied in), the hidden states and the layers' (mask, cos, sin) replicated, batch 1
+    (the pipelines encode each prompt alone). The row also carries what the plan adds: the number
+    of groups, the layers' bytes per chip (copied from host memory at every encode) and the hidden
+    states an encode keeps on the chips (every layer's, for LTX-2)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from difflet_tpu import encoders, runtime
+    from difflet_tpu.encoders import decoder_lm, streaming
+
+    t0 = time.perf_counter()
+    model = encoders.abstract(config, jnp.bfloat16, mesh)
+    group = streaming.default_group(model)
+    n = config.num_hidden_layers
+    graphdef, state = nnx.split(nnx.List(model.layers[:group]))
+    hidden = PP._sds((1, seq, config.hidden_size), jnp.bfloat16, mesh)
+    mask = PP._sds((1, seq), jnp.int32, mesh)
+    kinds = jax.eval_shape(lambda m: decoder_lm.layer_inputs(config, 1, seq, jnp.bfloat16, m, None, n), mask)
+    kinds = jax.tree.map(lambda x: PP._sds(x.shape, x.dtype, mesh), kinds)
+    sliding = tuple(config.sliding(i) for i in range(group))
+    compiled = streaming._group_forward.trace(graphdef, state, hidden, kinds, sliding).lower().compile()
+    return dict(PP._priced(compiled, chip, calibration, t0), placement=f"tp, {group} layers a group",
+                weights_per_chip=runtime.tree_bytes_per_device(state), group=group, groups=-(-n // group),
+                layers_bytes_per_chip=runtime.tree_bytes_per_device(nnx.state(model.layers, nnx.Param)),
+                states_bytes=(n + 1) * seq * config.hidden_size * 2)
+
+
+def streamed_encoder(plan: dict, rows: dict, p: dict, step: dict, chip, lm: str, stream: dict, reason: str) -> dict:
+    """`plan` with the decoder LM `lm` streaming its layers from host memory during its encode
+    instead (`compile_encoder_stream`'s row `stream`), as the pipelines' runtime does it first when
+    the parts do not fit together (`Config.encoder_stream`): the LM's layers and embedding never
+    stay on the chips; every encode runs the groups one after the other and copies the layers once
+    from host memory at `runtime.H2D_BYTES_PER_S` (an assumption; the copies are not overlapped
+    with the groups' compute here, as the runtime runs them); the other parts stay resident."""
+    from difflet_tpu import runtime
+    from difflet_tpu.bench.report import ms
+    from difflet_tpu.pipeline import placement
+
+    others = [n for n, *_ in p["encoders"] if n != lm]
+    w = {n: rows[n]["weights_per_chip"] for n in others}
+    tw, vae_w = step["hbm"]["arguments"], rows["vae"]["weights_per_chip"]
+    rest = sum(w.values())
+    peaks = {lm: stream["hbm"]["total"] + stream["states_bytes"] + rest + tw + vae_w}
+    peaks.update({n: rows[n]["hbm"]["total"] + rest - w[n] + tw + vae_w for n in others})
+    peaks["transformer"] = step["hbm"]["total"] + rest + vae_w
+    peaks["vae"] = rows["vae"]["hbm"]["total"] + tw + rest
+    calls = {name: n for name, _, _, _, n in p["encoders"]}
+    bw = runtime.H2D_BYTES_PER_S.get(chip.name)
+    copy_ms = ms(calls[lm] * stream["layers_bytes_per_chip"] / bw) if bw else None
+    encode_ms = (calls[lm] * stream["groups"] * stream["estimate_ms"] + (copy_ms or 0.0)
+                 + sum(calls[n] * rows[n]["estimate_ms"] for n in others))
+    _, offload_reason = placement.decide("auto", {"transformer": peaks["transformer"]}, chip.hbm_bytes, True)
+    t = dict(plan, peaks=peaks, fits=max(peaks.values()) <= chip.hbm_bytes, transformer_staged=False,
+             encoder_offload=dict(plan["encoder_offload"], enabled=False, host_to_device_ms=0.0,
+                                  reason=f"{offload_reason} (the other encoders beside the transformer's step)"),
+             encoder_stream=dict(enabled=True, reason=reason, encoder=lm, group=stream["group"],
+                                 groups=stream["groups"], layers_bytes_per_chip=stream["layers_bytes_per_chip"],
+                                 copies=calls[lm], host_to_device_ms=copy_ms, h2d_bytes_per_s=bw),
+             encode_ms=round(encode_ms, 3))
+    t["total_ms"] = round(t["encode_ms"] + t["denoise_ms"] + t["decode_ms"], 3)
+    share = (t["encode_ms"] + t["decode_ms"]) / t["denoise_ms"]
+    return dict(t, encode_decode_share=round(share, 4), within_10_percent=share <= 0.10)
+
+
 def combined(rows: list[dict], counts: list[int], name: str, shared: bool = False) -> dict:
     """Stages that run one after another as one row: time sum(count x estimate); HBM the largest
     program plus the other parts' weights (all resident); weights the sum. `shared`: programs of
@@ -239,6 +307,12 @@ def staged_transformer(plan: dict, rows: dict, p: dict, step: dict, chip) -> dic
     return t
 
 
+def _is_decoder_lm(config) -> bool:
+    from difflet_tpu.encoders.decoder_lm import DecoderLMConfig
+
+    return isinstance(config, DecoderLMConfig)
+
+
 def _transformer(compile_only, spec, preset, cfg, shape, variant, mesh, chip, calibration, args, batch) -> dict:
     r = compile_only.compile_one(spec, preset, cfg, shape, variant, mesh, chip, calibration, args, batch)
     return dict(r, placement=variant, weights_per_chip=r["hbm"]["arguments"])
@@ -254,6 +328,7 @@ def run_av_plan(args) -> int:
         raise BenchError(str(e)) from None
     from difflet_tpu.bench import cases, compile_only
     from difflet_tpu.parallel.mesh import format_mesh, make_mesh
+    from difflet_tpu.pipeline import placement
 
     pipeline = args.pipeline
     spec, preset, parts = resolve(pipeline, args.model[0] if args.model else None)
@@ -356,13 +431,35 @@ def run_av_plan(args) -> int:
             step["mode"] = got[0]["mode"]
             t = dict(PP.plan_totals(rows, p, step, args.encoder_offload, chip), transformer_staged=False,
                      calls=[dict(batch=b, per_step=n) for b, n in calls])
-            plans.append(t)
-            if not t["fits"] and t["encoder_offload"]["enabled"]:  # the encode beside the transformer is over
-                plans.append(staged_transformer(t, rows, p, step, chip))
-            fitting = [x for x in plans[-2:] if x["mode"] == t["mode"] and x["fits"]]
+            mine = [t]
+            # the runtime's order (placement.PlacementMixin.encoders_in): a decoder LM that does not fit
+            # with every part streams its layers first; the transformer is staged only if that does not do
+            lm = next((n for n, config, *_ in parts["encoders"] if _is_decoder_lm(config())), None)
+            parts_bytes = (sum(rows[n]["weights_per_chip"] for n, *_ in p["encoders"]) + step["hbm"]["arguments"]
+                           + rows["vae"]["weights_per_chip"])
+            streams, why = placement.decide_staging(args.encoder_stream, parts_bytes, chip.hbm_bytes, True,
+                                                    "encoder stream")
+            if lm is not None and streams:
+                seq = next(s for n, _, s, *_ in parts["encoders"] if n == lm)
+                config = next(c for n, c, *_ in parts["encoders"] if n == lm)
+                stream = stage(f"{lm} streamed ({seq} tokens) tp", prompts, compile_encoder_stream, config(), seq,
+                               mesh, chip, calibration)
+                if "error" not in stream:
+                    mine.append(streamed_encoder(t, rows, p, step, chip, lm, stream, why))
+            if not mine[-1]["fits"] and t["encoder_offload"]["enabled"]:  # the encode beside the transformer is over
+                mine.append(staged_transformer(t, rows, p, step, chip))
+            plans.extend(mine)
+            # the runtime runs the streamed plan whenever it decided to stream; the resident one is for comparison
+            fitting = [x for x in (mine[1:] if len(mine) > 1 and "encoder_stream" in mine[1] else mine) if x["fits"]]
             (fitting[0] if fitting else t)["chosen"] = True
     PP.print_plan(dict(report(True), output="video", height=f"{height}x{width}", width=f"{frames} frames"))
     for t in plans:
+        if "encoder_stream" in t:
+            e = t["encoder_stream"]
+            print(f"  {t['mode']} with {e['encoder']}'s layers streamed from host memory ({e['groups']} groups of "
+                  f"{e['group']}){' (chosen)' if t.get('chosen') else ''}: fits {'yes' if t['fits'] else 'NO'}, "
+                  f"+{e['host_to_device_ms']} ms copying {e['copies']} x {e['layers_bytes_per_chip'] / 2**30:.2f} "
+                  f"GiB/chip", file=sys.stdout)
         if t["transformer_staged"]:
             print(f"  {t['mode']} with the transformer staged through host memory outside the denoise"
                   f"{' (chosen)' if t.get('chosen') else ''}: fits {'yes' if t['fits'] else 'NO'}, "

@@ -360,6 +360,7 @@ def validate_pipeline_plan(args, ap):
 
     try:
         args.encoder_offload = args.encoder_offload or Config.from_env().encoder_offload
+        args.encoder_stream = Config.from_env().encoder_stream  # the video plans follow it as the runtime does
     except ConfigError as e:
         ap.error(str(e))
 
