@@ -236,6 +236,7 @@ def test_cli_plans_ltx2_tiny(tmp_path, guidance):
         e = streamed["encoder_stream"]
         assert streamed["chosen"] and not t.get("chosen") and (e["group"], e["groups"]) == (4, 1)  # 3 sliding + 1 full
         assert group["weights_per_chip"] == e["layers_bytes_per_chip"]  # one group of all 4 layers
+        assert r["total_ms"] == streamed["total_ms"]  # the request's estimate: the chosen plan's
         assert streamed["encode_ms"] == pytest.approx(group["estimate_ms"] + e["host_to_device_ms"]
                                                       + s["ltx2 connectors (batch 1)"]["estimate_ms"], abs=1e-2)
     else:
