@@ -285,6 +285,16 @@ def test_streamed_encoder_keeps_the_transformer():
     assert t["encoder_stream"]["host_to_device_ms"] == pytest.approx(copy, abs=1e-3)
     assert t["encode_ms"] == pytest.approx(2 * 8 * 6.0 + copy + 20.0, abs=1e-2)
     assert t["total_ms"] == pytest.approx(t["encode_ms"] + 20 * 160.0 + 300.0, abs=1e-2)
+    assert t["decode_room"]["moved"] == []
+    # a decode over 16 GiB beside them: the connectors leave for it (the runtime's with_room), and
+    # with a bigger one the transformer too; their copies back are paid at the next encode
+    for vae, moved, peak in ((5 * GIB, ["encoders"], 5 * GIB + 10 * GIB),
+                             (7 * GIB, ["encoders", "transformer"], 7 * GIB)):
+        r = av_plan.streamed_encoder(plan, dict(rows, vae=_row(vae, GIB, 300.0)), p, step, CHIP, "gemma", stream, "")
+        back = (2 * GIB + (10 * GIB if "transformer" in moved else 0)) / 1.5e10 * 1e3
+        assert r["decode_room"]["moved"] == moved and r["peaks"]["vae"] == peak and r["fits"]
+        assert r["transformer_staged"] == ("transformer" in moved)
+        assert r["encode_ms"] == pytest.approx(t["encode_ms"] + back, abs=1e-2)
 
 
 def test_transformer_staged_outside_the_denoise():

@@ -235,7 +235,9 @@ def streamed_encoder(plan: dict, rows: dict, p: dict, step: dict, chip, lm: str,
     the parts do not fit together (`Config.encoder_stream`): the LM's layers and embedding never
     stay on the chips; every encode runs the groups one after the other and copies the layers once
     from host memory at `runtime.H2D_BYTES_PER_S` (an assumption; the copies are not overlapped
-    with the groups' compute here, as the runtime runs them); the other parts stay resident."""
+    with the groups' compute here, as the runtime runs them); the other parts stay resident, but
+    for a decode that does not fit beside them (then the other encoders leave for it, and the
+    transformer too if that is not enough; their copies back are added to the encode)."""
     from difflet_tpu import runtime
     from difflet_tpu.bench.report import ms
     from difflet_tpu.pipeline import placement
@@ -248,18 +250,28 @@ def streamed_encoder(plan: dict, rows: dict, p: dict, step: dict, chip, lm: str,
     peaks.update({n: rows[n]["hbm"]["total"] + rest - w[n] + tw + vae_w for n in others})
     peaks["transformer"] = step["hbm"]["total"] + rest + vae_w
     peaks["vae"] = rows["vae"]["hbm"]["total"] + tw + rest
+    # a decode that does not fit gets room as the runtime's `with_room` makes it: the other
+    # encoders out (back at the next encode), and if that is not enough the transformer too
+    room, moved = [], 0
+    if peaks["vae"] > chip.hbm_bytes and rest:
+        room, moved, peaks["vae"] = ["encoders"], rest, peaks["vae"] - rest
+    if peaks["vae"] > chip.hbm_bytes:
+        room, moved, peaks["vae"] = room + ["transformer"], moved + tw, peaks["vae"] - tw
     calls = {name: n for name, _, _, _, n in p["encoders"]}
     bw = runtime.H2D_BYTES_PER_S.get(chip.name)
     copy_ms = ms(calls[lm] * stream["layers_bytes_per_chip"] / bw) if bw else None
-    encode_ms = (calls[lm] * stream["groups"] * stream["estimate_ms"] + (copy_ms or 0.0)
+    room_ms = ms(moved / bw) if bw and moved else 0.0
+    encode_ms = (calls[lm] * stream["groups"] * stream["estimate_ms"] + (copy_ms or 0.0) + room_ms
                  + sum(calls[n] * rows[n]["estimate_ms"] for n in others))
     _, offload_reason = placement.decide("auto", {"transformer": peaks["transformer"]}, chip.hbm_bytes, True)
-    t = dict(plan, peaks=peaks, fits=max(peaks.values()) <= chip.hbm_bytes, transformer_staged=False,
+    t = dict(plan, peaks=peaks, fits=max(peaks.values()) <= chip.hbm_bytes,
              encoder_offload=dict(plan["encoder_offload"], enabled=False, host_to_device_ms=0.0,
                                   reason=f"{offload_reason} (the other encoders beside the transformer's step)"),
              encoder_stream=dict(enabled=True, reason=reason, encoder=lm, group=stream["group"],
                                  groups=stream["groups"], layers_bytes_per_chip=stream["layers_bytes_per_chip"],
                                  copies=calls[lm], host_to_device_ms=copy_ms, h2d_bytes_per_s=bw),
+             decode_room=dict(moved=room, bytes_per_chip=moved, host_to_device_ms=room_ms),
+             transformer_staged="transformer" in room,
              encode_ms=round(encode_ms, 3))
     t["total_ms"] = round(t["encode_ms"] + t["denoise_ms"] + t["decode_ms"], 3)
     share = (t["encode_ms"] + t["decode_ms"]) / t["denoise_ms"]
@@ -462,8 +474,10 @@ def run_av_plan(args) -> int:
             print(f"  {t['mode']} with {e['encoder']}'s layers streamed from host memory ({e['groups']} groups of "
                   f"{e['group']}){' (chosen)' if t.get('chosen') else ''}: fits {'yes' if t['fits'] else 'NO'}, "
                   f"+{e['host_to_device_ms']} ms copying {e['copies']} x {e['layers_bytes_per_chip'] / 2**30:.2f} "
-                  f"GiB/chip", file=sys.stdout)
-        if t["transformer_staged"]:
+                  f"GiB/chip" + (f"; {' and '.join(t['decode_room']['moved'])} out for the decode, "
+                                 f"+{t['decode_room']['host_to_device_ms']} ms back" if t["decode_room"]["moved"]
+                                 else ""), file=sys.stdout)
+        elif t["transformer_staged"]:
             print(f"  {t['mode']} with the transformer staged through host memory outside the denoise"
                   f"{' (chosen)' if t.get('chosen') else ''}: fits {'yes' if t['fits'] else 'NO'}, "
                   f"+{t['transformer_move_ms']} ms a video", file=sys.stdout)

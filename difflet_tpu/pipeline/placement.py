@@ -282,7 +282,7 @@ class PlacementMixin:
         self.transformer_offload = None  # decided at the first encode
         self.transformer_offload_reason = None
         self._staged = []  # the transformer Runners waiting in host memory until the next encode is done
-        self._room_for = set()  # the stages that ran out of device memory beside the transformer (`with_room`)
+        self._room_for = {}  # stage -> the room it needed after running out of device memory (`with_room`)
         devices = self.encoder_home.devices()
         for name, setting in (("encoder_offload", config.encoder_offload),
                               ("transformer_offload", config.transformer_offload),
@@ -370,32 +370,44 @@ class PlacementMixin:
 
     def with_room(self, run, stage: str):
         """`run()` (a stage after the denoise: the VAE decode) with room made on the devices:
-        `Config.transformer_offload` "on" sends the transformer(s) to host memory first; "auto"
-        does so, with the text encoders (unless `encoder_offload` is "off"), only when XLA
-        reports the devices out of memory for it (RESOURCE_EXHAUSTED, at compile or allocation:
-        every process of a mesh sees the same), then runs it once more and keeps doing so for
-        later calls; "off" lets the error through. The transformer comes back after the next
-        encode (`encoders_out`), as when it is staged for the encode."""
-        if self.transformer_offload_setting == "on" or stage in self._room_for:
-            self._make_room()
+        `Config.transformer_offload` "on" sends the text encoders (unless `encoder_offload` is
+        "off") and the transformer(s) to host memory first; "auto" makes only the room XLA asks
+        for: when it reports the devices out of memory (RESOURCE_EXHAUSTED, at compile or
+        allocation: every process of a mesh sees the same) it moves the text encoders out and
+        runs the stage again, and if that is still too little, the transformer too; later calls
+        make the room that was needed first. "off" lets the error through. The encoders come
+        back at the next encode and the transformer after it (`encoders_out`), as when it is
+        staged for the encode."""
+        if self.transformer_offload_setting == "on":
+            self._make_room(2)
             return run()
-        try:
-            return run()
-        except jax.errors.JaxRuntimeError as e:
-            if self.transformer_offload_setting != "auto" or "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            logger.warning("the %s ran out of device memory with the transformer resident (%s); moving it "
-                           "to host memory and running the %s again", stage, str(e).splitlines()[0][:200], stage)
-        self._room_for.add(stage)
-        self._make_room()
-        return run()
+        level = self._room_for.get(stage, 0)  # 1: the encoders out; 2: the transformer too
+        if level:
+            self._make_room(level)
+        while True:
+            try:
+                return run()
+            except jax.errors.JaxRuntimeError as e:
+                if self.transformer_offload_setting != "auto" or "RESOURCE_EXHAUSTED" not in str(e) or level == 2:
+                    raise
+                level = 2 if level or not self._encoders_can_leave() else 1
+                logger.warning("the %s ran out of device memory (%s); moving %s to host memory and running it "
+                               "again", stage, str(e).splitlines()[0][:200],
+                               "the text encoders" if level == 1 else "the transformer")
+            self._room_for[stage] = level
+            self._make_room(level)
 
-    def _make_room(self) -> None:
-        if self.encoder_offload_setting != "off" and not self.encoder_home.offloaded:
+    def _encoders_can_leave(self) -> bool:
+        return (self.encoder_offload_setting != "off" and not self.encoder_home.offloaded
+                and self.encoder_home.bytes_per_chip() > 0)
+
+    def _make_room(self, level: int) -> None:
+        if self._encoders_can_leave():
             start = time.perf_counter()
             self.encoder_home.offload()
             self.timings.encoder_moves += time.perf_counter() - start
-        self._stage_transformer()
+        if level >= 2:
+            self._stage_transformer()
 
     def _stage_transformer(self) -> None:
         """The transformer Runners on the devices to host memory, listed in `_staged` until
