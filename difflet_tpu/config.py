@@ -108,10 +108,11 @@ class Config:
         "off" on the devices; "auto" (default) stages it for the encode when the
         devices report a memory limit (TPU) and, at the first call, the parameters
         per device of the text encoders, the transformer and the VAEs plus 1 GiB
-        (`placement.ENCODE_MARGIN`) exceed it (LTX-2 on a v5e-4), and for the decode
-        when XLA reports the decode out of device memory beside it (then the decode
-        runs again, and later calls stage first: HunyuanVideo 720x1280x129 on a
-        v5e-4). Off TPU "auto" moves nothing; "on" without a host memory kind is
+        (`placement.ENCODE_MARGIN`) exceed it once `encoder_stream` is decided, and
+        for the decode when XLA reports the decode out of device memory beside it
+        (the text encoders leave first and the decode runs again; if still out of
+        memory the transformer leaves too; later calls make that room first:
+        HunyuanVideo 720x1280x129 on a v5e-4). Off TPU "auto" moves nothing; "on" without a host memory kind is
         an error at load.
     encoder_stream: whether a pipeline's decoder-LM text encoder keeps its layers in
         host memory and streams them through the devices a group at a time during its
