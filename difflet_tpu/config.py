@@ -118,10 +118,12 @@ class Config:
         host memory and streams them through the devices a group at a time during its
         encode (`DIFFLET_TPU_ENCODER_STREAM`, `encoders.streaming.LayerStream`; the
         prompt's embedding rows gathered on the host): "on" always; "off" never;
-        "auto" (default) when the devices report a memory limit (TPU) and, at the first
-        call, the parameters per device of the text encoders, the transformer(s) and the
-        VAEs plus 1 GiB (`placement.ENCODE_MARGIN`) exceed it (LTX-2's Gemma-3-12B on a
-        v5e-4). It comes before `transformer_offload`: with the LM streamed the
+        "auto" (default) when the devices report a memory limit (TPU) and, when the
+        pipeline has loaded, the parameters per device of the text encoders, the
+        transformer(s) and the VAEs plus 1 GiB (`placement.ENCODE_MARGIN`) exceed it
+        (LTX-2's Gemma-3-12B on a v5e-4). Where it may stream ("on", or "auto" with a
+        limit) the LM is loaded into host memory, so it never needs its whole size on
+        the chips; if it then does not stream it moves to the devices at load's end. It comes before `transformer_offload`: with the LM streamed the
         transformer stays on the devices for the encode when the rest fits. Each encode
         copies the layers once (Gemma-3-12B: 5.0 GiB per chip under tp=4). Used by
         LTX2Pipeline. Off TPU "auto" streams nothing; "on" without a host memory kind

@@ -409,9 +409,10 @@ def candidates(key: str) -> list[str]:
     return [f"model.language_model.{key}", f"model.{key}", key, f"language_model.model.{key}"]
 
 
-def from_pretrained(folder, *, dtype=jnp.bfloat16, mesh=None) -> DecoderLM:
+def from_pretrained(folder, *, dtype=jnp.bfloat16, mesh=None, memory_kind: str | None = None) -> DecoderLM:
     """A transformers folder of Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`, e.g. Qwen-Image
     `text_encoder/`), Gemma-3 (`Gemma3ForConditionalGeneration`, LTX-2's `text_encoder/`), Qwen2 or
     Llama (`LlamaModel`, e.g. HunyuanVideo `text_encoder/`): the language model only."""
     config = DecoderLMConfig.from_dict(loading.read_config(folder))
-    return loading.load(lambda: build(config, dtype), folder, candidates=candidates, skip=SKIP_KEYS, mesh=mesh)
+    return loading.load(lambda: build(config, dtype), folder, candidates=candidates, skip=SKIP_KEYS, mesh=mesh,
+                        memory_kind=memory_kind)

@@ -216,10 +216,11 @@ def _torch_shape(shape, transpose):
 
 
 def load(build: Callable, folder, *, candidates: Callable[[str], list[str]], skip: Iterable[str] = (), mesh=None,
-         weights: str = "model"):
+         weights: str = "model", memory_kind: str | None = None):
     """The model `build()` makes (built abstractly, nothing allocated), its parameters read
     from `folder` (`<weights>.safetensors` or its index), cast to the dtype `build` gave each (the
-    model dtype, or e.g. float32 for T5's `wo`) and placed on `mesh` (or the default device)."""
+    model dtype, or e.g. float32 for T5's `wo`) and placed on `mesh` (or the default device), in
+    `memory_kind` when given (host memory for a text encoder that streams, `Config.encoder_stream`)."""
     model = nnx.eval_shape(build)
     check_mesh(mesh, model)
     ckpt = Checkpoint(folder, weights)
@@ -237,6 +238,8 @@ def load(build: Callable, folder, *, candidates: Callable[[str], list[str]], ski
         arr = np.ascontiguousarray(arr.astype(var.dtype))
         sharding = NamedSharding(mesh, specs[path_tuple]) if mesh is not None else jax.sharding.SingleDeviceSharding(
             device)
+        if memory_kind is not None:
+            sharding = sharding.with_memory_kind(memory_kind)
         flat.append((path_tuple, var.replace(jax.device_put(arr, sharding))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 

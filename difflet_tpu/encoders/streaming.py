@@ -57,8 +57,9 @@ class LayerStream:
     """`model`'s encode with its layers in host memory (module docstring). Called like the model:
     `(input_ids, attention_mask=None, position_ids=None, hidden_state=-1, output_hidden_states=False)`.
 
-    Making one moves the layers' and the embedding's parameters to host memory (the model then
-    holds host arrays: call it only through this stream); `bytes_per_chip()` is what a prompt's
+    Making one moves the layers' and the embedding's parameters to host memory, unless they were
+    loaded there (`placement.lm_load_kind`), and the final norm to the devices; the model then
+    holds host arrays: call it only through this stream. `bytes_per_chip()` is what a prompt's
     encode copies to each chip."""
 
     def __init__(self, model: DecoderLM, group: int | None = None):
@@ -76,18 +77,22 @@ class LayerStream:
         if kind is None:
             raise ValueError(f"the {self.devices[0].platform} devices have no {runtime.HOST_MEMORY_KIND} memory "
                              f"to stream the text encoder's layers from (set DIFFLET_TPU_ENCODER_STREAM=off)")
-        self.rows_sharding = weight.sharding  # replicated: the gathered rows go where the table was
+        on_device = self.devices[0].default_memory().kind  # the parameters may come loaded in host memory
+        # replicated: the gathered rows go where the table would be
+        self.rows_sharding = weight.sharding.with_memory_kind(on_device)
         self.table = np.asarray(jax.device_get(weight[...]))  # the prompts' rows are gathered here
         self._graphdefs, self._host, self._shardings = [], [], []
         for a, b in self.groups:
             graphdef, state = nnx.split(nnx.List(model.layers[a:b]))
             self._graphdefs.append(graphdef)
-            self._shardings.append(jax.tree.map(lambda x: x.sharding, state))
+            self._shardings.append(jax.tree.map(lambda x: x.sharding.with_memory_kind(on_device), state))
             host = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), state)
             self._host.append(jax.block_until_ready(host))
         for (a, b), host in zip(self.groups, self._host):
             nnx.update(nnx.List(model.layers[a:b]), host)  # the device copies are dropped
         weight.set_value(jax.device_put(weight[...], weight.sharding.with_memory_kind(kind)))
+        norm = nnx.state(model.norm, nnx.Param)  # the final norm runs on the devices (loaded in host memory or not)
+        nnx.update(model.norm, jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(on_device)), norm))
         gc.collect()  # nnx graphs hold reference cycles: free the dropped device arrays now
 
     @property

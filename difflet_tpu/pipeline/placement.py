@@ -80,6 +80,21 @@ def decide_staging(setting: str, parts_bytes: int, capacity: int | None, host_me
     return decide(setting, {ENCODE: parts_bytes + ENCODE_MARGIN}, capacity, host_memory, what)
 
 
+def lm_load_kind(setting: str, mesh) -> str | None:
+    """Where a pipeline loads a decoder-LM text encoder that may stream (`Config.encoder_stream`):
+    host memory when it could stream on these devices ("on", or "auto" where the devices report a
+    memory limit: TPU), so it never needs its whole size on the chips while the other parts load
+    (LTX-2's Gemma-3-12B beside its transformer on a v5e-4); None (the devices) otherwise. The
+    decision itself follows at load's end (`PlacementMixin.init_encoder_home`)."""
+    from difflet_tpu import runtime
+
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    kind = runtime.host_memory_kind(devices)
+    if setting == "off" or kind is None or (setting == "auto" and runtime.device_memory_limit(devices) is None):
+        return None
+    return kind
+
+
 def _params(model):
     return nnx.state(model, nnx.Param)
 
@@ -272,9 +287,9 @@ class PlacementMixin:
         self.encoder_home = EncoderHome(encoders)
         self._streamable = stream
         self.encoder_stream_setting = config.encoder_stream
-        self.encoder_stream = None if stream is not None else False  # decided at the first encode
-        self.encoder_stream_reason = None if stream is not None else "no decoder-LM text encoder to stream"
-        self.text_stream = None  # the LayerStream once streaming
+        self.encoder_stream = False
+        self.encoder_stream_reason = "no decoder-LM text encoder to stream"
+        self.text_stream = None  # the LayerStream when streaming
         self.encoder_offload_setting = config.encoder_offload
         self.encoder_offload = None  # decided at the first call
         self.encoder_offload_reason = None
@@ -290,6 +305,8 @@ class PlacementMixin:
             if setting == "on" and runtime.host_memory_kind(devices) is None:
                 raise PipelineError(f"{name}='on' (DIFFLET_TPU_{name.upper()}): the {devices[0].platform} "
                                     f"devices have no {runtime.HOST_MEMORY_KIND} memory; use auto or off")
+        if stream is not None:
+            self._start_stream()
 
     def stage_parts_bytes(self) -> int:
         """Parameter bytes per device of every part resident at an encode: the text encoders,
@@ -304,8 +321,6 @@ class PlacementMixin:
         transformer first to host memory when it is staged (`Config.transformer_offload`)."""
         from difflet_tpu import runtime
 
-        if self.encoder_stream is None:
-            self._start_stream()
         if self.transformer_offload is None:
             devices = self.encoder_home.devices()
             self.transformer_offload, self.transformer_offload_reason = decide_staging(
@@ -321,9 +336,10 @@ class PlacementMixin:
             self.timings.encoder_moves += time.perf_counter() - start
 
     def _start_stream(self) -> None:
-        """Decides `Config.encoder_stream` (the test `decide_staging` makes, asked before the
-        transformer's) and, when on, moves the LM's layers to host memory for good: the encoders'
-        home keeps the other encoders."""
+        """Decides `Config.encoder_stream` at load's end (the test `decide_staging` makes, before
+        the transformer's at the first encode). When on, the LM's layers stay in host memory for
+        good (where `lm_load_kind` loaded them, or moved there) and the encoders' home keeps the
+        other encoders; when off, an LM loaded into host memory moves to the devices."""
         from difflet_tpu import runtime
         from difflet_tpu.encoders.streaming import LayerStream
 
@@ -335,10 +351,15 @@ class PlacementMixin:
         logger.info("the %s text encoder %s (%s)", type(lm).__name__, "streams its layers from host memory"
                     if self.encoder_stream else "stays whole", self.encoder_stream_reason)
         if self.encoder_stream:
-            start = time.perf_counter()
             self.text_stream = LayerStream(lm)
             self.encoder_home = EncoderHome([m for m in self.encoder_home.encoders if m is not lm])
-            self.timings.encoder_moves += time.perf_counter() - start
+            return
+        state = _params(lm)
+        if any(x.sharding.memory_kind == runtime.HOST_MEMORY_KIND for x in jax.tree.leaves(state)):
+            kind = devices[0].default_memory().kind
+            nnx.update(lm, jax.block_until_ready(
+                jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), state)))
+            gc.collect()
 
     def text_encoder_for(self, model):
         """What encodes with `model`: its `LayerStream` when it streams, else itself."""

@@ -36,6 +36,7 @@ import numpy as np
 
 from difflet_tpu import arguments as A
 from difflet_tpu.pipeline import diffusion as D
+from difflet_tpu.pipeline.placement import lm_load_kind
 from difflet_tpu.pipeline import video as V
 from difflet_tpu.pipeline.diffusion import PipelineError
 
@@ -108,8 +109,9 @@ class HunyuanVideoPipeline(V.VideoPipeline):
         self.tokenizer_2 = T.load_tokenizer(path / "tokenizer_2", "clip")
         lm_config = decoder_lm.DecoderLMConfig.from_dict(loading.read_config(path / "text_encoder"))
         clip_config = clip.CLIPTextConfig.from_dict(loading.read_config(path / "text_encoder_2"))
-        self.text_encoder = decoder_lm.from_pretrained(path / "text_encoder", dtype=dtype,
-                                                       mesh=D.encoder_mesh(decoder_lm, lm_config, mesh))
+        lm_mesh = D.encoder_mesh(decoder_lm, lm_config, mesh)
+        self.text_encoder = decoder_lm.from_pretrained(path / "text_encoder", dtype=dtype, mesh=lm_mesh,
+                                                       memory_kind=lm_load_kind(config.encoder_stream, lm_mesh))
         self.text_encoder_2 = clip.from_pretrained(path / "text_encoder_2", dtype=dtype,
                                                    mesh=D.encoder_mesh(clip, clip_config, mesh))
         self.load_denoiser(path, mesh=mesh, dtype=dtype, config=config, runner_options=runner_options)

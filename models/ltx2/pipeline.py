@@ -47,6 +47,7 @@ import numpy as np
 from difflet_tpu import arguments as A
 from difflet_tpu import checks
 from difflet_tpu.pipeline import diffusion as D
+from difflet_tpu.pipeline.placement import lm_load_kind
 from difflet_tpu.pipeline import video as V
 from difflet_tpu.pipeline.diffusion import PipelineError
 
@@ -145,7 +146,8 @@ class LTX2Pipeline(V.VideoPipeline):
         self.tokenizer = T.load_tokenizer(path / "tokenizer", "gemma")
         lm_config = decoder_lm.DecoderLMConfig.from_dict(loading.read_config(path / "text_encoder"))
         lm_mesh = D.encoder_mesh(decoder_lm, lm_config, mesh)
-        self.text_encoder = decoder_lm.from_pretrained(path / "text_encoder", dtype=dtype, mesh=lm_mesh)
+        self.text_encoder = decoder_lm.from_pretrained(path / "text_encoder", dtype=dtype, mesh=lm_mesh,
+                                                        memory_kind=lm_load_kind(config.encoder_stream, lm_mesh))
         # the connectors (replicated) read the encoder's output where it is: its mesh or one device
         self.connectors = connectors.from_pretrained(path / "connectors", dtype=dtype, mesh=lm_mesh)
         self.transformer = self.load_runner(path / "transformer", mesh=mesh, dtype=dtype, config=config,

@@ -27,6 +27,7 @@ import numpy as np
 
 from difflet_tpu import checks
 from difflet_tpu.pipeline import diffusion as D
+from difflet_tpu.pipeline.placement import lm_load_kind
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,9 @@ class QwenImagePipeline(D.DiffusionPipeline):
         self = cls(path, index, D.scheduler_config(path / "scheduler"))
         self.tokenizer = T.load_tokenizer(path / "tokenizer", "qwen2")
         lm_config = decoder_lm.DecoderLMConfig.from_dict(loading.read_config(path / "text_encoder"))
-        self.text_encoder = decoder_lm.from_pretrained(path / "text_encoder", dtype=dtype,
-                                                       mesh=D.encoder_mesh(decoder_lm, lm_config, mesh))
+        lm_mesh = D.encoder_mesh(decoder_lm, lm_config, mesh)
+        self.text_encoder = decoder_lm.from_pretrained(path / "text_encoder", dtype=dtype, mesh=lm_mesh,
+                                                       memory_kind=lm_load_kind(config.encoder_stream, lm_mesh))
         self.load_denoiser(path, mesh=mesh, dtype=dtype, config=config, runner_options=runner_options)
         self.init_encoder_home([self.text_encoder], config, stream=self.text_encoder)
         return self

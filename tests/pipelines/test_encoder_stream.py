@@ -51,15 +51,32 @@ def watch(pipe, monkeypatch):
     return seen
 
 
+def spy_lm_loads(monkeypatch):
+    """The memory kind each decoder LM was loaded into (None: the devices)."""
+    from difflet_tpu.encoders import decoder_lm
+
+    kinds, real = [], decoder_lm.from_pretrained
+
+    def from_pretrained(*a, memory_kind=None, **k):
+        kinds.append(memory_kind)
+        return real(*a, memory_kind=memory_kind, **k)
+
+    monkeypatch.setattr(decoder_lm, "from_pretrained", from_pretrained)
+    return kinds
+
+
 def test_ltx2_auto_streams_gemma_instead_of_staging_the_transformer(monkeypatch, decided_peaks):
     folder = FIXTURES / "ltx2"
     calls, z = json.loads((folder / "calls.json").read_text()), np.load(folder / "io.npz")
-    pipe = load("ltx2")  # every setting "auto"
-    lm = placement.bytes_per_chip(pipe.text_encoder)
-    parts = pipe.stage_parts_bytes()
+    sizes = load("ltx2", encoder_stream="off")  # (loaded, never called: its parts' sizes)
+    lm = placement.bytes_per_chip(sizes.text_encoder)
+    parts = sizes.stage_parts_bytes()
     # a chip that holds every part but the LM's layers and embedding: too small for the whole LM
     limit = parts + placement.ENCODE_MARGIN - lm // 2
     monkeypatch.setattr(runtime, "device_memory_limit", lambda devices: limit)
+    loaded_into = spy_lm_loads(monkeypatch)
+    pipe = load("ltx2")  # every setting "auto"
+    assert loaded_into == [runtime.HOST_MEMORY_KIND]  # never whole on the devices, even while loading
     seen = watch(pipe, monkeypatch)
     encodes, encode_prompt = [], pipe.encode_prompt
     monkeypatch.setattr(pipe, "encode_prompt", lambda *a, **k: encodes.append(1) or encode_prompt(*a, **k))
@@ -76,12 +93,26 @@ def test_ltx2_auto_streams_gemma_instead_of_staging_the_transformer(monkeypatch,
     close(out.audio, z["c0.out.audio"], "audio")
 
 
+def test_auto_with_room_loads_through_host_memory_and_keeps_the_lm_whole(monkeypatch):
+    """On a chip with a memory limit the LM is loaded into host memory (it might stream); when
+    every part fits it moves to the devices at load's end and encodes whole."""
+    monkeypatch.setattr(runtime, "device_memory_limit", lambda devices: 2**40)
+    loaded_into = spy_lm_loads(monkeypatch)
+    pipe = load("qwen_image")
+    assert loaded_into == [runtime.HOST_MEMORY_KIND]
+    assert not pipe.encoder_stream and "within the" in pipe.encoder_stream_reason and pipe.text_stream is None
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(placement._params(pipe.text_encoder))} == {"device"}
+    assert pipe.text_encoder_for(pipe.text_encoder) is pipe.text_encoder
+
+
 @pytest.mark.parametrize("name", ["hunyuan_video", "qwen_image"])
 def test_on_streams_llama_and_qwen2_5_vl(name, monkeypatch):
     folder = FIXTURES / name
     calls, z = json.loads((folder / "calls.json").read_text())["calls"], np.load(folder / "io.npz")
     call = "true_cfg"  # both fixtures have one: a negative prompt encoded too
+    loaded_into = spy_lm_loads(monkeypatch)
     pipe = load(name, encoder_stream="on")
+    assert loaded_into == [runtime.HOST_MEMORY_KIND]
     seen = watch(pipe, monkeypatch)
     out = pipe(**calls[call]["kwargs"], latents=z[f"{call}.latents"], output_type="np")
     assert pipe.encoder_stream and pipe.encoder_stream_reason == "on" and seen
