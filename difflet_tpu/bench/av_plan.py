@@ -369,9 +369,10 @@ def run_av_plan(args) -> int:
                  batch=1, calibration=dict(calibration.as_dict(), band=list(calibration.band),
                                            source=calibration.source),
                  note="estimates from deviceless compiles, not measurements", stages=stages, plans=plans)
-        chosen = next((t for t in plans if t.get("chosen")), None)
-        if chosen is not None:  # the request's estimate: the plan the runtime runs
-            r["total_ms"] = chosen["total_ms"]
+        chosen = [t for t in plans if t.get("chosen")]
+        if chosen:  # the request's estimate: the plan the runtime runs, in the fastest mode planned
+            best = min(chosen, key=lambda t: t["total_ms"])
+            r.update(total_ms=best["total_ms"], total_mode=best["mode"])
         if pipeline == "ltx2":
             r["call"] = (dict(guidance_scale=guidance, stg_scale=0.0, modality_scale=3.0) if cfg_rows else
                          dict(guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0))
