@@ -440,6 +440,7 @@ def run_av_plan(args) -> int:
             r["chosen"] = True
     p = dict(model=f"{pipeline}:{preset}", steps=steps, calls_per_step=1, encoders=encoders)
     if "vae" in rows and all("error" not in rows.get(n, {"error": 1}) for n, *_ in encoders):
+        stream = None
         for got in steps_rows:
             if any("error" in r for r in got):
                 continue
@@ -456,10 +457,11 @@ def run_av_plan(args) -> int:
             streams, why = placement.decide_staging(args.encoder_stream, parts_bytes, chip.hbm_bytes, True,
                                                     "encoder stream")
             if lm is not None and streams:
-                seq = next(s for n, _, s, *_ in parts["encoders"] if n == lm)
-                config = next(c for n, c, *_ in parts["encoders"] if n == lm)
-                stream = stage(f"{lm} streamed ({seq} tokens) tp", prompts, compile_encoder_stream, config(), seq,
-                               mesh, chip, calibration)
+                if stream is None:  # one program for every transformer variant
+                    seq = next(s for n, _, s, *_ in parts["encoders"] if n == lm)
+                    config = next(c for n, c, *_ in parts["encoders"] if n == lm)
+                    stream = stage(f"{lm} streamed ({seq} tokens) tp", prompts, compile_encoder_stream, config(), seq,
+                                   mesh, chip, calibration)
                 if "error" not in stream:
                     mine.append(streamed_encoder(t, rows, p, step, chip, lm, stream, why))
             if not mine[-1]["fits"] and t["encoder_offload"]["enabled"]:  # the encode beside the transformer is over

@@ -114,15 +114,16 @@ class EncoderHome:
     recompilation). The pipeline holds the only references to the encoders, so dropping the
     device arrays frees their memory."""
 
-    def __init__(self, encoders: list):
+    def __init__(self, encoders: list, devices: list | None = None):
         self.encoders = list(encoders)
+        self._devices = list(devices or [])  # where the pipeline's encoders were (a home left empty by a stream)
         self._host = None
         self._shardings = None
         self.offloaded = False
 
     def devices(self) -> list:
         return sorted({d for m in self.encoders for x in jax.tree.leaves(_params(m)) for d in x.sharding.device_set},
-                      key=lambda d: d.id)
+                      key=lambda d: d.id) or self._devices
 
     def bytes_per_chip(self) -> int:
         return sum(bytes_per_chip(m) for m in self.encoders)
@@ -352,7 +353,7 @@ class PlacementMixin:
                     if self.encoder_stream else "stays whole", self.encoder_stream_reason)
         if self.encoder_stream:
             self.text_stream = LayerStream(lm)
-            self.encoder_home = EncoderHome([m for m in self.encoder_home.encoders if m is not lm])
+            self.encoder_home = EncoderHome([m for m in self.encoder_home.encoders if m is not lm], devices)
             return
         state = _params(lm)
         if any(x.sharding.memory_kind == runtime.HOST_MEMORY_KIND for x in jax.tree.leaves(state)):

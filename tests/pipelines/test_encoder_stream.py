@@ -117,6 +117,8 @@ def test_on_streams_llama_and_qwen2_5_vl(name, monkeypatch):
     out = pipe(**calls[call]["kwargs"], latents=z[f"{call}.latents"], output_type="np")
     assert pipe.encoder_stream and pipe.encoder_stream_reason == "on" and seen
     assert all(kinds == {"device"} for _, kinds in seen)
+    if name == "qwen_image":  # its only encoder streams: the encoders' home is empty but knows the devices
+        assert pipe.encoder_home.encoders == [] and pipe.encoder_home.devices() == pipe.text_stream.devices
     what = "frames" if name == "hunyuan_video" else "images"
     close(getattr(out, what), z[f"{call}.{what}"], name)
 
