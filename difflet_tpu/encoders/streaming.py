@@ -33,13 +33,13 @@ from .decoder_lm import DecoderLM, layer_inputs, scale_embeddings
 
 
 def default_group(model: DecoderLM) -> int:
-    """Layers per group: Gemma-3's sliding / full period (its `layer_types` repeat every 6), else 4."""
-    types = model.config.layer_types
-    if types:
-        for period in range(1, len(types) + 1):
-            if all(types[i] == types[i % period] for i in range(len(types))):
-                return period
-    return min(4, model.config.num_hidden_layers)
+    """Layers per group: the smallest whole number of periods of the layer types with at least 4
+    layers (Gemma-3: its 5 sliding + 1 full, 6; alike layers: 4), at most every layer. Groups
+    that start on a period are alike, so they share one program."""
+    types = model.config.layer_types or ("full_attention",)
+    period = next(p for p in range(1, len(types) + 1)
+                  if all(types[i] == types[i % p] for i in range(len(types))))
+    return min(period * -(-4 // period), model.config.num_hidden_layers)
 
 
 @partial(jax.jit, static_argnums=(0, 4))

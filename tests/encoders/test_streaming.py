@@ -4,6 +4,7 @@
 with position ids (LTX-2's trimmed encode) and a `hidden_state` that stops early (HunyuanVideo's
 `hidden_states[-3]`)."""
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -24,7 +25,7 @@ def load(fixture_dir, case, mesh=None):
     return decoder_lm.from_pretrained(folder, dtype=jnp.float32, mesh=mesh)
 
 
-@pytest.mark.parametrize("group", [1, 2, None])  # None: the layer-type period (Gemma-3 fixture: all 3)
+@pytest.mark.parametrize("group", [1, 2, None])  # None: the default (the Gemma-3 fixture's 3 layers: one group)
 @pytest.mark.parametrize("tp", [False, True])
 def test_gemma3_every_hidden_state(group, tp, fixture_dir, io, compare, mesh4):
     data = io("gemma3")
@@ -103,3 +104,5 @@ def test_default_group_is_the_layer_type_period():
                                                         num_hidden_layers=10, num_attention_heads=2,
                                                         num_key_value_heads=2))
     assert streaming.default_group(llama) == 4
+    three = decoder_lm.build(dataclasses.replace(config, num_hidden_layers=3, layer_types=config.layer_types[:3]))
+    assert streaming.default_group(three) == 3  # at most every layer
