@@ -31,7 +31,8 @@ def print_stages(runs: dict, out=None) -> None:
     print(f"{'stage':17} " + " ".join(f"{name + ' s':>10}" for name in runs), file=out)
     rows = [("tokenize", "tokenize_s"), ("text encode", "encode_s"), ("denoise", "denoise_s"),
             ("decode", "decode_s"), ("encoder moves", "encoder_moves_s"),
-            ("transformer moves", "transformer_moves_s"), ("whole call", "call_s")]
+            ("transformer moves", "transformer_moves_s"), ("encoder stream", "encoder_stream_s"),
+            ("whole call", "call_s")]
     for label, key in rows:
         print(f"{label:17} " + " ".join(f"{r[key]:10.3f}" for r in runs.values()), file=out)
     warm = runs["warm"]

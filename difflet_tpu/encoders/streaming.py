@@ -22,6 +22,7 @@ boundaries differ, so it agrees to float rounding (tests/encoders/test_streaming
 from __future__ import annotations
 
 import gc
+import time
 from functools import partial
 
 import jax
@@ -66,6 +67,7 @@ class LayerStream:
         from difflet_tpu import runtime
 
         self.model = model
+        self.copy_s = 0.0  # seconds spent waiting for the groups' copies, summed over calls
         n = model.config.num_hidden_layers
         group = group or default_group(model)
         if not 1 <= group <= n:
@@ -129,7 +131,9 @@ class LayerStream:
         for (a, b), graphdef, host, shardings in zip(self.groups, self._graphdefs, self._host, self._shardings):
             if a >= run:
                 break
+            start = time.perf_counter()
             params = jax.block_until_ready(jax.tree.map(jax.device_put, host, shardings))  # the group's copy
+            self.copy_s += time.perf_counter() - start
             sliding = tuple(config.sliding(i) for i in range(a, b))
             out = _group_forward(graphdef, params, states[-1], kinds, sliding)
             states += list(out[:run - a])

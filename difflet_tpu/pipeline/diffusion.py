@@ -81,12 +81,13 @@ class Timings:
     encoder_moves: float = 0.0  # text encoders between host and device memory (Config.encoder_offload)
     expert_moves: float = 0.0  # two-expert pipelines: experts between host and device memory (Config.expert_offload)
     transformer_moves: float = 0.0  # the transformer back from host memory after the encode (Config.transformer_offload)
+    encoder_stream: float = 0.0  # inside `encode`: the streamed LM's layers copied in (Config.encoder_stream)
 
     def as_dict(self) -> dict:
         return {"tokenize_s": self.tokenize, "encode_s": self.encode, "denoise_steps_s": list(self.steps),
                 "denoise_s": float(sum(self.steps)), "decode_s": self.decode,
                 "encoder_moves_s": self.encoder_moves, "expert_moves_s": self.expert_moves,
-                "transformer_moves_s": self.transformer_moves}
+                "transformer_moves_s": self.transformer_moves, "encoder_stream_s": self.encoder_stream}
 
 
 # --------------------------------------------------------------------------

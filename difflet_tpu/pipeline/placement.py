@@ -370,6 +370,9 @@ class PlacementMixin:
         """After the prompts are encoded: the encoders to host memory when the plan says so
         (decided at the first call, `EncoderHome.decide_auto`, from the transformer's
         step for `step_kwargs`)."""
+        if self.text_stream is not None:  # the encodes' copies, already inside `timings.encode`
+            self.timings.encoder_stream += self.text_stream.copy_s
+            self.text_stream.copy_s = 0.0
         if self.encoder_offload is None and self._staged and self.encoder_offload_setting == "auto":
             # they did not fit beside the transformer's parameters alone, so not beside its step either
             self.encoder_offload, self.encoder_offload_reason = True, "auto: the transformer was staged for the encode"

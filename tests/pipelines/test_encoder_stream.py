@@ -84,6 +84,7 @@ def test_ltx2_auto_streams_gemma_instead_of_staging_the_transformer(monkeypatch,
     assert pipe.encoder_stream and "over the" in pipe.encoder_stream_reason
     assert decided_peaks[placement.ENCODE] == parts - lm + placement.ENCODE_MARGIN  # then asked for the transformer
     assert pipe.transformer_offload is False and pipe.timings.transformer_moves == 0
+    assert 0 < pipe.timings.as_dict()["encoder_stream_s"] <= pipe.timings.encode
     # each group of Gemma-3's layers on the devices for its turn, the transformer there throughout
     assert len(seen) == len(pipe.text_stream.groups) * len(encodes) and all(s == ({"device"}, {"device"}) for s in seen), seen
     assert pipe.text_stream.memory_kinds() == {runtime.HOST_MEMORY_KIND}
