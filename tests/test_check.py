@@ -199,13 +199,14 @@ def test_site_cases_are_the_benchmark_cases():
 def test_check_tpu_path_compiles_deviceless_for_v5e(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "-m", "difflet_tpu.check", "--compile-only", "--topology", "v5e:2x2",
-                           "--only", "streaming,sites,steps", "--cases", "ltx2", "--json", str(out)],
+                           "--only", "streaming,sites,steps", "--cases", "wan", "--json", str(out)],
                           capture_output=True, text=True, timeout=3600, env=_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["platform"] == "deviceless" and rep["timed"] is False and rep["passed"]
     assert len(rep["streaming"]) == 6 and {r["chunks"] for r in rep["streaming"]} == {1, 2, 3}
     kernels = [r for r in rep["sites"] if r["impl"] == "kernel"]
-    assert len(kernels) >= 5 and all(r["breakdown_raw"]["kernel_sites"] for r in kernels)
+    # Wan 480x832x9 (the lightest compile: LTX-2's took twice as long): its 3 collective-matmul sites
+    assert len(kernels) >= 3 and all(r["breakdown_raw"]["kernel_sites"] for r in kernels)
     assert {r["impl"] for r in rep["steps"]} == {"tp", "sp", "sp-pallas"}
     assert all(r["estimate_raw_ms"] > 0 and r["measured_ms"] is None for r in rep["steps"] + rep["sites"])
