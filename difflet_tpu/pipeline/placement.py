@@ -6,8 +6,11 @@ The text encoders, the transformer and the VAE share the chips. Every part's par
 on the devices unless the plan says they do not fit together; then the text encoders go to
 host memory (`runtime.HOST_MEMORY_KIND`, same shardings) after the prompts are encoded and
 come back before the next encode. Where the encoders do not fit beside the transformer even for
-the encode (LTX-2's Gemma-3-12B on a v5e-4), the transformer waits in host memory while they
-run (`decide_staging`). The VAE stays.
+the encode (LTX-2's Gemma-3-12B on a v5e-4), a decoder-LM encoder keeps its layers in host memory
+and streams them through the devices during its encode (`Config.encoder_stream`,
+`encoders/streaming.py`; decided at load); where that is not enough, the transformer waits in
+host memory while they run (`decide_staging`). A decode that runs out of memory gets room made
+(`with_room`). The VAE stays.
 
 The plan is plain arithmetic over bytes per chip (`stage_peaks`, `decide`): a stage's peak
 is its compiled program's memory (its own weights, inputs, outputs, temporaries, code) plus
@@ -260,8 +263,8 @@ class ExpertHome:
 
 class PlacementMixin:
     """`DiffusionPipeline`'s homes for its parts: the experts (`ExpertHome`), the text encoders
-    between prompts (`EncoderHome`) and the transformer outside the denoise (`decide_staging`,
-    `with_room`).
+    between prompts (`EncoderHome`) or streamed (`text_encoder_for`), and the transformer outside
+    the denoise (`decide_staging`, `with_room`).
     The pipeline sets `self.transformer` (a Runner; `self.experts` for two), `self.vae` and
     `self.timings` (`diffusion.Timings`) and lists its Runners (`_runners`)."""
 
