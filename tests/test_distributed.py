@@ -374,5 +374,6 @@ def test_a_collective_waiting_on_a_stalled_peer_ends_after_the_heartbeat_timeout
         procs[1].communicate()
     assert rc == 3 and "first collective done" in se, se[-3000:]
     line = next(x for x in se.splitlines() if x.startswith("failed after"))
-    assert "ReduceScatter timed out" in line and re.search(r"Timed out waiting (3999|4000)ms", line), line
+    waited = re.search(r"Timed out waiting (\d+)ms", line)  # gloo counts what was left of the 4 s: 3997 .. 4000
+    assert "ReduceScatter timed out" in line and waited and 3500 <= int(waited.group(1)) <= 4000, line
     assert 3.5 <= float(line.split()[2]) < 15, line
