@@ -273,9 +273,14 @@ def streamed_encoder(plan: dict, rows: dict, p: dict, step: dict, chip, lm: str,
              decode_room=dict(moved=room, bytes_per_chip=moved, host_to_device_ms=room_ms),
              transformer_staged="transformer" in room,
              encode_ms=round(encode_ms, 3))
-    t["total_ms"] = round(t["encode_ms"] + t["denoise_ms"] + t["decode_ms"], 3)
+    return _with_totals(t)
+
+
+def _with_totals(t: dict) -> dict:
+    """`t` with its total and (encode + decode) / denoise share from its stage times."""
     share = (t["encode_ms"] + t["decode_ms"]) / t["denoise_ms"]
-    return dict(t, encode_decode_share=round(share, 4), within_10_percent=share <= 0.10)
+    return dict(t, total_ms=round(t["encode_ms"] + t["denoise_ms"] + t["decode_ms"], 3),
+                encode_decode_share=round(share, 4), within_10_percent=share <= 0.10)
 
 
 def combined(rows: list[dict], counts: list[int], name: str, shared: bool = False) -> dict:
@@ -313,9 +318,7 @@ def staged_transformer(plan: dict, rows: dict, p: dict, step: dict, chip) -> dic
              transformer_move_ms=move, transformer_bytes_per_chip=step["hbm"]["arguments"])
     if move:
         t["encode_ms"] = round(plan["encode_ms"] + move, 3)
-        t["total_ms"] = round(t["encode_ms"] + t["denoise_ms"] + t["decode_ms"], 3)
-        share = (t["encode_ms"] + t["decode_ms"]) / t["denoise_ms"]
-        t.update(encode_decode_share=round(share, 4), within_10_percent=share <= 0.10)
+        t = _with_totals(t)
     return t
 
 
@@ -440,6 +443,8 @@ def run_av_plan(args) -> int:
             r["chosen"] = True
     p = dict(model=f"{pipeline}:{preset}", steps=steps, calls_per_step=1, encoders=encoders)
     if "vae" in rows and all("error" not in rows.get(n, {"error": 1}) for n, *_ in encoders):
+        # the decoder-LM text encoder that may stream, and its one streamed program (every transformer variant's)
+        lm_entry = next((e for e in parts["encoders"] if _is_decoder_lm(e[1]())), None)
         stream = None
         for got in steps_rows:
             if any("error" in r for r in got):
@@ -449,17 +454,16 @@ def run_av_plan(args) -> int:
             t = dict(PP.plan_totals(rows, p, step, args.encoder_offload, chip), transformer_staged=False,
                      calls=[dict(batch=b, per_step=n) for b, n in calls])
             mine = [t]
-            # the runtime's order (placement.PlacementMixin.encoders_in): a decoder LM that does not fit
-            # with every part streams its layers first; the transformer is staged only if that does not do
-            lm = next((n for n, config, *_ in parts["encoders"] if _is_decoder_lm(config())), None)
+            # the runtime's order: a decoder LM that does not fit with every part streams its layers
+            # (decided at load, placement.PlacementMixin._start_stream); the transformer is staged at
+            # the first encode only if that does not do
             parts_bytes = (sum(rows[n]["weights_per_chip"] for n, *_ in p["encoders"]) + step["hbm"]["arguments"]
                            + rows["vae"]["weights_per_chip"])
             streams, why = placement.decide_staging(args.encoder_stream, parts_bytes, chip.hbm_bytes, True,
                                                     "encoder stream")
-            if lm is not None and streams:
-                if stream is None:  # one program for every transformer variant
-                    seq = next(s for n, _, s, *_ in parts["encoders"] if n == lm)
-                    config = next(c for n, c, *_ in parts["encoders"] if n == lm)
+            if lm_entry is not None and streams:
+                lm, config, seq, *_ = lm_entry
+                if stream is None:
                     stream = stage(f"{lm} streamed ({seq} tokens) tp", prompts, compile_encoder_stream, config(), seq,
                                    mesh, chip, calibration)
                 if "error" not in stream:
